@@ -1,0 +1,33 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both create .venv.
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+PACKAGES := -e packages/core -e packages/backend-fs -e packages/strategy-fsdp2 \
+            -e tests/plugins/example_backend -e ".[all,dev]"
+SOURCES := pyproject.toml packages/*/pyproject.toml tests/plugins/example_backend/pyproject.toml
+
+.PHONY: venv demo test test-reliability bench bench-check clean
+
+venv: $(STAMP)
+
+$(STAMP): $(SOURCES) Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH)"
+	$(PIP) install -q "$(TORCH)" $(PACKAGES)
+	touch $(STAMP)
+
+demo: venv
+	$(VENV)/bin/roll-ckpt demo --config examples/rlvr_demo.yaml --output output/demo --fresh --stop-after 30
+	$(VENV)/bin/roll-ckpt demo --config examples/rlvr_demo.yaml --output output/demo --resume
+
+test: venv
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) output .pytest_cache

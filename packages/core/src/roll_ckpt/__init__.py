@@ -1,0 +1,61 @@
+"""roll-ckpt: save and resume the full training state of PyTorch jobs.
+
+Importing this package is cheap: it does not import ``torch.distributed`` nor any
+plugin. The public API is what ``__all__`` lists.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ._version import __version__
+from .config import BackupConfig, CheckpointConfig, Config, StrategyConfig, load_config
+from .errors import (CheckpointCorruptError, CheckpointNotFoundError, ConfigError, PluginError,
+                     RollCkptError, SaveError, StorageError, StorageFullError, UnknownPluginError,
+                     UnsafeCheckpointError)
+from .hookspecs import hookimpl, hookspec
+from .records import BackendRecord, StagingPolicyRecord, StrategyRecord
+from .savectx import CommitInfo, SaveContext
+from .storage import Entry, Storage
+
+if TYPE_CHECKING:
+    from .manager import CheckpointManager, SaveStats
+
+__all__ = [
+    "__version__",
+    "CheckpointManager",
+    "SaveStats",
+    "load_config",
+    "Config",
+    "CheckpointConfig",
+    "BackupConfig",
+    "StrategyConfig",
+    "hookimpl",
+    "hookspec",
+    "BackendRecord",
+    "StrategyRecord",
+    "StagingPolicyRecord",
+    "SaveContext",
+    "CommitInfo",
+    "Storage",
+    "Entry",
+    "RollCkptError",
+    "ConfigError",
+    "PluginError",
+    "UnknownPluginError",
+    "StorageError",
+    "StorageFullError",
+    "CheckpointNotFoundError",
+    "CheckpointCorruptError",
+    "UnsafeCheckpointError",
+    "SaveError",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # The manager pulls in torch; keep `import roll_ckpt` light for entry points and the CLI.
+    if name in ("CheckpointManager", "SaveStats"):
+        from . import manager
+
+        return getattr(manager, name)
+    raise AttributeError(f"module 'roll_ckpt' has no attribute {name!r}")

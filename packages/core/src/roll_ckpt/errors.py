@@ -1,0 +1,84 @@
+"""The one exception hierarchy for errors a user can cause.
+
+Every message says what happened, to which file or key, and what to do about it. The
+CLI prints ``str(error)`` on one line and exits non-zero; anything that is not a
+``RollCkptError`` is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "RollCkptError",
+    "ConfigError",
+    "PluginError",
+    "UnknownPluginError",
+    "StorageError",
+    "StorageFullError",
+    "CheckpointNotFoundError",
+    "CheckpointCorruptError",
+    "UnsafeCheckpointError",
+    "SaveError",
+]
+
+
+class RollCkptError(Exception):
+    """Base class of every error roll-ckpt raises on purpose."""
+
+
+class ConfigError(RollCkptError, ValueError):
+    """A configuration key is missing, unknown, or has a value that is not allowed."""
+
+    def __init__(self, key: str, problem: str, value: Any = None, allowed: str | None = None) -> None:
+        self.key = key
+        self.value = value
+        self.allowed = allowed
+        msg = f"config key '{key}': {problem}"
+        if value is not None:
+            msg += f" (got {value!r})"
+        if allowed:
+            msg += f"; allowed: {allowed}"
+        super().__init__(msg)
+
+
+class PluginError(RollCkptError):
+    """A plugin could not be loaded, or two plugins claim the same name."""
+
+
+class UnknownPluginError(PluginError, LookupError):
+    """No installed plugin provides the requested backend or strategy name."""
+
+
+class StorageError(RollCkptError, OSError):
+    """The storage refused an operation (permissions, missing bucket, network...)."""
+
+
+class StorageFullError(StorageError):
+    """The storage ran out of space while writing a checkpoint."""
+
+
+class CheckpointNotFoundError(RollCkptError, FileNotFoundError):
+    """The path does not hold a committed checkpoint."""
+
+
+class CheckpointCorruptError(RollCkptError):
+    """A checkpoint file does not match its manifest (size, checksum, missing, extra)."""
+
+    def __init__(self, checkpoint: str, faults: list[tuple[str, str]]) -> None:
+        self.checkpoint = checkpoint
+        self.faults = faults
+        shown = "; ".join(f"{name}: {fault}" for name, fault in faults[:5])
+        more = f" (+{len(faults) - 5} more)" if len(faults) > 5 else ""
+        super().__init__(
+            f"checkpoint {checkpoint} is damaged: {shown}{more}. "
+            "Resume from an earlier checkpoint or from a backup copy."
+        )
+
+
+class UnsafeCheckpointError(CheckpointCorruptError):
+    """A checkpoint file asks to run code or to reach outside its folder."""
+
+
+class SaveError(RollCkptError):
+    """A save (usually an asynchronous one) failed; the cause is chained."""

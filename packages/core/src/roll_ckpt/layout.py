@@ -1,0 +1,98 @@
+"""Where checkpoints live and how they are found and ordered.
+
+::
+
+    <output_dir>/<YYYYmmdd-HHMMSS>/checkpoint-<step>/   (timestamp_subdir: true)
+    <output_dir>/checkpoint-<step>/                     (timestamp_subdir: false)
+
+Checkpoints are ordered by run (the run folder's timestamp; checkpoints directly under
+``output_dir`` count as the oldest run) and then by step as a number, never by name: a
+run that resumed from an earlier step and went on is newer than the run it came from.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import datetime
+
+from .manifest import MANIFEST_NAME
+from .storage import Storage
+
+__all__ = ["CheckpointRef", "scan", "committed", "latest", "checkpoint_name", "run_name",
+           "parse_step", "RUN_RE"]
+
+RUN_RE = re.compile(r"^(\d{8}-\d{6})(?:-(\d+))?$")
+CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
+TMP_PREFIX = ".tmp-"
+
+
+def checkpoint_name(step: int) -> str:
+    return f"checkpoint-{step}"
+
+
+def run_name(now: datetime, attempt: int = 0) -> str:
+    base = now.strftime("%Y%m%d-%H%M%S")
+    return base if attempt == 0 else f"{base}-{attempt}"
+
+
+def parse_step(name: str) -> int | None:
+    m = CKPT_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def _run_key(name: str) -> tuple[datetime, int]:
+    m = RUN_RE.match(name)
+    if not m:
+        return (datetime.min, 0)
+    return (datetime.strptime(m.group(1), "%Y%m%d-%H%M%S"), int(m.group(2) or 0))
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    path: str
+    step: int
+    run: str
+    """The run folder's name; empty for checkpoints directly under output_dir."""
+    committed: bool
+    mtime: float | None = None
+
+    @property
+    def order(self) -> tuple[tuple[datetime, int], int]:
+        return (_run_key(self.run), self.step)
+
+
+def _checkpoints_in(storage: Storage, folder: str, run: str) -> list[CheckpointRef]:
+    refs = []
+    for e in storage.list(folder):
+        step = parse_step(e.name)
+        if step is None or not e.is_dir:
+            continue
+        ok = storage.exists(storage.join(e.path, MANIFEST_NAME))
+        refs.append(CheckpointRef(e.path, step, run, ok, e.mtime))
+    return refs
+
+
+def run_folders(storage: Storage, output_dir: str) -> list[tuple[str, str]]:
+    return [(e.name, e.path) for e in storage.list(output_dir) if e.is_dir and RUN_RE.match(e.name)]
+
+
+def scan(storage: Storage, output_dir: str) -> list[CheckpointRef]:
+    """Every checkpoint folder under ``output_dir`` (committed or not), oldest first.
+
+    ``output_dir`` may itself be a run folder: then its own checkpoints are listed.
+    """
+    refs = _checkpoints_in(storage, output_dir, "")
+    for name, path in run_folders(storage, output_dir):
+        refs.extend(_checkpoints_in(storage, path, name))
+    refs.sort(key=lambda r: r.order)
+    return refs
+
+
+def committed(storage: Storage, output_dir: str) -> list[CheckpointRef]:
+    return [r for r in scan(storage, output_dir) if r.committed]
+
+
+def latest(storage: Storage, output_dir: str) -> CheckpointRef | None:
+    refs = committed(storage, output_dir)
+    return refs[-1] if refs else None

@@ -1,0 +1,425 @@
+"""CheckpointManager: the public entry point for saving and resuming a training job."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import errno
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Mapping, MutableMapping
+
+from . import commit as commit_mod
+from . import layout
+from .config import Config, load_config
+from .errors import (CheckpointNotFoundError, RollCkptError, SaveError, StorageError,
+                     StorageFullError)
+from .manifest import FileEntry, Manifest
+from .digest import hash_bytes
+from .plugins import Plugins, get_plugins
+from .progress import Progress
+from .retention import apply_retention
+from .savectx import CommitInfo, SaveContext
+from .storage import Storage
+from .verify import verify
+
+__all__ = ["CheckpointManager", "SaveStats", "open_storage", "TRAINER_STATE", "DCP_DIR"]
+
+log = logging.getLogger("roll_ckpt")
+
+TRAINER_STATE = "trainer_state.json"
+DCP_DIR = "dcp"
+
+
+@dataclass(frozen=True)
+class SaveStats:
+    """What one save cost; ``manager.last_save`` holds the latest."""
+
+    step: int
+    path: str
+    is_async: bool
+    blocked_s: float
+    """Seconds the training loop waited inside ``save``."""
+    total_s: float
+    """Seconds from the call until the checkpoint was committed."""
+    bytes: int
+    bytes_copied: int
+    """Bytes copied while staging (0 when every tensor was staged without a copy)."""
+
+
+def open_storage(plugins: Plugins, type_: str, url: str, options: Mapping[str, Any]) -> Storage:
+    return plugins.backend(type_).factory(url, dict(options))
+
+
+def _disk_full(exc: BaseException) -> bool:
+    seen: set[int] = set()
+    stack: list[BaseException | None] = [exc]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(e):
+            return True
+        stack.extend([e.__cause__, e.__context__])
+        for arg in getattr(e, "args", ()):  # DCP's CheckpointException keeps per-rank failures
+            if isinstance(arg, dict):
+                stack.extend(v for v in arg.values() if isinstance(v, BaseException))
+    return False
+
+
+def _utc_now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _plugin_versions(plugins: Plugins) -> dict[str, str]:
+    from importlib import metadata
+
+    out = {}
+    for name in ("roll-ckpt-core", "torch"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    for dist in sorted(set(plugins.distributions())):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+class CheckpointManager:
+    """Saves and resumes the full training state of one job.
+
+    >>> manager = CheckpointManager.from_config(load_config("run.yaml"))
+    >>> start = manager.resume(state)            # 0 for a fresh start
+    >>> manager.maybe_save(step, state)          # every save_steps
+    >>> manager.save(max_steps, state, final=True)
+    >>> manager.close()
+
+    One save is in flight at most: a save issued while an asynchronous one is still
+    writing waits for it first (and raises its error, if it failed).
+    """
+
+    def __init__(self, config: Config, *, plugins: Plugins | None = None, quiet: bool = False) -> None:
+        self.config = config
+        self.plugins = plugins or get_plugins()
+        cc = config.checkpoint_config
+        self.storage = open_storage(self.plugins, cc.type, cc.output_dir, cc.storage_options)
+        self.root = self.storage.root
+        self.quiet = quiet
+        self._strategy: Any = None
+        self._run_dir: str | None = None
+        self._token = ""
+        self._executor: cf.ThreadPoolExecutor | None = None
+        self._inflight: cf.Future[SaveStats] | None = None
+        self._committed_steps: set[int] = set()
+        self._closed = False
+        self.last_save: SaveStats | None = None
+        self.trainer_state: dict[str, Any] = {}
+        """The ``trainer_state.json`` of the checkpoint resumed from (empty on a fresh start)."""
+        self.resumed_from: str | None = None
+
+    @classmethod
+    def from_config(cls, config: Config | Mapping[str, Any] | str, **kwargs: Any) -> "CheckpointManager":
+        if not isinstance(config, Config):
+            config = load_config(config)
+        return cls(config, **kwargs)
+
+    # ------------------------------------------------------------------ strategy
+
+    @property
+    def strategy(self) -> Any:
+        """The strategy in use; chosen from the state at the first ``resume``/``save``."""
+        if self._strategy is None:
+            raise RollCkptError("the strategy is chosen from the state: call bind(state), resume(state) "
+                                "or save(step, state) first")
+        return self._strategy
+
+    def bind(self, state: Mapping[str, Any]) -> Any:
+        """Choose the strategy for ``state`` (done by the first resume/save)."""
+        if self._strategy is not None:
+            return self._strategy
+        forced = self.config.strategy_config.strategy_name
+        if forced:
+            record = self.plugins.strategy(forced)
+        else:
+            fitting = [r for r in self.plugins.strategies().values() if r.applies(state)]
+            if not fitting:
+                raise RollCkptError("no installed strategy can save this state; `roll-ckpt plugins` lists them")
+            record = max(fitting, key=lambda r: r.priority)
+        self._strategy = record.factory(self.config, self.plugins)
+        self._token = self._strategy.broadcast(uuid.uuid4().hex[:12])
+        return self._strategy
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self._strategy is None or self._strategy.is_coordinator
+
+    def _progress(self, desc: str, total: int | None = None) -> Progress:
+        return Progress(desc, total, enabled=not self.quiet and self.is_coordinator)
+
+    # ------------------------------------------------------------------ run folder
+
+    def _ensure_run_dir(self) -> str:
+        if self._run_dir is not None:
+            return self._run_dir
+        name = ""
+        if self.is_coordinator:
+            try:
+                self.storage.makedirs(self.root)
+                commit_mod.clean_stale(self.storage, self.root)
+                name = self._claim_run_folder() if self.config.checkpoint_config.timestamp_subdir else ""
+            except PermissionError as exc:
+                name = f"!{exc}"
+            except OSError as exc:
+                name = f"!{exc}"
+        name = self._strategy.broadcast(name)
+        if name.startswith("!"):
+            raise StorageError(f"cannot write under checkpoint_config.output_dir {self.config.checkpoint_config.output_dir}: "
+                               f"{name[1:]}; choose a writable location")
+        self._run_dir = self.storage.join(self.root, name) if name else self.root
+        return self._run_dir
+
+    def _claim_run_folder(self) -> str:
+        now = datetime.now()
+        for attempt in range(100):
+            name = layout.run_name(now, attempt)
+            path = self.storage.join(self.root, name)
+            try:
+                self.storage.makedirs(path)
+                self.storage.write_create(self.storage.join(path, ".run.json"),
+                                          json.dumps({"created": _utc_now(), "exp_name": self.config.exp_name}).encode())
+                return name
+            except FileExistsError:
+                continue
+        raise StorageError(f"could not create a run folder under {self.root}")
+
+    @property
+    def run_dir(self) -> str | None:
+        """This run's folder (created by the first save)."""
+        return self._run_dir
+
+    # ------------------------------------------------------------------ saving
+
+    def maybe_save(self, step: int, state: Mapping[str, Any]) -> str | None:
+        """Save when ``step`` is a multiple of ``save_steps``; returns the checkpoint's path."""
+        every = self.config.save_steps
+        if every > 0 and step > 0 and step % every == 0:
+            return self.save(step, state)
+        return None
+
+    def save(self, step: int, state: Mapping[str, Any], *, final: bool = False,
+             metadata: Mapping[str, Any] | None = None) -> str:
+        """Save ``state`` as ``checkpoint-<step>``; returns the path it is committed at.
+
+        With ``strategy_config.async_save_ckpt`` this returns once the state is staged
+        and the write goes on in the background; ``final=True`` always returns after
+        the checkpoint is committed. ``metadata`` (JSON values) goes to
+        ``trainer_state.json`` under ``user``. Saving a step this manager has already
+        committed does nothing.
+        """
+        t0 = time.perf_counter()
+        self._check_open()
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise RollCkptError(f"step must be an integer >= 0, got {step!r}")
+        strategy = self.bind(state)
+        self.wait()  # one save in flight at most; raises the previous one's error
+        run_dir = self._ensure_run_dir()
+        final_path = self.storage.join(run_dir, layout.checkpoint_name(step))
+        if step in self._committed_steps:
+            return final_path
+        is_async = self.config.strategy_config.async_save_ckpt and not final
+        ctx = SaveContext(step=step, path=final_path, is_async=is_async, rank=strategy.rank,
+                          world_size=strategy.world_size, strategy=strategy)
+        user = dict(metadata or {})
+        try:
+            json.dumps(user)
+        except TypeError as exc:
+            raise RollCkptError(f"save(metadata=...) must hold JSON values: {exc}") from None
+        self.plugins.hook.roll_ckpt_save(save=ctx)
+        sd = strategy.state_dict(state)
+        if is_async:
+            staged = strategy.stage(sd, ctx)
+            ctx.blocked_s = time.perf_counter() - t0
+            if self._executor is None:
+                self._executor = cf.ThreadPoolExecutor(1, thread_name_prefix="roll-ckpt-save")
+            self._inflight = self._executor.submit(self._write_and_commit, staged, ctx, user, t0)
+        else:
+            self.last_save = self._write_and_commit(sd, ctx, user, t0)
+        return final_path
+
+    def _write_and_commit(self, sd: dict[str, Any], ctx: SaveContext, user: dict[str, Any], t0: float) -> SaveStats:
+        strategy = self._strategy
+        storage = self.storage
+        pending = commit_mod.plan(storage, ctx.path, f"{self._token}")
+        error: BaseException | None = None
+        try:
+            if strategy.is_coordinator:
+                commit_mod.begin(storage, pending)
+            with self._progress(f"save step {ctx.step}") as progress:
+                digests = strategy.write(sd, storage, storage.join(pending.write_path, DCP_DIR), progress)
+            total = 0
+            if strategy.is_coordinator:
+                files = {f"{DCP_DIR}/{name}": FileEntry(size, digest) for name, (size, digest) in digests.items()}
+                ts = self._trainer_state(ctx, user)
+                with storage.open_write(storage.join(pending.write_path, TRAINER_STATE)) as f:
+                    f.write(ts)
+                size, digest = hash_bytes(ts)
+                files[TRAINER_STATE] = FileEntry(size, digest)
+                manifest = Manifest(step=ctx.step, files=files, created=_utc_now(),
+                                    world_size=strategy.world_size, plugins=_plugin_versions(self.plugins),
+                                    extra={"strategy": strategy.name})
+                commit_mod.commit(storage, pending, manifest.to_bytes(), [DCP_DIR])
+                total = sum(e.size for e in files.values())
+                self._committed_steps.add(ctx.step)
+                self.plugins.hook.roll_ckpt_on_commit(
+                    info=CommitInfo(path=ctx.path, step=ctx.step, url=storage.url, manifest=json.loads(manifest.to_bytes())))
+                keep = self.config.checkpoint_config.max_ckpt_to_keep
+                if keep:
+                    removed = apply_retention(storage, self.root, keep, protect={ctx.path})
+                    for path in removed:
+                        log.info("roll-ckpt: retention removed %s", path)
+            else:
+                self._committed_steps.add(ctx.step)
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            error = exc
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            if strategy.is_coordinator:
+                try:
+                    commit_mod.abort(storage, pending)
+                except Exception:
+                    log.warning("roll-ckpt: could not clean up %s", pending.write_path, exc_info=True)
+            raise self._save_error(ctx, exc) from exc
+        finally:
+            ctx.run_finished_callbacks()
+            self.plugins.hook.roll_ckpt_save_finished(save=ctx, error=error)
+        stats = SaveStats(step=ctx.step, path=ctx.path, is_async=ctx.is_async,
+                          blocked_s=ctx.blocked_s if ctx.is_async else time.perf_counter() - t0,
+                          total_s=time.perf_counter() - t0, bytes=total, bytes_copied=ctx.bytes_copied)
+        self.last_save = stats
+        return stats
+
+    def _save_error(self, ctx: SaveContext, exc: BaseException) -> RollCkptError:
+        where = f"checkpoint-{ctx.step} under {self.storage.url}"
+        if _disk_full(exc):
+            return StorageFullError(
+                f"no space left while writing {where}; nothing of it was committed and earlier "
+                "checkpoints are intact. Free space or lower checkpoint_config.max_ckpt_to_keep; "
+                "training can go on and the next save will try again")
+        if isinstance(exc, PermissionError):
+            return StorageError(f"permission denied while writing {where}: {exc}; choose a writable "
+                                "checkpoint_config.output_dir")
+        if isinstance(exc, RollCkptError):
+            return exc
+        return SaveError(f"saving {where} failed ({type(exc).__name__}: {exc}); nothing of it was "
+                         "committed and earlier checkpoints are intact")
+
+    def _trainer_state(self, ctx: SaveContext, user: dict[str, Any]) -> bytes:
+        body = {
+            "step": ctx.step,
+            "time": _utc_now(),
+            "timestamp": time.time(),
+            "world_size": ctx.world_size,
+            "strategy": self._strategy.name,
+            "exp_name": self.config.exp_name,
+            "resumed_from": self.resumed_from,
+            "user": user,
+        }
+        return (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
+
+    def wait(self) -> SaveStats | None:
+        """Wait for the save in flight; raise its error if it failed."""
+        fut, self._inflight = self._inflight, None
+        if fut is None:
+            return None
+        try:
+            stats = fut.result()
+        except RollCkptError:
+            raise
+        except BaseException as exc:
+            raise SaveError(f"the background save failed: {type(exc).__name__}: {exc}") from exc
+        self.last_save = stats
+        return stats
+
+    # ------------------------------------------------------------------ resuming
+
+    def resolve_resume(self, target: str | None = None) -> tuple[Storage, str] | None:
+        """The storage and path to resume from, or ``None`` for a fresh start."""
+        target = self.config.resume_target if target is None else target
+        if target is None:
+            return None
+        if target == "latest":
+            ref = layout.latest(self.storage, self.root)
+            if ref is None:
+                log.info("roll-ckpt: no committed checkpoint under %s; starting fresh", self.storage.url)
+                return None
+            return self.storage, ref.path
+        cc = self.config.checkpoint_config
+        storage = open_storage(self.plugins, cc.type, target, cc.storage_options)
+        return storage, storage.root
+
+    def resume(self, state: MutableMapping[str, Any], target: str | None = None) -> int:
+        """Restore ``state`` from the configured checkpoint; return its step (0: fresh start).
+
+        The checkpoint is verified (sizes and checksums) before torch reads any of it;
+        a damaged or uncommitted one is refused with an error naming the file.
+        """
+        self._check_open()
+        strategy = self.bind(state)
+        found = self.resolve_resume(target)
+        if found is None:
+            return 0
+        storage, path = found
+        problem: RollCkptError | None = None
+        if strategy.is_coordinator:
+            try:
+                with self._progress("verify") as progress:
+                    verify(storage, path, on_bytes=progress)
+            except RollCkptError as exc:
+                problem = exc
+        message = strategy.broadcast(str(problem) if problem else "")
+        if problem is not None:
+            raise problem
+        if message:
+            raise RollCkptError(message)
+        with storage.open_read(storage.join(path, TRAINER_STATE)) as f:
+            trainer_state = json.loads(f.read().decode())
+        with self._progress(f"load step {trainer_state.get('step')}") as progress:
+            strategy.load(state, storage, storage.join(path, DCP_DIR), progress)
+        self.trainer_state = trainer_state
+        self.resumed_from = storage.url if storage is not self.storage else path
+        self.plugins.hook.roll_ckpt_load(path=path, state=state)
+        return int(trainer_state["step"])
+
+    # ------------------------------------------------------------------ closing
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RollCkptError("this CheckpointManager is closed")
+
+    def close(self) -> None:
+        """Drain the save in flight and re-raise its error; the manager is unusable afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+            if self._strategy is not None:
+                self._strategy.close()
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,278 @@
+"""Strategies turn a training state into a DCP checkpoint and back.
+
+:class:`DCPStrategy` (name ``dcp``) is core's own: one process, or several processes
+whose modules are plain or replicated. Plugins subclass it (``fsdp2``) to add their own
+process group, offload store and staging policies.
+
+A state is a mapping of names to:
+
+* ``torch.nn.Module`` — saved with ``get_model_state_dict`` (sharded when it is);
+* ``torch.optim.Optimizer`` — saved with ``get_optimizer_state_dict`` against the module
+  in the same state that owns its parameters (keys are parameter names, not ids);
+* anything with ``state_dict()``/``load_state_dict()`` (LR scheduler, stateful
+  dataloader, counters), a ``dict``, a tensor or a plain value — saved **per process**
+  under ``per_rank.<rank>.<name>``, with this process's RNG state.
+
+On load, an object that finds no entry for its own rank (the job grew) takes rank 0's.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import TYPE_CHECKING, Any, Mapping, MutableMapping
+
+import torch
+
+from .errors import RollCkptError
+from .rng import capture_rng, restore_rng
+from .staging import StagingPool
+
+if TYPE_CHECKING:
+    from .config import Config
+    from .plugins import Plugins
+    from .savectx import SaveContext
+    from .storage import Storage
+
+__all__ = ["Strategy", "DCPStrategy", "PER_RANK", "RNG_KEY"]
+
+PER_RANK = "per_rank"
+RNG_KEY = "__rng__"
+
+
+class Strategy:
+    """What the manager needs from a strategy (see :class:`DCPStrategy`)."""
+
+    name: str
+    rank: int
+    world_size: int
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == 0
+
+
+def _is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+class DCPStrategy(Strategy):
+    name = "dcp"
+
+    def __init__(self, config: "Config", plugins: "Plugins") -> None:
+        self.config = config
+        self.plugins = plugins
+        self.pool = StagingPool()
+        import torch.distributed as dist
+
+        self._dist = dist if dist.is_available() and dist.is_initialized() else None
+        self.rank = self._dist.get_rank() if self._dist else 0
+        self.world_size = self._dist.get_world_size() if self._dist else 1
+
+    # ------------------------------------------------------------ process group
+
+    @property
+    def process_group(self) -> Any:
+        """The group DCP's collectives use (``None``: the default group)."""
+        return None
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank (used once per manager, never per save)."""
+        if self._dist is None or self.world_size == 1:
+            return obj
+        box = [obj]
+        self._dist.broadcast_object_list(box, src=0, group=self.process_group)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self._dist is not None and self.world_size > 1:
+            self._dist.barrier(group=self.process_group)
+
+    # ------------------------------------------------------------ state dicts
+
+    def _pairs(self, state: Mapping[str, Any]) -> dict[str, str]:
+        """For each optimizer key, the key of the module that owns its parameters."""
+        modules = {k: v for k, v in state.items() if isinstance(v, torch.nn.Module)}
+        owners: dict[str, str] = {}
+        for key, opt in state.items():
+            if not isinstance(opt, torch.optim.Optimizer):
+                continue
+            first = next((p for g in opt.param_groups for p in g["params"]), None)
+            for mkey, mod in modules.items():
+                if first is not None and any(p is first for p in mod.parameters()):
+                    owners[key] = mkey
+                    break
+            else:
+                raise RollCkptError(
+                    f"state['{key}'] is an optimizer whose parameters belong to no module in the "
+                    "state; put the model in the same state dict (e.g. state={'model': model, "
+                    f"'{key}': optimizer}})"
+                )
+        return owners
+
+    def state_dict(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """The DCP state dict of ``state``: live tensors, nothing copied."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        owners = self._pairs(state)
+        out: dict[str, Any] = {}
+        mine: dict[str, Any] = {RNG_KEY: capture_rng()}
+        for key, obj in state.items():
+            if not isinstance(key, str) or not key or "." in key or key == PER_RANK:
+                raise RollCkptError(f"state key {key!r} must be a non-empty string without '.' "
+                                    f"and not '{PER_RANK}'")
+            if isinstance(obj, torch.nn.Module):
+                out[key] = get_model_state_dict(obj)
+            elif isinstance(obj, torch.optim.Optimizer):
+                out[key] = get_optimizer_state_dict(state[owners[key]], obj)
+            elif _is_stateful(obj):
+                mine[key] = obj.state_dict()
+            else:
+                mine[key] = obj
+        out[PER_RANK] = {str(self.rank): mine}
+        return out
+
+    # ------------------------------------------------------------ staging
+
+    def stage(self, sd: dict[str, Any], save: "SaveContext") -> dict[str, Any]:
+        """Capture ``sd`` so the caller may change its tensors right away."""
+        t0 = time.perf_counter()
+        hook = self.plugins.hook.roll_ckpt_stage
+
+        def walk(node: Any, prefix: str) -> Any:
+            if isinstance(node, torch.Tensor):
+                return hook(name=prefix, tensor=node, save=save)
+            if isinstance(node, Mapping):
+                return {k: walk(v, f"{prefix}.{k}" if prefix else str(k)) for k, v in node.items()}
+            if isinstance(node, list):
+                return [walk(v, f"{prefix}.{i}") for i, v in enumerate(node)]
+            if isinstance(node, tuple):
+                return tuple(walk(v, f"{prefix}.{i}") for i, v in enumerate(node))
+            return _freeze(node)
+
+        staged = walk(sd, "")
+        self.pool.synchronize()
+        save.blocked_s += time.perf_counter() - t0
+        return staged
+
+    # ------------------------------------------------------------ write / read
+
+    def write(self, sd: dict[str, Any], storage: "Storage", dcp_path: str,
+              on_bytes: Any = None) -> dict[str, tuple[int, str]]:
+        """Write ``sd`` as a standard DCP folder; returns per-file (size, checksum) on the coordinator."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import DefaultSavePlanner
+
+        from .dcp_io import DigestingWriter
+
+        writer = DigestingWriter(storage, dcp_path, thread_count=self.writer_threads(), on_bytes=on_bytes)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            dcp.save(sd, storage_writer=writer, planner=DefaultSavePlanner(),
+                     process_group=self.process_group, no_dist=self._dist is None)
+        return writer.file_digests
+
+    def writer_threads(self) -> int:
+        return 1
+
+    def load(self, state: MutableMapping[str, Any], storage: "Storage", dcp_path: str,
+             on_bytes: Any = None) -> None:
+        """Load the DCP folder at ``dcp_path`` into ``state`` in place (already verified)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
+
+        from .dcp_io import SafeLoadPlanner, SafeReader
+
+        reader = SafeReader(storage, dcp_path, on_bytes)
+        md = reader.read_metadata()
+        owners = self._pairs(state)
+        target: dict[str, Any] = {}
+        for key, obj in state.items():
+            if isinstance(obj, torch.nn.Module):
+                target[key] = get_model_state_dict(obj)
+            elif isinstance(obj, torch.optim.Optimizer):
+                target[key] = get_optimizer_state_dict(state[owners[key]], obj)
+        src = self._source_rank(md)
+        mine = _placeholders(md, (PER_RANK, src))
+        target[PER_RANK] = {src: mine}
+        missing = [k for k in target if k != PER_RANK and not _has_prefix(md, k)]
+        if missing:
+            raise RollCkptError(f"the checkpoint at {dcp_path} has no entry for state key(s) "
+                                f"{', '.join(missing)}; it holds {', '.join(sorted(_top_keys(md)))}")
+        reader.reset(dcp_path)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            dcp.load(target, storage_reader=reader, planner=SafeLoadPlanner(),
+                     process_group=self.process_group, no_dist=self._dist is None)
+        for key, obj in state.items():
+            if isinstance(obj, torch.nn.Module):
+                set_model_state_dict(obj, target[key])
+            elif isinstance(obj, torch.optim.Optimizer):
+                set_optimizer_state_dict(state[owners[key]], obj, target[key])
+        loaded = target[PER_RANK][src]
+        for key, obj in list(state.items()):
+            if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
+                continue
+            if key not in loaded:
+                warnings.warn(f"roll-ckpt: the checkpoint has no saved value for state['{key}']; "
+                              "it keeps its current value", stacklevel=3)
+                continue
+            value = loaded[key]
+            if _is_stateful(obj):
+                obj.load_state_dict(value)
+            elif isinstance(obj, dict) and isinstance(value, dict):
+                obj.clear()
+                obj.update(value)
+            else:
+                state[key] = value
+        if RNG_KEY in loaded:
+            restore_rng(loaded[RNG_KEY])
+
+    def _source_rank(self, md: Any) -> str:
+        ranks = {path[1] for path in md.planner_data.values() if len(path) > 1 and path[0] == PER_RANK}
+        mine = str(self.rank)
+        if mine in ranks:
+            return mine
+        if "0" in ranks:
+            warnings.warn(f"roll-ckpt: the checkpoint was saved by fewer processes; rank {mine} "
+                          "takes rank 0's per-process state (RNG, scheduler, data position)", stacklevel=3)
+            return "0"
+        raise RollCkptError("the checkpoint holds no per-process state (RNG, scheduler...)")
+
+    def close(self) -> None:
+        self.pool.clear()
+
+
+def _freeze(value: Any) -> Any:
+    """Non-tensor leaves are pickled by DCP when written: copy mutable ones now."""
+    import copy
+
+    return copy.deepcopy(value) if isinstance(value, (dict, list, set, bytearray)) else value
+
+
+def _top_keys(md: Any) -> set[str]:
+    return {path[0] for path in md.planner_data.values() if path}
+
+
+def _has_prefix(md: Any, key: str) -> bool:
+    return key in _top_keys(md)
+
+
+def _placeholders(md: Any, prefix: tuple[str, ...]) -> dict[str, Any]:
+    """Rebuild the nested structure saved under ``prefix`` with empty tensors to load into."""
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    root: dict[str, Any] = {}
+    n = len(prefix)
+    for fqn, path in md.planner_data.items():
+        if tuple(str(p) for p in path[:n]) != prefix:
+            continue
+        entry = md.state_dict_metadata[fqn]
+        if isinstance(entry, TensorStorageMetadata):
+            value: Any = torch.empty(entry.size, dtype=entry.properties.dtype)
+        else:
+            value = None
+        set_element(root, tuple(path[n:]), value)
+    return root
