@@ -8,7 +8,8 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Mapping, MutableMapping
 
@@ -48,6 +49,8 @@ class SaveStats:
     bytes: int
     bytes_copied: int
     """Bytes copied while staging (0 when every tensor was staged without a copy)."""
+    policies: Mapping[str, int] = field(default_factory=dict)
+    """How many tensors each staging policy took (``regular``, ``zero_copy``...)."""
 
 
 def open_storage(plugins: Plugins, type_: str, url: str, options: Mapping[str, Any]) -> Storage:
@@ -303,7 +306,8 @@ class CheckpointManager:
             self.plugins.hook.roll_ckpt_save_finished(save=ctx, error=error)
         stats = SaveStats(step=ctx.step, path=ctx.path, is_async=ctx.is_async,
                           blocked_s=ctx.blocked_s if ctx.is_async else time.perf_counter() - t0,
-                          total_s=time.perf_counter() - t0, bytes=total, bytes_copied=ctx.bytes_copied)
+                          total_s=time.perf_counter() - t0, bytes=total, bytes_copied=ctx.bytes_copied,
+                          policies=dict(Counter(ctx.staging.values())))
         self.last_save = stats
         return stats
 

@@ -30,3 +30,23 @@ def roll_ckpt_strategies() -> list[StrategyRecord]:
         install_hint='pip install "roll-ckpt[fsdp2]"',
         description="FSDP2 (DTensor) state through DCP on its own process group",
     )]
+
+
+@hookimpl
+def roll_ckpt_staging_policies() -> list[Any]:
+    from roll_ckpt import StagingPolicyRecord
+
+    return [StagingPolicyRecord(
+        name="zero_copy",
+        description="tensors resident in the 'local' offload store are written from its flat "
+                    "buffers through exact-size aliases: no copy, no clone")]
+
+
+@hookimpl
+def roll_ckpt_stage(name: str, tensor: Any, save: Any) -> Any:
+    strategy = save.strategy
+    is_zero_copy = getattr(strategy, "is_zero_copy", None)
+    if is_zero_copy is None or not is_zero_copy(tensor):
+        return None
+    save.note_staged(name, "zero_copy", 0)
+    return tensor

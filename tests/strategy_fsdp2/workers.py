@@ -1,0 +1,288 @@
+"""Multi-rank scenarios run under torchrun by the tests next to this file.
+
+``python -m torch.distributed.run --standalone --nproc_per_node N workers.py SCENARIO OUT [args]``
+Rank 0 writes what it measured to ``OUT/result-<scenario>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import threading
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from roll_ckpt import CheckpointManager, load_config
+
+
+def build(width: int = 64, depth: int = 3, mesh_kind: str = "fsdp", seed: int = 0):
+    ws = dist.get_world_size()
+    mesh = (init_device_mesh("cpu", (ws, 1), mesh_dim_names=("replicate", "shard"))
+            if mesh_kind == "hsdp" else init_device_mesh("cpu", (ws,)))
+    torch.manual_seed(seed)
+    layers = []
+    for i in range(depth):
+        layers += [torch.nn.Linear(width if i else 16, width), torch.nn.Dropout(0.1), torch.nn.ReLU()]
+    layers.append(torch.nn.Linear(width, 4))
+    model = torch.nn.Sequential(*layers)
+    for m in model:
+        if isinstance(m, torch.nn.Linear):
+            fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
+    return model, opt, sched
+
+
+def manager(out: str, **cfg):
+    base = {"checkpoint_config": {"output_dir": out}, "strategy_config": {"async_save_ckpt": True}}
+    base.update(cfg)
+    return CheckpointManager.from_config(load_config(base), quiet=True)
+
+
+def train_step(model, opt, sched, data):
+    idx = random.randrange(len(data))
+    noise = float(np.random.rand())
+    x = data[idx] + torch.randn_like(data[idx]) * 0.01 * noise
+    loss = model(x).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    sched.step()
+    return loss.item()
+
+
+def full(model) -> dict[str, torch.Tensor]:
+    return {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+
+
+def optim_full(model, opt) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    osd = get_optimizer_state_dict(model, opt)
+    return {f"{p}.{k}": (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
+            for p, st in osd["state"].items() for k, v in st.items()}
+
+
+def result(out: str, name: str, body: dict) -> None:
+    if dist.get_rank() == 0:
+        with open(os.path.join(out, f"result-{name}.json"), "w") as f:
+            json.dump(body, f)
+
+
+# ------------------------------------------------------------------ scenarios
+
+
+def resume_exact(out: str, mode: str, die_at: str) -> None:
+    """Train 8 steps with the offload cycle, async save every 3; maybe die after a save."""
+    die_at = int(die_at)
+    model, opt, sched = build()
+    torch.manual_seed(1 + dist.get_rank())
+    random.seed(2 + dist.get_rank())
+    np.random.seed(3 + dist.get_rank())
+    data = [torch.randn(8, 16, generator=torch.Generator().manual_seed(i)) for i in range(10)]
+    m = manager(out, save_steps=3, resume_from_checkpoint=mode == "resume")
+    state = {"model": model, "optimizer": opt, "scheduler": sched}
+    start = m.resume(state)
+    losses = {}
+    for step in range(start + 1, 9):
+        losses[step] = train_step(model, opt, sched, data).hex()
+        m.strategy.offload_states(state, optimizer=True)  # rollout phase: the store holds it
+        m.maybe_save(step, state)
+        m.strategy.load_states(state)
+        if step == die_at:
+            m.wait()
+            dist.barrier()
+            os._exit(0)  # abrupt: no close, no final save
+    periodic = m.wait() or m.last_save  # the last periodic (async) save
+    m.save(8, state, final=True)
+    m.close()
+    params = full(model)
+    result(out, f"resume_exact-{mode}", {"start": start, "losses": losses,
+                                         "policies": dict(periodic.policies) if periodic else {}})
+    if dist.get_rank() == 0:
+        torch.save(params, os.path.join(out, f"params-{mode}.pt"))
+
+
+def paths_equal(out: str, kind: str) -> None:
+    """Save the same state through the regular path, then from the offload store."""
+    model, opt, sched = build(mesh_kind="hsdp" if kind == "local_dedup" else "fsdp")
+    data = [torch.randn(8, 16) for _ in range(3)]
+    for _ in range(2):
+        train_step(model, opt, sched, data)
+    m = manager(out, offload_backend=kind, checkpoint_config={"output_dir": out, "timestamp_subdir": False})
+    state = {"model": model, "optimizer": opt}
+    m.save(1, state)
+    m.wait()
+    regular = dict(m.last_save.policies)
+    m.strategy.offload_states(state, optimizer=True)
+    m.save(2, state)
+    m.wait()
+    from_store = dict(m.last_save.policies)
+    m.strategy.load_states(state)
+    m.close()
+    result(out, f"paths_equal-{kind}", {"regular": regular, "store": from_store})
+
+
+class PeakRSS:
+    """Samples this process's RSS every millisecond to catch the peak."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self.proc = psutil.Process()
+        self.peak = self.base = self.proc.memory_info().rss
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            time.sleep(0.001)
+
+    def __enter__(self) -> "PeakRSS":
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._t.join()
+
+
+def zero_copy_bytes(out: str, width: str) -> None:
+    """A state of >= 256 MB: staging from the store copies nothing and adds no memory."""
+    width = int(width)
+    model, opt, sched = build(width=width, depth=4)
+    data = [torch.randn(4, 16)]
+    train_step(model, opt, sched, data)
+    state = {"model": model, "optimizer": opt}
+    m = manager(out)
+    m.bind(state)
+    m.save(1, state)  # warm-up: run folder, process group, DCP planner caches
+    m.wait()
+    m.strategy.offload_states(state, optimizer=True)
+    import gc
+
+    gc.collect()
+    copies = {"n": 0}
+    from torch.overrides import TorchFunctionMode
+
+    class CountCopies(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", "")
+            if name in ("copy_", "clone", "contiguous", "to", "cpu", "detach_copy"):
+                copies["n"] += 1
+            return func(*args, **(kwargs or {}))
+
+    with PeakRSS() as rss:
+        with CountCopies():
+            m.save(2, state)
+        m.wait()
+    zc = m.last_save
+    m.strategy.load_states(state)
+    m.save(3, state)  # same state, live: regular staging, for comparison
+    m.wait()
+    with PeakRSS() as rss_regular:
+        m.save(4, state)
+        m.wait()
+    reg = m.last_save
+    m.close()
+    state_bytes = sum(t._local_tensor.numel() * t._local_tensor.element_size() for t in model.parameters())
+    state_bytes += sum(v._local_tensor.numel() * v._local_tensor.element_size()
+                       for st in opt.state.values() for v in st.values() if hasattr(v, "_local_tensor"))
+    stats = torch.tensor([state_bytes, zc.bytes_copied, rss.peak - rss.base, reg.bytes_copied,
+                          rss_regular.peak - rss_regular.base, copies["n"], zc.policies.get("regular", 0)],
+                         dtype=torch.float64)
+    gathered = [torch.zeros_like(stats) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, stats)
+    result(out, "zero_copy_bytes", {
+        "ranks": [dict(zip(["state_bytes", "zc_bytes_copied", "zc_extra_rss", "reg_bytes_copied",
+                            "reg_extra_rss", "copy_calls", "regular_tensors"], g.tolist())) for g in gathered],
+        "zc_policies": dict(zc.policies), "zc_blocked_s": zc.blocked_s, "reg_blocked_s": reg.blocked_s,
+        "zc_total_bytes": zc.bytes})
+
+
+_COLLECTIVES = ("broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
+                "all_reduce", "all_gather", "broadcast", "barrier", "reduce_scatter_tensor",
+                "all_gather_into_tensor", "gather", "scatter", "monitored_barrier")
+
+
+def count_collectives(fn) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    saved = {n: getattr(dist, n) for n in _COLLECTIVES if hasattr(dist, n)}
+
+    def wrap(n, f):
+        def inner(*a, **k):
+            counts[n] = counts.get(n, 0) + 1
+            return f(*a, **k)
+        return inner
+
+    for n, f in saved.items():
+        setattr(dist, n, wrap(n, f))
+    try:
+        fn()
+    finally:
+        for n, f in saved.items():
+            setattr(dist, n, f)
+    return counts
+
+
+def collectives(out: str) -> None:
+    """A zero-copy save issues exactly the collectives of a plain dcp.save of the same state."""
+    import torch.distributed.checkpoint as dcp
+
+    model, opt, sched = build()
+    train_step(model, opt, sched, [torch.randn(4, 16)])
+    state = {"model": model, "optimizer": opt}
+    m = manager(out)
+    m.bind(state)
+    m.save(1, state)
+    m.wait()
+    m.strategy.offload_states(state, optimizer=True)
+    ours = count_collectives(lambda: (m.save(2, state), m.wait()))
+    m.strategy.load_states(state)
+    sd = m.strategy.state_dict(state)
+    group = m.strategy.process_group
+    plain = count_collectives(lambda: dcp.save(sd, checkpoint_id=os.path.join(out, "plain"), process_group=group))
+    m.close()
+    result(out, "collectives", {"ours": ours, "plain": plain})
+
+
+def reshard_save(out: str) -> None:
+    model, opt, sched = build(width=33)
+    train_step(model, opt, sched, [torch.randn(4, 16)])
+    m = manager(out, checkpoint_config={"output_dir": out, "timestamp_subdir": False})
+    m.save(5, {"model": model, "optimizer": opt}, final=True)
+    m.close()
+    params, optim = full(model), optim_full(model, opt)
+    if dist.get_rank() == 0:
+        torch.save({"params": params, "optim": optim}, os.path.join(out, "expected.pt"))
+
+
+def reshard_load(out: str) -> None:
+    model, opt, sched = build(width=33, seed=123)
+    m = manager(out, resume_from_checkpoint=os.path.join(out, "checkpoint-5"))
+    step = m.resume({"model": model, "optimizer": opt})
+    m.close()
+    params, optim = full(model), optim_full(model, opt)
+    if dist.get_rank() == 0:
+        torch.save({"params": params, "optim": optim, "step": step},
+                   os.path.join(out, f"loaded-{dist.get_world_size()}.pt"))
+
+
+SCENARIOS = {f.__name__: f for f in (resume_exact, paths_equal, zero_copy_bytes, collectives,
+                                      reshard_save, reshard_load)}
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo")
+    try:
+        SCENARIOS[sys.argv[1]](*sys.argv[2:])
+    finally:
+        dist.destroy_process_group()
