@@ -139,3 +139,15 @@ def test_reshard_two_ranks_to_one_and_three(tmp_path: Path) -> None:
     for key, want in expected["optim"].items():
         fqn, _, name = key.rpartition(".")
         assert torch.equal(want, osd["state"][fqn][name]), key
+
+
+@pytest.mark.parametrize("guard", ["on", "off"])
+def test_mutating_the_store_during_a_write_never_mixes_steps(tmp_path: Path, guard: str) -> None:
+    torchrun(2, "race", str(tmp_path), guard)
+    expected = torch.load(tmp_path / "expected.pt")
+    saved = flat(load_full(tmp_path / "checkpoint-1" / "dcp"))
+    same = all(torch.equal(expected[k], saved[f"model.{k}"]) for k in expected)
+    if guard == "on":
+        assert same, "the checkpoint mixes values from two steps"
+    else:  # control: without the store's hold the race shows up, so the test can tell
+        assert not same

@@ -277,7 +277,48 @@ def reshard_load(out: str) -> None:
                    os.path.join(out, f"loaded-{dist.get_world_size()}.pt"))
 
 
-SCENARIOS = {f.__name__: f for f in (resume_exact, paths_equal, zero_copy_bytes, collectives,
+def race(out: str, guard: str) -> None:
+    """Mutate the store right after an async zero-copy save returns, while the write is slow.
+
+    With ``guard=off`` the store's hold is disabled: the test expects a mixed checkpoint
+    then, which shows it can tell.
+    """
+    import roll_ckpt.dcp_io as dcp_io
+
+    model, opt, sched = build(width=256)
+    data = [torch.randn(8, 16)]
+    train_step(model, opt, sched, data)
+    state = {"model": model, "optimizer": opt}
+    m = manager(out, checkpoint_config={"output_dir": out, "timestamp_subdir": False})
+    m.bind(state)
+    if guard == "off":
+        m.strategy.store.hold = m.strategy.store.release = lambda: None
+    expected = full(model)
+    m.strategy.offload_states(state)
+    slow_write = dcp_io._HashingStream.write
+
+    def slow(self, b):
+        if self.tell() == 0:
+            time.sleep(1.0)  # each file starts late: the write outlasts the next step
+        return slow_write(self, b)
+
+    dcp_io._HashingStream.write = slow
+    m.save(1, state)
+    t0 = time.perf_counter()
+    m.strategy.load_states(state)
+    train_step(model, opt, sched, data)  # forward/backward/step overlap the write
+    m.strategy.offload_states(state)     # overwrites the buffers: must wait for the write
+    waited = time.perf_counter() - t0
+    m.wait()
+    dcp_io._HashingStream.write = slow_write
+    m.strategy.load_states(state)
+    m.close()
+    if dist.get_rank() == 0:
+        torch.save(expected, os.path.join(out, "expected.pt"))
+    result(out, f"race-{guard}", {"waited_s": waited})
+
+
+SCENARIOS = {f.__name__: f for f in (resume_exact, race, paths_equal, zero_copy_bytes, collectives,
                                       reshard_save, reshard_load)}
 
 if __name__ == "__main__":
