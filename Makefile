@@ -11,7 +11,7 @@ PACKAGES := -e packages/core -e packages/backend-fs -e packages/strategy-fsdp2 \
             -e tests/plugins/example_backend -e ".[all,dev]"
 SOURCES := pyproject.toml packages/*/pyproject.toml tests/plugins/example_backend/pyproject.toml
 
-.PHONY: venv demo test test-reliability bench bench-check clean
+.PHONY: venv demo test test-reliability bench bench-check wheels clean
 
 venv: $(STAMP)
 
@@ -28,6 +28,10 @@ demo: venv
 
 test: venv
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# Pure-Python wheels of the four distributions (carried to a GPU machine by scripts/gpu_check.sh).
+wheels: venv
+	rm -rf dist && $(PIP) wheel -q --no-deps -w dist . packages/core packages/backend-fs packages/strategy-fsdp2
 
 clean:
 	rm -rf $(VENV) output .pytest_cache

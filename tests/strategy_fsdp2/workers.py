@@ -22,16 +22,21 @@ from torch.distributed.fsdp import fully_shard
 from roll_ckpt import CheckpointManager, load_config
 
 
+# ROLL_CKPT_TEST_DEVICE=cuda runs the same scenarios on GPUs (NCCL for FSDP, gloo for
+# checkpoints): scripts/gpu_check.sh does that on a GPU machine.
+DEVICE = os.environ.get("ROLL_CKPT_TEST_DEVICE", "cpu")
+
+
 def build(width: int = 64, depth: int = 3, mesh_kind: str = "fsdp", seed: int = 0):
     ws = dist.get_world_size()
-    mesh = (init_device_mesh("cpu", (ws, 1), mesh_dim_names=("replicate", "shard"))
-            if mesh_kind == "hsdp" else init_device_mesh("cpu", (ws,)))
+    mesh = (init_device_mesh(DEVICE, (ws, 1), mesh_dim_names=("replicate", "shard"))
+            if mesh_kind == "hsdp" else init_device_mesh(DEVICE, (ws,)))
     torch.manual_seed(seed)
     layers = []
     for i in range(depth):
         layers += [torch.nn.Linear(width if i else 16, width), torch.nn.Dropout(0.1), torch.nn.ReLU()]
     layers.append(torch.nn.Linear(width, 4))
-    model = torch.nn.Sequential(*layers)
+    model = torch.nn.Sequential(*layers).to(DEVICE)
     for m in model:
         if isinstance(m, torch.nn.Linear):
             fully_shard(m, mesh=mesh)
@@ -50,7 +55,8 @@ def manager(out: str, **cfg):
 def train_step(model, opt, sched, data):
     idx = random.randrange(len(data))
     noise = float(np.random.rand())
-    x = data[idx] + torch.randn_like(data[idx]) * 0.01 * noise
+    x = data[idx].to(DEVICE)
+    x = x + torch.randn(x.shape, generator=None).to(DEVICE) * 0.01 * noise
     loss = model(x).pow(2).mean()
     opt.zero_grad()
     loss.backward()
@@ -60,14 +66,14 @@ def train_step(model, opt, sched, data):
 
 
 def full(model) -> dict[str, torch.Tensor]:
-    return {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+    return {k: v.full_tensor().cpu().clone() for k, v in model.state_dict().items()}
 
 
 def optim_full(model, opt) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     osd = get_optimizer_state_dict(model, opt)
-    return {f"{p}.{k}": (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
+    return {f"{p}.{k}": (v.full_tensor() if hasattr(v, "full_tensor") else v).cpu().clone()
             for p, st in osd["state"].items() for k, v in st.items()}
 
 
@@ -322,7 +328,11 @@ SCENARIOS = {f.__name__: f for f in (resume_exact, race, paths_equal, zero_copy_
                                       reshard_save, reshard_load)}
 
 if __name__ == "__main__":
-    dist.init_process_group("gloo")
+    if DEVICE == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("cpu:gloo,cuda:nccl")
+    else:
+        dist.init_process_group("gloo")
     try:
         SCENARIOS[sys.argv[1]](*sys.argv[2:])
     finally:
