@@ -24,7 +24,7 @@ from .layout import TMP_PREFIX, run_folders
 from .manifest import MANIFEST_NAME
 from .storage import Storage
 
-__all__ = ["PendingCheckpoint", "plan", "begin", "commit", "abort", "clean_stale", "STALE_FOREIGN_S"]
+__all__ = ["PendingCheckpoint", "owner_record", "owner_gone", "plan", "begin", "commit", "abort", "clean_stale", "STALE_FOREIGN_S"]
 
 MARKER_PREFIX = ".inflight-"
 STALE_FOREIGN_S = 24 * 3600.0
@@ -68,8 +68,7 @@ def begin(storage: Storage, pending: PendingCheckpoint) -> None:
             f"a committed checkpoint already exists at {pending.final_path}; "
             "choose another step or delete it with 'roll-ckpt prune'"
         )
-    owner = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
-             "write_path": pending.write_path, "final_path": pending.final_path}
+    owner = dict(owner_record(), write_path=pending.write_path, final_path=pending.final_path)
     storage.makedirs(_parent(storage, pending.final_path))
     with storage.open_write(pending.marker_path) as f:
         f.write(json.dumps(owner).encode())
@@ -102,6 +101,16 @@ def abort(storage: Storage, pending: PendingCheckpoint) -> None:
     elif not storage.exists(storage.join(pending.final_path, MANIFEST_NAME)):
         storage.remove_tree(pending.final_path)
     storage.remove(pending.marker_path)
+
+
+def owner_record() -> dict:
+    """Who is writing: recorded in markers and run folders so others can tell if we are gone."""
+    return {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
+
+
+def owner_gone(owner: dict, now: float | None = None) -> bool:
+    """True when the process that wrote ``owner`` no longer runs (or is too old to trust)."""
+    return _stale(owner, time.time() if now is None else now)
 
 
 def _stale(owner: dict, now: float) -> bool:

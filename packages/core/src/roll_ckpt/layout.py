@@ -25,6 +25,8 @@ __all__ = ["CheckpointRef", "scan", "committed", "latest", "checkpoint_name", "r
 RUN_RE = re.compile(r"^(\d{8}-\d{6})(?:-(\d+))?$")
 CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 TMP_PREFIX = ".tmp-"
+RUN_RECORD = ".run.json"
+"""Written create-only when a run claims its folder: who owns it (host, pid)."""
 
 
 def checkpoint_name(step: int) -> str:

@@ -179,11 +179,13 @@ class CheckpointManager:
                 self.storage.makedirs(self.root)
                 commit_mod.clean_stale(self.storage, self.root)
                 name = self._claim_run_folder() if self.config.checkpoint_config.timestamp_subdir else ""
-            except PermissionError as exc:
-                name = f"!{exc}"
             except OSError as exc:
-                name = f"!{exc}"
+                name = f"{'!full!' if _disk_full(exc) else '!'}{exc}"
         name = self._strategy.broadcast(name)
+        if name.startswith("!full!"):
+            raise StorageFullError(f"no space left under checkpoint_config.output_dir "
+                                   f"{self.config.checkpoint_config.output_dir}: {name[6:]}; free space "
+                                   "there; training can go on and the next save will try again")
         if name.startswith("!"):
             raise StorageError(f"cannot write under checkpoint_config.output_dir {self.config.checkpoint_config.output_dir}: "
                                f"{name[1:]}; choose a writable location")
@@ -197,8 +199,8 @@ class CheckpointManager:
             path = self.storage.join(self.root, name)
             try:
                 self.storage.makedirs(path)
-                self.storage.write_create(self.storage.join(path, ".run.json"),
-                                          json.dumps({"created": _utc_now(), "exp_name": self.config.exp_name}).encode())
+                record = dict(commit_mod.owner_record(), created=_utc_now(), exp_name=self.config.exp_name)
+                self.storage.write_create(self.storage.join(path, layout.RUN_RECORD), json.dumps(record).encode())
                 return name
             except FileExistsError:
                 continue
@@ -286,7 +288,8 @@ class CheckpointManager:
                     info=CommitInfo(path=ctx.path, step=ctx.step, url=storage.url, manifest=json.loads(manifest.to_bytes())))
                 keep = self.config.checkpoint_config.max_ckpt_to_keep
                 if keep:
-                    removed = apply_retention(storage, self.root, keep, protect={ctx.path})
+                    removed = apply_retention(storage, self.root, keep, protect={ctx.path},
+                                              own_run=self._run_dir)
                     for path in removed:
                         log.info("roll-ckpt: retention removed %s", path)
             else:
