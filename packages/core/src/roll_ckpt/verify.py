@@ -70,8 +70,12 @@ def verify(storage: Storage, path: str, *, checksums: bool = True,
             continue
         total += ent.size
         if checksums:
-            with storage.open_read(storage.join(path, name)) as f:
-                size, digest = hash_stream(f, on_bytes)
+            try:
+                with storage.open_read(storage.join(path, name)) as f:
+                    size, digest = hash_stream(f, on_bytes)
+            except OSError as exc:  # e.g. a link, refused by O_NOFOLLOW
+                faults.append((name, f"cannot be read safely ({exc.strerror or exc})"))
+                continue
             if size != ent.size:
                 faults.append((name, f"read {size} bytes, the manifest says {ent.size}"))
             elif digest != ent.checksum:
