@@ -1,0 +1,489 @@
+"""The ``roll-ckpt`` command line.
+
+::
+
+    roll-ckpt [--quiet] plugins
+    roll-ckpt ls DIR                       every checkpoint under DIR, committed or not
+    roll-ckpt verify PATH                  sizes and checksums against the manifest
+    roll-ckpt inspect PATH                 manifest, trainer state, every DCP key
+    roll-ckpt prune DIR --keep N           keep the newest N committed checkpoints
+    roll-ckpt export PATH --out F.safetensors
+    roll-ckpt demo [--config F] [--nproc N] [--output DIR] [--resume|--fresh] [--stop-after N]
+
+DIR and PATH are local paths or fsspec URLs; ``--type`` picks the backend plugin and
+``--storage-option KEY=VALUE`` passes options to it, as ``checkpoint_config`` would.
+
+A user error (a :class:`~roll_ckpt.errors.RollCkptError`, a missing path, a bad
+argument) prints one line ``roll-ckpt: error: ...`` on stderr and exits 2 for usage
+errors, 1 otherwise. Anything else is a bug and keeps its traceback.
+
+Importing this module is cheap: torch is imported only by the commands that read
+tensors (inspect, export, demo).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any, Sequence
+
+from .errors import CheckpointCorruptError, CheckpointNotFoundError, RollCkptError
+
+__all__ = ["main", "build_parser"]
+
+PROG = "roll-ckpt"
+
+
+class UsageError(Exception):
+    """A bad command line (exit status 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but errors are raised (one line, no usage dump) instead of exiting."""
+
+    def error(self, message: str) -> Any:  # type: ignore[override]
+        cmd = self.prog.removeprefix(PROG).strip()
+        hint = f"see '{PROG} {cmd + ' ' if cmd else ''}--help'"
+        raise UsageError(f"{message} ({hint})")
+
+
+# --------------------------------------------------------------------------- helpers
+
+def _say(*lines: str) -> None:
+    for line in lines:
+        print(line, flush=True)
+
+
+def _parse_option(text: str) -> tuple[str, Any]:
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, e.g. endpoint_url=http://127.0.0.1:9000, got {text!r}")
+    import yaml
+
+    try:  # true/false/numbers like YAML does; anything else stays a string
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    if not isinstance(value, (str, int, float, bool)) or value is None:
+        value = raw
+    return key.strip(), value
+
+
+def _keep_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: keep at least 1 (the newest committed checkpoint is never removed)")
+    return value
+
+
+def _open(args: argparse.Namespace, url: str) -> Any:
+    """The storage for ``url``, rooted there (``storage.root`` is ``url`` as a backend path)."""
+    from .manager import open_storage
+    from .plugins import get_plugins
+
+    options = dict(args.storage_option or [])
+    return open_storage(get_plugins(), args.type, url, options)
+
+
+def _progress(desc: str, total: int | None = None) -> Any:
+    from .progress import Progress
+
+    return Progress(desc, total)
+
+
+def _local_time(iso: str) -> str:
+    from datetime import datetime
+
+    try:
+        return datetime.fromisoformat(iso).astimezone().strftime("%Y-%m-%d %H:%M:%S")
+    except (TypeError, ValueError):
+        return iso or "-"
+
+
+def _table(header: Sequence[str], rows: list[Sequence[str]], right: set[int] = frozenset()) -> list[str]:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+
+    def fmt(row: Sequence[str]) -> str:
+        cells = [str(c).rjust(w) if i in right else str(c).ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        return "  ".join(cells).rstrip()
+
+    return [fmt(header), *(fmt(r) for r in rows)]
+
+
+def _is_checkpoint_dir(storage: Any, path: str) -> bool:
+    from .layout import parse_step
+    from .manifest import MANIFEST_NAME
+
+    name = path.rstrip("/").rsplit("/", 1)[-1]
+    return parse_step(name) is not None or storage.exists(storage.join(path, MANIFEST_NAME))
+
+
+def _require_dir(storage: Any, url: str) -> None:
+    if not storage.isdir(storage.root):
+        raise CheckpointNotFoundError(f"{url}: no such folder")
+
+
+# --------------------------------------------------------------------------- plugins
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    from importlib import metadata
+
+    from .errors import PluginError
+    from .plugins import get_plugins
+
+    plugins = get_plugins()
+
+    def version(dist: str) -> str:
+        try:
+            return f"{dist} {metadata.version(dist)}"
+        except metadata.PackageNotFoundError:
+            return dist
+
+    status = 0
+    sections = [("backends (checkpoint_config.type)", plugins.backends),
+                ("strategies", plugins.strategies),
+                ("staging policies", plugins.staging_policies)]
+    for title, collect in sections:
+        _say(f"{title}:")
+        try:
+            records = collect()
+        except PluginError as exc:  # two plugins claim one name: show it, keep going
+            _say(f"  CONFLICT  {exc}")
+            status = 1
+            continue
+        if not records:
+            _say("  (none)")
+        rows = []
+        for name, rec in sorted(records.items()):
+            extra = f"priority {rec.priority}; " if hasattr(rec, "priority") else ""
+            rows.append([name, version(rec.distribution), extra + (rec.description or "")])
+        _say(*("  " + ln for ln in (_table(["NAME", "DISTRIBUTION", "DESCRIPTION"], rows) if rows else [])))
+    broken = list(plugins.broken)
+    if broken:
+        _say("broken plugins (not loaded; everything else works):")
+        _say(*("  " + ln for ln in _table(["ENTRY POINT", "DISTRIBUTION", "ERROR"],
+                                           [[b.name, version(b.distribution), b.error] for b in broken])))
+    return status
+
+
+# --------------------------------------------------------------------------- ls
+
+def _describe(storage: Any, ref: Any) -> dict[str, Any]:
+    """created / size / committed of one checkpoint, read from its manifest when committed."""
+    from .manifest import MANIFEST_NAME, Manifest
+    from .verify import list_files
+
+    row: dict[str, Any] = {"step": ref.step, "run": ref.run, "path": ref.path, "committed": ref.committed,
+                           "created": "", "bytes": None}
+    if ref.committed:
+        try:
+            with storage.open_read(storage.join(ref.path, MANIFEST_NAME)) as f:
+                manifest, _ = Manifest.from_bytes(f.read())
+            row["created"] = manifest.created
+            row["bytes"] = sum(e.size for e in manifest.files.values())
+            return row
+        except (OSError, ValueError) as exc:
+            row["problem"] = f"unreadable manifest: {exc}"
+    try:
+        with storage.open_read(storage.join(ref.path, "trainer_state.json")) as f:
+            row["created"] = str(json.loads(f.read().decode()).get("time", ""))
+    except (OSError, ValueError):
+        pass
+    if not row["created"] and ref.mtime:
+        from datetime import datetime, timezone
+
+        row["created"] = datetime.fromtimestamp(ref.mtime, timezone.utc).isoformat(timespec="seconds")
+    row["bytes"] = sum(list_files(storage, ref.path).values())
+    return row
+
+
+def _in_flight(storage: Any, root: str) -> list[str]:
+    """Temporary folders and owner markers of saves that are running or crashed."""
+    from .commit import MARKER_PREFIX
+    from .layout import TMP_PREFIX, run_folders
+
+    found = []
+    for folder in [root, *(p for _, p in run_folders(storage, root))]:
+        for e in storage.list(folder):
+            if (e.is_dir and e.name.startswith(TMP_PREFIX)) or (not e.is_dir and e.name.startswith(MARKER_PREFIX)):
+                found.append(e.path)
+    return sorted(found)
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    from .layout import CheckpointRef, parse_step, scan
+    from .manifest import MANIFEST_NAME
+
+    storage = _open(args, args.dir)
+    root = storage.root
+    _require_dir(storage, args.dir)
+    refs = scan(storage, root)
+    step = parse_step(root.rstrip("/").rsplit("/", 1)[-1])
+    if not refs and step is not None:  # DIR is itself one checkpoint
+        refs = [CheckpointRef(root, step, "", storage.exists(storage.join(root, MANIFEST_NAME)))]
+    rows = [_describe(storage, r) for r in refs]
+    pending = _in_flight(storage, root)
+    if args.json:
+        print(json.dumps({"dir": args.dir, "checkpoints": rows, "in_flight": pending}, indent=1))
+        return 0
+    if not rows:
+        _say(f"no checkpoints under {args.dir}")
+    else:
+        table = [[str(r["step"]), r["run"] or ".", _local_time(r["created"]),
+                  _human(r["bytes"]), "yes" if r["committed"] else "NO" + (f" ({r['problem']})" if "problem" in r else "")]
+                 for r in rows]
+        _say(*_table(["STEP", "RUN", "CREATED", "SIZE", "COMMITTED"], table, right={0, 3}))
+        done = [r for r in rows if r["committed"]]
+        total = sum(r["bytes"] or 0 for r in rows)
+        _say("", f"{len(rows)} checkpoints ({len(done)} committed, {_human(total)}) under {args.dir}")
+        if done:
+            _say(f"newest committed: {done[-1]['path']}")
+        if len(done) < len(rows):
+            _say("uncommitted folders are saves that never finished; they are never resumed from")
+    if pending:
+        _say("", "saves in flight or left by a crash (`roll-ckpt prune` removes them once their writer is gone):")
+        _say(*(f"  {p}" for p in pending))
+    return 0
+
+
+def _human(n: int | None) -> str:
+    from .inspection import human_bytes
+
+    return human_bytes(n)
+
+
+# --------------------------------------------------------------------------- verify
+
+def _verify_one(storage: Any, path: str) -> tuple[bool, str]:
+    from .verify import read_manifest, verify
+
+    manifest = read_manifest(storage, path)
+    total = sum(e.size for e in manifest.files.values())
+    try:
+        with _progress("verify", total) as progress:
+            report = verify(storage, path, on_bytes=progress)
+    except CheckpointCorruptError as exc:
+        _say(f"DAMAGED  {path}")
+        _say(*(f"  {name}: {fault}" for name, fault in exc.faults))
+        return False, f"checkpoint {path} is damaged ({len(exc.faults)} bad file(s), listed above); " \
+                      "resume from an earlier checkpoint or a backup copy"
+    _say(f"OK  {path}  step {report.manifest.step}: {report.files} files, {_human(report.bytes)}, "
+         "sizes and checksums match the manifest")
+    return True, ""
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from .layout import scan
+
+    storage = _open(args, args.path)
+    root = storage.root
+    if _is_checkpoint_dir(storage, root) or not storage.isdir(root):
+        ok, why = _verify_one(storage, root)
+        if not ok:
+            raise RollCkptError(why)
+        return 0
+    # A folder of checkpoints (output_dir or a run folder): verify every committed one.
+    refs = scan(storage, root)
+    if not refs:
+        raise CheckpointNotFoundError(f"{args.path} is neither a checkpoint nor a folder of checkpoints")
+    bad = []
+    for ref in refs:
+        if not ref.committed:
+            _say(f"SKIP  {ref.path}  not committed (a save that never finished)")
+            continue
+        ok, _ = _verify_one(storage, ref.path)
+        if not ok:
+            bad.append(ref.path)
+    if bad:
+        raise RollCkptError(f"{len(bad)} damaged checkpoint(s) under {args.path}: {', '.join(bad)}")
+    return 0
+
+
+# --------------------------------------------------------------------------- inspect
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from . import dcp_io  # noqa: F401  (torch: imported before the progress bar starts its clock)
+    from .inspection import format_inspection, inspect_checkpoint
+    from .verify import read_manifest
+
+    storage = _open(args, args.path)
+    total = sum(e.size for e in read_manifest(storage, storage.root).files.values())
+    with _progress("verify", total) as progress:
+        ins = inspect_checkpoint(storage, storage.root, on_bytes=progress)
+    _say(format_inspection(ins))
+    return 0
+
+
+# --------------------------------------------------------------------------- prune
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    from .commit import clean_stale
+    from .layout import committed
+    from .retention import apply_retention, plan_retention
+
+    storage = _open(args, args.dir)
+    root = storage.root
+    _require_dir(storage, args.dir)
+    if _is_checkpoint_dir(storage, root):
+        raise RollCkptError(f"{args.dir} is one checkpoint; give the folder that holds the checkpoints")
+    verb = "would remove" if args.dry_run else "removed"
+    if args.dry_run:
+        stale = _in_flight(storage, root)
+        doomed = [r.path for r in plan_retention(committed(storage, root), args.keep)]
+        if stale:
+            _say("in-flight or crashed saves (removed once their writer is gone):", *(f"  {p}" for p in stale))
+    else:
+        for path in clean_stale(storage, root):
+            _say(f"removed stale temporary folder {path} (its writer is gone)")
+        doomed = apply_retention(storage, root, args.keep)
+    for path in doomed:
+        _say(f"{verb} {path}")
+    left = committed(storage, root)
+    if args.dry_run:
+        left = [r for r in left if r.path not in set(doomed)]
+    tail = f"; newest: {left[-1].path}" if left else ""
+    _say(f"{verb} {len(doomed)} checkpoint(s); {len(left)} committed kept{tail}")
+    return 0
+
+
+# --------------------------------------------------------------------------- export
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from . import dcp_io  # noqa: F401  (torch: imported before the progress bars start their clocks)
+    from .export import export_safetensors
+    from .verify import read_manifest, verify
+
+    storage = _open(args, args.path)
+    manifest = read_manifest(storage, storage.root)
+    t0 = time.perf_counter()
+    with _progress("verify", sum(e.size for e in manifest.files.values())) as progress:
+        verify(storage, storage.root, on_bytes=progress)
+    data = sum(e.size for n, e in manifest.files.items() if n.startswith("dcp/"))
+    with _progress("export", data) as progress:
+        report = export_safetensors(storage, storage.root, args.out, only=args.only,
+                                    strip_prefix=args.strip_prefix, overwrite=args.force,
+                                    on_bytes=progress, verified=True)
+    _say(f"exported {report.tensors} tensors ({_human(report.bytes)}) of step {report.step} "
+         f"to {report.out} in {time.perf_counter() - t0:.1f}s")
+    if report.skipped:
+        _say(f"left out {len(report.skipped)} non-tensor values (safetensors holds tensors only), "
+             f"e.g. {', '.join(report.skipped[:3])}")
+    return 0
+
+
+# --------------------------------------------------------------------------- demo
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from . import demo
+
+    return demo.run(args)
+
+
+# --------------------------------------------------------------------------- parser
+
+def _storage_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--type", default="file_system", metavar="NAME",
+                   help="backend plugin (checkpoint_config.type); `roll-ckpt plugins` lists them "
+                        "(default: file_system)")
+    p.add_argument("--storage-option", action="append", metavar="KEY=VALUE", type=_parse_option,
+                   help="option for the backend (checkpoint_config.storage_options), repeatable")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+    from .demo import add_demo_arguments
+
+    parser = _Parser(prog=PROG, description="Inspect, verify, prune and export roll-ckpt checkpoints.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("-q", "--quiet", action="store_true", help="hide progress bars (ROLL_CKPT_QUIET=1)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    p = sub.add_parser("plugins", help="installed backends, strategies, staging policies, broken plugins")
+    p.set_defaults(func=cmd_plugins)
+
+    p = sub.add_parser("ls", help="list the checkpoints under a folder")
+    p.add_argument("dir", metavar="DIR", help="checkpoint_config.output_dir, or one run folder")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    _storage_args(p)
+    p.set_defaults(func=cmd_ls)
+
+    p = sub.add_parser("verify", help="check sizes and checksums against the manifest")
+    p.add_argument("path", metavar="PATH", help="a checkpoint-<step> folder, or a folder of checkpoints")
+    _storage_args(p)
+    p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("inspect", help="verify, then show manifest, trainer state and DCP keys")
+    p.add_argument("path", metavar="PATH", help="a checkpoint-<step> folder")
+    _storage_args(p)
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("prune", help="keep the newest N committed checkpoints, remove stale temporary folders")
+    p.add_argument("dir", metavar="DIR", help="checkpoint_config.output_dir, or one run folder")
+    p.add_argument("--keep", type=_keep_count, required=True, metavar="N",
+                   help="committed checkpoints to keep (>= 1: the newest is never removed)")
+    p.add_argument("-n", "--dry-run", action="store_true", help="only say what would be removed")
+    _storage_args(p)
+    p.set_defaults(func=cmd_prune)
+
+    p = sub.add_parser("export", help="write a checkpoint's tensors, unsharded, to one safetensors file")
+    p.add_argument("path", metavar="PATH", help="a checkpoint-<step> folder")
+    p.add_argument("--out", required=True, metavar="FILE", help="the .safetensors file to write (local path)")
+    p.add_argument("--only", action="append", metavar="KEY",
+                   help="export only the tensors under this top-level key (e.g. model), repeatable")
+    p.add_argument("--strip-prefix", action="store_true",
+                   help="with one --only, drop that prefix from the names (loadable by model.load_state_dict)")
+    p.add_argument("-f", "--force", action="store_true", help="overwrite FILE if it exists")
+    _storage_args(p)
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("demo", help="a small RL training job that saves, crashes and resumes")
+    add_demo_arguments(p)
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+# --------------------------------------------------------------------------- main
+
+def _fail(message: str) -> None:
+    one_line = " ".join(str(message).split())
+    print(f"{PROG}: error: {one_line}", file=sys.stderr, flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (the console script exits with it)."""
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if args.quiet:
+            os.environ["ROLL_CKPT_QUIET"] = "1"
+        return int(args.func(args) or 0)
+    except UsageError as exc:
+        _fail(str(exc))
+        return 2
+    except RollCkptError as exc:
+        _fail(str(exc))
+        return 1
+    except BrokenPipeError:  # `roll-ckpt ls DIR | head`: the reader left; not an error to report
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 1
+    except OSError as exc:  # a missing path, permissions, a store that cannot be reached
+        message = exc.strerror or str(exc) or type(exc).__name__
+        _fail(f"{exc.filename}: {message}" if getattr(exc, "filename", None) else message)
+        return 1
+    except KeyboardInterrupt:
+        _fail("interrupted")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
