@@ -157,3 +157,21 @@ def test_two_processes_fsdp2_stop_and_resume(tmp_path: Path) -> None:
     expected = losses(full_out)
     assert sorted(expected) == list(range(1, 13))
     assert losses(second) == {s: expected[s] for s in range(5, 13)}
+
+    # the sharded (world size 2) checkpoint exports as full tensors a plain model loads
+    import torch
+    from safetensors.torch import load_file
+
+    from roll_ckpt import layout
+    from roll_ckpt.demo import _policy
+    from roll_ckpt_fs.storage import LocalStorage
+
+    storage = LocalStorage(str(crash_dir / "checkpoints" / "rlvr-demo"))
+    latest = layout.latest(storage, storage.root)
+    assert latest is not None and latest.step == 12
+    out_file = tmp_path / "policy.safetensors"
+    rc = main(["export", latest.path, "--out", str(out_file), "--only", "model", "--strip-prefix"])
+    assert rc == 0
+    policy = _policy(16, 32, 8, 0.1)
+    policy.load_state_dict(load_file(str(out_file)), strict=True)
+    assert policy.body[3].weight.shape == torch.Size([32, 32])

@@ -521,7 +521,6 @@ def _mean(dist: Any, *values: Any) -> list[float]:
 
     v = torch.stack([t.detach().float().reshape(()) for t in values])
     if dist is not None:
-        v = v.to("cuda" if v.device.type == "cuda" else "cpu")
         dist.all_reduce(v)
         v /= dist.get_world_size()
     return [float(t) for t in v.cpu()]
@@ -545,7 +544,8 @@ def _init_distributed() -> tuple[Any, int, int, Any]:
         return None, 0, 1, torch.device("cpu")
     import torch.distributed as dist
 
-    if torch.cuda.is_available():
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    if torch.cuda.is_available() and torch.cuda.device_count() >= local_world:  # one GPU per process
         local = int(os.environ["LOCAL_RANK"])
         torch.cuda.set_device(local)
         dist.init_process_group("nccl")
