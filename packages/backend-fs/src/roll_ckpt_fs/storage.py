@@ -89,8 +89,15 @@ class LocalStorage:
                 n = os.write(fd, view)
                 view = view[n:]
             os.fsync(fd)
-        finally:
+        except BaseException:
+            # A partial file (disk full...) must not stand in for the whole one, nor block a retry.
             os.close(fd)
+            fd = -1
+            self.remove(path)
+            raise
+        finally:
+            if fd >= 0:
+                os.close(fd)
         _fsync_dir(os.path.dirname(path) or ".")
 
     def rename_dir(self, src: str, dst: str) -> None:

@@ -92,15 +92,20 @@ class Plugins:
                 continue
             if not autoload and ep.name not in wanted:
                 continue
-            if self.pm.has_plugin(ep.name):
-                continue
+            name = ep.name
+            if self.pm.has_plugin(name):
+                if self._dist_of.get(name) == dist:
+                    continue  # the same distribution found twice on sys.path
+                # Another distribution uses the same entry-point name: load it too, so that
+                # records claiming the same name are reported with both distributions.
+                name = f"{ep.name}@{dist}"
             try:
                 plugin = ep.load()
-                self.pm.register(plugin, name=ep.name)
+                self.pm.register(plugin, name=name)
             except Exception as exc:  # a broken plugin must not break unrelated commands
-                self.broken.append(BrokenPlugin(ep.name, dist, f"{type(exc).__name__}: {exc}"))
+                self.broken.append(BrokenPlugin(name, dist, f"{type(exc).__name__}: {exc}"))
                 continue
-            self._dist_of[ep.name] = dist
+            self._dist_of[name] = dist
 
     def register(self, plugin: object, name: str, distribution: str = "") -> None:
         """Register a plugin object by hand (tests, embedded use)."""
@@ -137,7 +142,7 @@ class Plugins:
                     raise PluginError(
                         f"two plugins provide the {kind.__name__.removesuffix('Record').lower()} "
                         f"'{rec.name}': {other.distribution} and {dist}. Uninstall one, or block it "
-                        f"with ROLL_CKPT_BLOCKED_PLUGINS={impl.plugin_name}"
+                        f"with ROLL_CKPT_BLOCKED_PLUGINS={dist}"
                     )
                 found[rec.name] = rec
         return found

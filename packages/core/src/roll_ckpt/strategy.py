@@ -11,7 +11,8 @@ A state is a mapping of names to:
   in the same state that owns its parameters (keys are parameter names, not ids);
 * anything with ``state_dict()``/``load_state_dict()`` (LR scheduler, stateful
   dataloader, counters), a ``dict``, a tensor or a plain value — saved **per process**
-  under ``per_rank.<rank>.<name>``, with this process's RNG state.
+  under ``per_rank.<rank>.<name>`` (one leaf each, so keys and empty containers come back
+  exactly), with this process's RNG state.
 
 On load, an object that finds no entry for its own rank (the job grew) takes rank 0's.
 """
@@ -126,9 +127,9 @@ class DCPStrategy(Strategy):
             elif isinstance(obj, torch.optim.Optimizer):
                 out[key] = get_optimizer_state_dict(state[owners[key]], obj)
             elif _is_stateful(obj):
-                mine[key] = obj.state_dict()
+                mine[key] = _box(obj.state_dict())
             else:
-                mine[key] = obj
+                mine[key] = _box(obj)
         out[PER_RANK] = {str(self.rank): mine}
         return out
 
@@ -218,7 +219,7 @@ class DCPStrategy(Strategy):
                 warnings.warn(f"roll-ckpt: the checkpoint has no saved value for state['{key}']; "
                               "it keeps its current value", stacklevel=3)
                 continue
-            value = loaded[key]
+            value = _unbox(loaded[key])
             if _is_stateful(obj):
                 obj.load_state_dict(value)
             elif isinstance(obj, dict) and isinstance(value, dict):
@@ -242,6 +243,21 @@ class DCPStrategy(Strategy):
 
     def close(self) -> None:
         self.pool.clear()
+
+
+def _box(value: Any) -> Any:
+    """One DCP leaf for a per-process value, so its structure survives exactly.
+
+    DCP flattens mappings into paths of strings: empty dicts vanish and ``{0: x}`` comes
+    back as ``{"0": x}``. A tuple is a single leaf to DCP (written with ``torch.save``,
+    read with ``weights_only=True``), so a value boxed in a 1-tuple round-trips as it was.
+    Tensors stay tensors.
+    """
+    return value if isinstance(value, torch.Tensor) else (value,)
+
+
+def _unbox(value: Any) -> Any:
+    return value[0] if isinstance(value, tuple) and len(value) == 1 else value
 
 
 def _freeze(value: Any) -> Any:
