@@ -1,0 +1,90 @@
+"""Fixtures shared by the whole test suite."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _isolated_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No plugin selection or signing key inherited from the shell that runs the tests."""
+    for var in ("ROLL_CKPT_DISABLE_PLUGIN_AUTOLOAD", "ROLL_CKPT_PLUGINS", "ROLL_CKPT_BLOCKED_PLUGINS",
+                "ROLL_CKPT_SIGNING_KEY"):
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.fixture
+def ckpt_config(tmp_path: Path) -> Callable[..., Any]:
+    """``ckpt_config(**top, **{"cc": {...}})`` → a loaded Config writing under tmp_path/ckpt."""
+    from roll_ckpt import load_config
+
+    def make(cc: dict[str, Any] | None = None, **top: Any) -> Any:
+        checkpoint = {"type": "file_system", "output_dir": str(tmp_path / "ckpt")}
+        checkpoint.update(cc or {})
+        return load_config({"checkpoint_config": checkpoint, **top})
+
+    return make
+
+
+@pytest.fixture
+def memory_url() -> Iterator[str]:
+    """A fresh ``memory://`` prefix, removed afterwards."""
+    import fsspec
+
+    prefix = f"roll-ckpt-test-{uuid.uuid4().hex[:10]}"
+    yield f"memory://{prefix}"
+    fs = fsspec.filesystem("memory")
+    try:
+        fs.rm(f"/{prefix}", recursive=True)
+    except FileNotFoundError:
+        pass
+
+
+def _mount_tmpfs(path: Path, size: str, readonly: bool = False) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    opts = f"size={size}" + (",ro" if readonly else "")
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)],
+                          capture_output=True, text=True, timeout=30)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN): {proc.stderr.strip()}")
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Callable[..., Path]]:
+    """``tmpfs(size="4m", readonly=False)`` mounts a small tmpfs under tmp_path; unmounted after."""
+    mounted: list[Path] = []
+
+    def mount(size: str = "4m", readonly: bool = False) -> Path:
+        path = tmp_path / f"tmpfs{len(mounted)}"
+        _mount_tmpfs(path, size, readonly)
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in reversed(mounted):
+        subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=30)
+
+
+def run_python(code_or_args: list[str] | str, *, env: dict[str, str] | None = None,
+               timeout: float = 90, cwd: str | os.PathLike[str] | None = None) -> subprocess.CompletedProcess:
+    """Run a fresh interpreter (``python -c code`` or ``python *args``) with a time limit."""
+    args = ["-c", code_or_args] if isinstance(code_or_args, str) else list(code_or_args)
+    full_env = {k: v for k, v in os.environ.items()
+                if not k.startswith("ROLL_CKPT_") or k == "ROLL_CKPT_QUIET"}
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True,
+                          timeout=timeout, env=full_env, cwd=cwd)
+
+
+@pytest.fixture(scope="session")
+def py() -> Callable[..., subprocess.CompletedProcess]:
+    return run_python

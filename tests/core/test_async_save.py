@@ -1,0 +1,194 @@
+"""Asynchronous saves: save() returns once the state is staged, the loop may change the
+state at once, errors of the background write surface at the next save and at close()."""
+
+from __future__ import annotations
+
+import errno
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from roll_ckpt import BackendRecord, CheckpointManager, SaveError, hookimpl, layout, load_config
+from roll_ckpt.plugins import Plugins
+from roll_ckpt.testing import assert_same_state, state_snapshot, tiny_state
+from roll_ckpt_fs import LocalStorage
+
+
+class _Wrapped:
+    """A local-disk storage whose open_write can be gated or made to fail for DCP files."""
+
+    def __init__(self, url: str, ctl: dict[str, Any]) -> None:
+        self._inner = LocalStorage(url)
+        self._ctl = ctl
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def open_write(self, path: str):
+        if "/dcp/" in path:
+            ctl = self._ctl
+            if "entered" in ctl:
+                ctl["entered"].set()
+            if "gate" in ctl:
+                assert ctl["gate"].wait(60), "the test never opened the gate"
+            if ctl.get("fail", 0) > 0:
+                ctl["fail"] -= 1
+                raise OSError(errno.EIO, "injected I/O error", path)
+        return self._inner.open_write(path)
+
+
+def _manager(tmp_path: Path, ctl: dict[str, Any], **top: Any) -> CheckpointManager:
+    class _Plugin:
+        @hookimpl
+        def roll_ckpt_backends(self):
+            return [BackendRecord(name="wrapped_fs", factory=lambda url, opts: _Wrapped(url, ctl))]
+
+    plugins = Plugins()
+    plugins.register(_Plugin(), name="wrapped", distribution="test-wrapped")
+    cfg = load_config({"checkpoint_config": {"type": "wrapped_fs", "output_dir": str(tmp_path / "ckpt")},
+                       "strategy_config": {"async_save_ckpt": True}, **top})
+    return CheckpointManager(cfg, plugins=plugins, quiet=True)
+
+
+def _committed(m: CheckpointManager) -> list[int]:
+    return [r.step for r in layout.committed(m.storage, m.root)]
+
+
+def _leftovers(tmp_path: Path) -> list[str]:
+    return sorted(p.name for p in (tmp_path / "ckpt").glob("*/*") if p.name.startswith((".tmp-", ".inflight-")))
+
+
+def _train_step(state: dict[str, Any]) -> None:
+    model, opt = state["model"], state["optimizer"]
+    model(torch.randn(3, 8)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    state["scheduler"].step()
+    state["counter"]["seen"] += 3
+
+
+def test_save_returns_before_commit_and_snapshot_is_taken_at_save(tmp_path: Path) -> None:
+    ctl = {"gate": threading.Event(), "entered": threading.Event()}
+    m = _manager(tmp_path, ctl)
+    state = tiny_state(seed=1)
+    at_save = state_snapshot(state)
+    path = m.save(3, state)
+    # the background write has started and is held before writing any DCP data
+    assert ctl["entered"].wait(30)
+    assert m._inflight is not None and not m._inflight.done()
+    assert _committed(m) == [] and not Path(path).exists()
+    # the loop goes on at once: parameters, optimizer, scheduler and counter change
+    for _ in range(2):
+        _train_step(state)
+    with torch.no_grad():
+        for p in state["model"].parameters():
+            p.mul_(-3.0)
+    ctl["gate"].set()
+    stats = m.wait()
+    assert stats is not None and stats.is_async and stats.step == 3
+    assert _committed(m) == [3]
+    print(f"\nasync save (held by the test): blocked {stats.blocked_s * 1e3:.2f} ms, "
+          f"total {stats.total_s * 1e3:.1f} ms, {stats.bytes} bytes, copied {stats.bytes_copied}")
+    assert stats.blocked_s < stats.total_s and stats.bytes_copied > 0
+    m.close()
+
+    fresh = tiny_state(seed=2)
+    with CheckpointManager.from_config(load_config({"checkpoint_config": {"output_dir": str(tmp_path / "ckpt")},
+                                                    "resume_from_checkpoint": path}), quiet=True) as r:
+        assert r.resume(fresh) == 3
+    assert_same_state(state_snapshot(fresh), at_save)
+
+
+def test_failed_background_write_surfaces_at_next_save(tmp_path: Path) -> None:
+    ctl = {"fail": 1}
+    m = _manager(tmp_path, ctl)
+    state = tiny_state()
+    m.save(1, state)  # returns: the failure happens in the background
+    _train_step(state)
+    with pytest.raises(SaveError) as info:
+        m.save(2, state)
+    msg = str(info.value)
+    assert "checkpoint-1" in msg and "injected I/O error" in msg and "nothing of it was committed" in msg
+    assert _committed(m) == [] and _leftovers(tmp_path) == []
+    # the loop can go on: the next save works
+    m.save(3, state)
+    m.close()
+    assert _committed(m) == [3]
+
+
+def test_failed_background_write_surfaces_at_close(tmp_path: Path) -> None:
+    ctl = {"fail": 1}
+    m = _manager(tmp_path, ctl)
+    m.save(1, tiny_state())
+    with pytest.raises(SaveError, match="checkpoint-1"):
+        m.close()
+    assert _committed(m) == [] and _leftovers(tmp_path) == []
+    m.close()  # closing again is a no-op
+
+
+def test_failed_background_write_surfaces_leaving_a_with_block(tmp_path: Path) -> None:
+    with pytest.raises(SaveError):
+        with _manager(tmp_path, {"fail": 1}) as m:
+            m.save(1, tiny_state())
+
+
+def test_final_save_is_committed_when_it_returns(tmp_path: Path) -> None:
+    m = _manager(tmp_path, {})
+    state = tiny_state()
+    m.save(4, state)            # async, in flight
+    path = m.save(5, state, final=True)
+    assert m._inflight is None
+    assert _committed(m) == [4, 5] and Path(path, "manifest.json").is_file()
+    assert m.last_save.step == 5 and not m.last_save.is_async
+    m.close()
+
+
+def test_periodic_async_saves_through_maybe_save(tmp_path: Path) -> None:
+    m = _manager(tmp_path, {}, save_steps=2)
+    state = tiny_state()
+    snaps = {}
+    for step in range(1, 7):
+        _train_step(state)
+        if m.maybe_save(step, state):
+            snaps[step] = state_snapshot(state)
+    m.close()
+    assert _committed(m) == [2, 4, 6]
+    for step, snap in snaps.items():
+        fresh = tiny_state(seed=step)
+        with CheckpointManager.from_config(load_config({"checkpoint_config": {"output_dir": str(tmp_path / "ckpt")}}),
+                                           quiet=True) as r:
+            path = next(ref.path for ref in layout.committed(r.storage, r.root) if ref.step == step)
+            assert r.resume(fresh, target=path) == step
+        assert_same_state(state_snapshot(fresh), snap)
+
+
+def test_blocked_time_of_an_async_save(ckpt_config) -> None:
+    """Prints what the loop waits for, async vs sync, on a ~25 MB state (see it with -s)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)])
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 512)).sum().backward()
+    opt.step()
+    state = {"model": model, "optimizer": opt}
+    results = {}
+    for mode in (False, True):
+        cfg = ckpt_config({"output_dir": str(Path(ckpt_config().checkpoint_config.output_dir) / str(mode))},
+                          strategy_config={"async_save_ckpt": mode})
+        with CheckpointManager.from_config(cfg, quiet=True) as m:
+            m.save(1, state)
+            m.wait()
+            first = m.last_save
+            m.save(2, state)  # second save: staging buffers are reused
+            m.wait()
+            results[mode] = (first, m.last_save)
+    for mode, (first, second) in results.items():
+        print(f"\n{'async' if mode else 'sync '} save of {second.bytes / 1e6:.1f} MB: loop blocked "
+              f"{first.blocked_s * 1e3:.1f} ms (first), {second.blocked_s * 1e3:.1f} ms (second); "
+              f"committed after {second.total_s * 1e3:.1f} ms")
+    async_second = results[True][1]
+    assert async_second.is_async and async_second.blocked_s < async_second.total_s
+    assert async_second.bytes_copied >= 4 * 8 * 512 * 512 * 3
+    assert results[False][1].bytes_copied == 0 and not results[False][1].is_async
