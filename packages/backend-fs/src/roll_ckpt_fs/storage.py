@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import posixpath
 import shutil
 import stat
+import time
 from typing import Any, BinaryIO, Mapping
 
 from roll_ckpt import StorageError
@@ -147,10 +149,16 @@ class FsspecStorage:
     """Any fsspec file system; commits by writing ``manifest.json`` last, create-only.
 
     fsspec's ``mv`` (copy + delete) and ``transaction`` (not atomic) are never used to
-    commit. ``write_create`` opens with mode ``"xb"``, which stores that support it
-    (memory, S3 with conditional writes) honour on the server side; for the others it
-    checks first, which is create-only as long as one writer owns the folder — the case
-    for roll-ckpt, whose folders are owned by one run.
+    commit. ``write_create`` checks that the file is missing, then writes with mode
+    ``"xb"``, which stores that support it honour on the server side (memory; S3 and
+    S3-compatible servers with conditional writes: s3fs sends ``If-None-Match: *`` and a
+    412 means another writer won). Where the store cannot refuse, the check alone stands,
+    which is create-only as long as one writer owns the folder — the case for roll-ckpt,
+    whose folders are owned by one run.
+
+    Listings are never answered from fsspec's listing cache (``use_listings_cache`` is
+    off unless ``storage_options`` sets it): whether a manifest exists decides what is
+    committed, and another process may have written or removed it since.
     """
 
     atomic_rename = False
@@ -160,8 +168,14 @@ class FsspecStorage:
 
         self.url = url
         protocol, _ = fsspec.core.split_protocol(url)
+        options = dict(storage_options)
         try:
-            self.fs = fsspec.filesystem(protocol or "file", **dict(storage_options))
+            try:
+                self.fs = fsspec.filesystem(protocol or "file", **{"use_listings_cache": False, **options})
+            except TypeError:
+                if "use_listings_cache" in options:
+                    raise
+                self.fs = fsspec.filesystem(protocol or "file", **options)  # takes no such option
         except (ImportError, ValueError) as exc:
             hint = ' (pip install "roll-ckpt[s3]")' if protocol in ("s3", "s3a") else ""
             raise StorageError(f"checkpoint_config.output_dir {url}: cannot use the {protocol}:// "
@@ -174,9 +188,11 @@ class FsspecStorage:
         return posixpath.join(*parts)
 
     def exists(self, path: str) -> bool:
+        self.fs.invalidate_cache(path)
         return bool(self.fs.exists(path))
 
     def isdir(self, path: str) -> bool:
+        self.fs.invalidate_cache(path)
         return bool(self.fs.isdir(path))
 
     def list(self, path: str) -> list[Entry]:
@@ -207,12 +223,32 @@ class FsspecStorage:
         return self.fs.open(path, "wb")
 
     def write_create(self, path: str, data: bytes) -> None:
-        try:
-            f = self.fs.open(path, "xb")
-        except (ValueError, NotImplementedError, TypeError):
-            if self.fs.exists(path):
-                raise FileExistsError(path) from None
-            f = self.fs.open(path, "wb")
+        for attempt in range(4):
+            # Checked on every store: the only guard where the store cannot refuse itself.
+            if self.exists(path):
+                raise FileExistsError(errno.EEXIST, "already exists", path)
+            try:
+                self._write(path, data, "xb")
+                return
+            except FileExistsError:
+                raise
+            except (ValueError, NotImplementedError, TypeError):
+                break  # this file system has no create-only mode
+            except OSError as exc:
+                answer = _conditional_write_answer(exc)
+                if answer == "exists":
+                    raise FileExistsError(errno.EEXIST, f"already exists (the store refused a "
+                                                        f"create-only write: {exc})", path) from exc
+                if answer == "unsupported":
+                    break
+                if answer == "conflict" and attempt < 3:
+                    time.sleep(0.05 * (attempt + 1))  # a concurrent conditional write: ask again
+                    continue
+                raise
+        self._write(path, data, "wb")
+
+    def _write(self, path: str, data: bytes, mode: str) -> None:
+        f = self.fs.open(path, mode)
         with f:
             f.write(data)
 
@@ -237,12 +273,71 @@ class FsspecStorage:
         except FileNotFoundError:
             pass
         self.fs.invalidate_cache(path)
+        self._remove_folder_entries(path)
+
+    def _remove_folder_entries(self, path: str) -> None:
+        """Remove the folders an S3 server may keep after their objects are gone.
+
+        Some S3-compatible servers backed by a file system (SeaweedFS) keep a folder after
+        its last object is deleted and go on listing it as a common prefix: a removed
+        checkpoint would still be listed as an uncommitted one. Deleting the key
+        ``folder/`` removes such a folder (and only an empty one); on AWS S3 it is a no-op
+        unless a zero-byte folder marker of that name exists.
+        """
+        call_s3 = getattr(self.fs, "call_s3", None)
+        split = getattr(self.fs, "split_path", None)
+        if call_s3 is None or split is None:
+            return
+        folders: list[str] = []
+
+        def walk(folder: str) -> None:
+            for e in self.list(folder):
+                if e.is_dir:
+                    walk(e.path)
+                    folders.append(e.path)
+
+        walk(path)
+        for folder in folders + [path]:
+            bucket, key, _ = split(folder.rstrip("/"))
+            if key:
+                try:
+                    call_s3("delete_object", Bucket=bucket, Key=key + "/")
+                except FileNotFoundError:
+                    pass
+        self.fs.invalidate_cache(path)
 
     def free_bytes(self, path: str) -> int | None:
         return None
 
     def __repr__(self) -> str:
         return f"FsspecStorage({self.url!r})"
+
+
+def _conditional_write_answer(exc: BaseException) -> str | None:
+    """What a failed create-only write means: ``exists``, ``conflict``, ``unsupported`` or ``None``.
+
+    s3fs turns a 412 into ``FileExistsError`` only when the error names its condition
+    (AWS does); other S3 servers (SeaweedFS) answer a bare ``PreconditionFailed`` that
+    s3fs raises as ``OSError(EINVAL)``, so the botocore error it chains is read here.
+    """
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):
+            code = str((response.get("Error") or {}).get("Code") or "")
+            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+            if code == "PreconditionFailed" or status == 412:
+                return "exists"
+            if code == "ConditionalRequestConflict" or status == 409:
+                return "conflict"  # AWS: another conditional write to the key is in progress
+            if code == "NotImplemented" or status == 501:
+                return "unsupported"
+        e = e.__cause__ or e.__context__
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSYS:
+        return "unsupported"
+    return None
 
 
 def _takes_refresh(fs: Any) -> bool:
