@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
 from .config import BackupConfig, CheckpointConfig, Config, StrategyConfig, load_config
-from .errors import (CheckpointCorruptError, CheckpointNotFoundError, ConfigError, PluginError,
+from .errors import (BackupError, CheckpointCorruptError, CheckpointNotFoundError, ConfigError, PluginError,
                      RollCkptError, SaveError, StorageError, StorageFullError, UnknownPluginError,
                      UnsafeCheckpointError)
 from .hookspecs import hookimpl, hookspec
@@ -49,6 +49,7 @@ __all__ = [
     "CheckpointCorruptError",
     "UnsafeCheckpointError",
     "SaveError",
+    "BackupError",
 ]
 
 

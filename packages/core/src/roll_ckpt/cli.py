@@ -8,6 +8,7 @@
     roll-ckpt inspect PATH                 manifest, trainer state, every DCP key
     roll-ckpt prune DIR --keep N           keep the newest N committed checkpoints
     roll-ckpt export PATH --out F.safetensors
+    roll-ckpt copy SRC DST                 one checkpoint or a folder of them, between any two backends
     roll-ckpt demo [--config F] [--nproc N] [--output DIR] [--resume|--fresh] [--stop-after N]
 
 DIR and PATH are local paths or fsspec URLs; ``--type`` picks the backend plugin and
@@ -377,6 +378,106 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- copy
+
+def _side_storage(args: argparse.Namespace, url: str, side: str) -> Any:
+    """The storage for one side of ``copy``: ``--type``/``--storage-option``, then ``--src-*``/``--dst-*``."""
+    from .manager import open_storage
+    from .plugins import get_plugins
+
+    type_ = getattr(args, f"{side}_type") or args.type
+    options = dict(args.storage_option or [])
+    options.update(dict(getattr(args, f"{side}_storage_option") or []))
+    return open_storage(get_plugins(), type_, url, options)
+
+
+def _basename(path: str) -> str:
+    return path.rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1]
+
+
+def _parent(path: str) -> str:
+    p = path.rstrip("/\\")
+    return p[: len(p) - len(_basename(p))].rstrip("/\\")
+
+
+def _scheme(url: str) -> str:
+    return url.split("://", 1)[0] if "://" in url and not url.startswith("file://") else "file"
+
+
+def cmd_copy(args: argparse.Namespace) -> int:
+    from .commit import clean_stale
+    from .layout import parse_step, scan
+    from .manifest import MANIFEST_NAME
+    from .transfer import copy_checkpoint, relative_path
+
+    src = _side_storage(args, args.src, "src")
+    dst = _side_storage(args, args.dst, "dst")
+    if src.exists(src.join(src.root, MANIFEST_NAME)) or parse_step(_basename(src.root)) is not None:
+        # One checkpoint: DST is that checkpoint's folder when named checkpoint-<step>, else the folder to put it in.
+        target = dst.root if parse_step(_basename(dst.root)) is not None else dst.join(dst.root, _basename(src.root))
+        jobs = [(src.root, target)]
+        parent = _parent(target) or dst.root
+    else:
+        if not src.isdir(src.root):
+            raise CheckpointNotFoundError(f"{args.src}: no such checkpoint or folder")
+        refs = scan(src, src.root)
+        if not refs:
+            raise CheckpointNotFoundError(f"{args.src} is neither a checkpoint nor a folder of checkpoints")
+        for ref in refs:
+            if not ref.committed:
+                _say(f"SKIP  {ref.path}  not committed (a save that never finished)")
+        jobs = []
+        for ref in refs:
+            if ref.committed:
+                rel = relative_path(src.root, ref.path)
+                jobs.append((ref.path, dst.join(dst.root, *rel.split("/"))))
+        parent = dst.root
+    same_store = type(src) is type(dst) and _scheme(src.url) == _scheme(dst.url)
+    if same_store and any(s.rstrip("/\\") == d.rstrip("/\\") for s, d in jobs):
+        raise RollCkptError(f"{args.src} and {args.dst} are the same location; copy to another one")
+    # What a killed earlier copy left there (its process is gone) goes first: the rerun starts clean.
+    for path in clean_stale(dst, parent):
+        _say(f"removed {path}, left by an interrupted copy")
+    failed: list[str] = []
+    copied = skipped = 0
+    total_bytes = 0
+    t0 = time.perf_counter()
+    from .verify import read_manifest
+
+    for s_path, d_path in jobs:
+        try:
+            manifest = read_manifest(src, s_path)
+            named = parse_step(_basename(d_path))
+            if named is not None and named != manifest.step:
+                raise RollCkptError(f"{d_path} is named for step {named} but {s_path} holds step {manifest.step}; "
+                                    f"name the destination checkpoint-{manifest.step} or give its folder")
+            size = sum(e.size for e in manifest.files.values())
+            # One bar: the bytes copied, then the same bytes read back at the destination.
+            with _progress(f"copy {_basename(s_path)} (+ check at destination)", 2 * size) as progress:
+                report = copy_checkpoint(src, s_path, dst, d_path, progress, verify_progress=progress)
+        except RollCkptError as exc:
+            if len(jobs) == 1:
+                raise
+            _say(f"FAILED  {s_path}: {exc}")
+            failed.append(s_path)
+            continue
+        if report.skipped:
+            skipped += 1
+            _say(f"SKIP  {d_path}  already holds this checkpoint (same manifest)")
+            continue
+        copied += 1
+        total_bytes += report.bytes
+        _say(f"copied {s_path} -> {d_path}: step {report.step}, {report.files} files, {_human(report.bytes)} "
+             f"in {report.seconds:.1f}s; verified at the destination and committed")
+    if len(jobs) > 1 or failed:
+        _say(f"{copied} checkpoint(s) copied ({_human(total_bytes)} in {time.perf_counter() - t0:.1f}s), "
+             f"{skipped} already there, {len(failed)} failed, to {args.dst}")
+    if failed:
+        raise RollCkptError(f"{len(failed)} checkpoint(s) could not be copied: {', '.join(failed)}; nothing of "
+                            "them is committed at the destination; run the same command again once fixed")
+    return 0
+
+
 # --------------------------------------------------------------------------- demo
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -442,6 +543,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-f", "--force", action="store_true", help="overwrite FILE if it exists")
     _storage_args(p)
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("copy", help="copy a checkpoint or a folder of them between any two backends",
+                       description="Copy one checkpoint, or every committed checkpoint below a folder (an "
+                                   "output_dir or a run folder, keeping the layout below it), from SRC to DST. "
+                                   "Files are streamed and checked against the manifest while copied, read back "
+                                   "and checked again at DST, then committed there by DST's own protocol. An "
+                                   "interrupted copy leaves nothing committed: run the same command again. "
+                                   "A single checkpoint goes to DST/<its name>, or to DST itself when DST is "
+                                   "named checkpoint-<step>.")
+    p.add_argument("src", metavar="SRC", help="a checkpoint-<step> folder, or a folder of checkpoints")
+    p.add_argument("dst", metavar="DST", help="where to put it (path or fsspec URL: s3://..., memory://...)")
+    _storage_args(p)
+    for side, what in (("src", "SRC"), ("dst", "DST")):
+        p.add_argument(f"--{side}-type", metavar="NAME", help=f"backend plugin of {what} (default: --type)")
+        p.add_argument(f"--{side}-storage-option", action="append", metavar="KEY=VALUE", type=_parse_option,
+                       help=f"option for {what}'s backend only, repeatable (added to --storage-option)")
+    p.set_defaults(func=cmd_copy)
 
     p = sub.add_parser("demo", help="a small RL training job that saves, crashes and resumes")
     add_demo_arguments(p)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -33,7 +34,17 @@ class BackupConfig:
     storage_options: Mapping[str, Any] = field(default_factory=dict)
     """Passed to the replica's backend (``endpoint_url``, ``key``...)."""
     keep_local: int = 0
-    """Local copies kept once their replica is committed; 0 keeps them all."""
+    """Local checkpoints kept once their replica is committed (the newest ones); 0 keeps them all.
+
+    Only checkpoints whose replica is committed (and identical) are ever removed, and never
+    the newest local one."""
+    max_wait_s: float = 5.0
+    """The most ``close()`` waits for replication still in flight (seconds); 0 does not wait.
+
+    Saves never wait for replication. A copy cut off by this bound is removed from the
+    replica (nothing of it is committed) and made again by the next run's first save."""
+    retries: int = 3
+    """Further attempts after a failed copy, with exponential backoff (1 s, 2 s, 4 s...)."""
 
 
 @dataclass(frozen=True)
@@ -243,7 +254,8 @@ def _backup(value: Any) -> BackupConfig | None:
     if value is None:
         return None
     key = "checkpoint_config.backup"
-    _expect(key, value, Mapping, "a mapping with type, output_dir, storage_options, keep_local")
+    _expect(key, value, Mapping, "a mapping with type, output_dir, storage_options, keep_local, "
+                                 "max_wait_s, retries")
     _reject_unknown(key, value, _field_names(BackupConfig))
     if "output_dir" not in value:
         raise ConfigError(f"{key}.output_dir", "is required when a backup is configured")
@@ -252,7 +264,25 @@ def _backup(value: Any) -> BackupConfig | None:
         output_dir=_string(f"{key}.output_dir", value["output_dir"]),
         storage_options=_options(f"{key}.storage_options", value.get("storage_options")),
         keep_local=_count(f"{key}.keep_local", value.get("keep_local", 0)),
+        max_wait_s=_seconds(f"{key}.max_wait_s", value.get("max_wait_s", 5.0)),
+        retries=_count(f"{key}.retries", value.get("retries", 3)),
     )
+
+
+def _seconds(key: str, value: Any) -> float:
+    _expect(key, value, (int, float), "a number of seconds >= 0")
+    if not math.isfinite(value) or value < 0:
+        raise ConfigError(key, "must be a finite number >= 0", value, "a number of seconds >= 0")
+    return float(value)
+
+
+def _same_location(a: str, b: str) -> bool:
+    def norm(u: str) -> str:
+        if "://" not in u or u.startswith("file://"):
+            return os.path.normpath(os.path.abspath(os.path.expanduser(u.removeprefix("file://"))))
+        return u.rstrip("/")
+
+    return norm(a) == norm(b)
 
 
 def _checkpoint(value: Any, default_root: str) -> CheckpointConfig:
@@ -274,13 +304,18 @@ def _checkpoint(value: Any, default_root: str) -> CheckpointConfig:
         components = names or None
     timestamp_subdir = value.get("timestamp_subdir", True)
     _expect(f"{key}.timestamp_subdir", timestamp_subdir, bool, "true or false")
+    output_dir = _string(f"{key}.output_dir", value.get("output_dir", default_root))
+    backup = _backup(value.get("backup"))
+    if backup is not None and _same_location(backup.output_dir, output_dir):
+        raise ConfigError(f"{key}.backup.output_dir", "is the same location as checkpoint_config.output_dir",
+                          backup.output_dir, "a second location (another disk, a bucket...)")
     return CheckpointConfig(
         type=_string(f"{key}.type", value.get("type", "file_system")),
-        output_dir=_string(f"{key}.output_dir", value.get("output_dir", default_root)),
+        output_dir=output_dir,
         timestamp_subdir=timestamp_subdir,
         max_ckpt_to_keep=_count(f"{key}.max_ckpt_to_keep", value.get("max_ckpt_to_keep", 0)),
         storage_options=_options(f"{key}.storage_options", value.get("storage_options")),
-        backup=_backup(value.get("backup")),
+        backup=backup,
         components=components,
     )
 

@@ -20,6 +20,7 @@ __all__ = [
     "CheckpointCorruptError",
     "UnsafeCheckpointError",
     "SaveError",
+    "BackupError",
 ]
 
 
@@ -82,3 +83,18 @@ class UnsafeCheckpointError(CheckpointCorruptError):
 
 class SaveError(RollCkptError):
     """A save (usually an asynchronous one) failed; the cause is chained."""
+
+
+class BackupError(RollCkptError):
+    """Checkpoints could not be replicated to ``checkpoint_config.backup`` (raised at ``close()``).
+
+    The local checkpoints are intact; :attr:`failed` maps each local checkpoint path that
+    has no committed replica to the last error of its copy.
+    """
+
+    def __init__(self, message: str, failed: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.failed = dict(failed or {})
+
+    def __reduce__(self) -> Any:
+        return (type(self), (str(self), self.failed))

@@ -6,6 +6,7 @@ import concurrent.futures as cf
 import errno
 import json
 import logging
+import threading
 import time
 import uuid
 from collections import Counter
@@ -128,6 +129,17 @@ class CheckpointManager:
         self.trainer_state: dict[str, Any] = {}
         """The ``trainer_state.json`` of the checkpoint resumed from (empty on a fresh start)."""
         self.resumed_from: str | None = None
+        # -- backup and space (checkpoint_config.backup; the check before each save)
+        self.resumed_from_backup = False
+        """True when ``resume`` took its checkpoint from ``checkpoint_config.backup``."""
+        self._local_lock = threading.Lock()  # retention and keep_local remove local checkpoints
+        self._space: Any = None
+        self._replicator: Any = None
+        self.backup_storage: Storage | None = None
+        """The backup location's storage (``checkpoint_config.backup``), or ``None``."""
+        if cc.backup is not None:
+            self.backup_storage = open_storage(self.plugins, cc.backup.type, cc.backup.output_dir,
+                                               cc.backup.storage_options)
 
     @classmethod
     def from_config(cls, config: Config | Mapping[str, Any] | str, **kwargs: Any) -> "CheckpointManager":
@@ -250,6 +262,9 @@ class CheckpointManager:
             raise RollCkptError(f"save(metadata=...) must hold JSON values: {exc}") from None
         self.plugins.hook.roll_ckpt_save(save=ctx)
         sd = strategy.state_dict(state)
+        refusal = self._check_space(sd, ctx, user) if strategy.is_coordinator else None
+        if refusal is not None:  # refused before anything is staged or written
+            self._write_and_commit(sd, ctx, user, t0, refuse=refusal)  # raises it, on every rank
         if is_async:
             staged = strategy.stage(sd, ctx)
             ctx.blocked_s = time.perf_counter() - t0
@@ -260,16 +275,20 @@ class CheckpointManager:
             self.last_save = self._write_and_commit(sd, ctx, user, t0)
         return final_path
 
-    def _write_and_commit(self, sd: dict[str, Any], ctx: SaveContext, user: dict[str, Any], t0: float) -> SaveStats:
+    def _write_and_commit(self, sd: dict[str, Any], ctx: SaveContext, user: dict[str, Any], t0: float,
+                          refuse: BaseException | None = None) -> SaveStats:
         strategy = self._strategy
         storage = self.storage
         pending = commit_mod.plan(storage, ctx.path, f"{self._token}")
         error: BaseException | None = None
         try:
-            if strategy.is_coordinator:
+            if strategy.is_coordinator and refuse is None:
                 commit_mod.begin(storage, pending)
+            # A refused save (no space) fails in DCP's planning step, before any data is
+            # written, and DCP carries the refusal to every rank.
+            target = storage if refuse is None else self._refusing(refuse)
             with self._progress(f"save step {ctx.step}") as progress:
-                digests = strategy.write(sd, storage, storage.join(pending.write_path, DCP_DIR), progress)
+                digests = strategy.write(sd, target, storage.join(pending.write_path, DCP_DIR), progress)
             total = 0
             if strategy.is_coordinator:
                 files = {f"{DCP_DIR}/{name}": FileEntry(size, digest) for name, (size, digest) in digests.items()}
@@ -288,10 +307,12 @@ class CheckpointManager:
                     info=CommitInfo(path=ctx.path, step=ctx.step, url=storage.url, manifest=json.loads(manifest.to_bytes())))
                 keep = self.config.checkpoint_config.max_ckpt_to_keep
                 if keep:
-                    removed = apply_retention(storage, self.root, keep, protect={ctx.path},
-                                              own_run=self._run_dir)
+                    with self._local_lock:
+                        removed = apply_retention(storage, self.root, keep, protect=self._protected(ctx.path),
+                                                  own_run=self._run_dir)
                     for path in removed:
                         log.info("roll-ckpt: retention removed %s", path)
+                self._replicate(ctx.path, ctx.step)
             else:
                 self._committed_steps.add(ctx.step)
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
@@ -315,6 +336,11 @@ class CheckpointManager:
         return stats
 
     def _save_error(self, ctx: SaveContext, exc: BaseException) -> RollCkptError:
+        from .space import wrapped_roll_error
+
+        ours = wrapped_roll_error(exc)  # e.g. the space check's refusal, carried by DCP from the coordinator
+        if isinstance(ours, StorageFullError):
+            return ours
         where = f"checkpoint-{ctx.step} under {self.storage.url}"
         if _disk_full(exc):
             return StorageFullError(
@@ -359,32 +385,84 @@ class CheckpointManager:
     # ------------------------------------------------------------------ resuming
 
     def resolve_resume(self, target: str | None = None) -> tuple[Storage, str] | None:
-        """The storage and path to resume from, or ``None`` for a fresh start."""
+        """The storage and path to resume from, or ``None`` for a fresh start.
+
+        ``"latest"`` is the newest committed checkpoint under ``output_dir`` and, with
+        ``checkpoint_config.backup``, at the backup location; when both hold it, the local
+        copy (``resume`` falls back to the replica if the local copy is damaged).
+        """
+        candidates = self._resume_candidates(target)
+        return (candidates[0][0], candidates[0][1]) if candidates else None
+
+    def _resume_candidates(self, target: str | None) -> list[tuple[Storage, str, bool]]:
+        """``(storage, path, from_backup)`` to try in turn: the newest checkpoint, local copy first."""
         target = self.config.resume_target if target is None else target
         if target is None:
-            return None
-        if target == "latest":
-            ref = layout.latest(self.storage, self.root)
-            if ref is None:
-                log.info("roll-ckpt: no committed checkpoint under %s; starting fresh", self.storage.url)
-                return None
-            return self.storage, ref.path
-        cc = self.config.checkpoint_config
-        storage = open_storage(self.plugins, cc.type, target, cc.storage_options)
-        return storage, storage.root
+            return []
+        if target != "latest":
+            cc = self.config.checkpoint_config
+            storage = open_storage(self.plugins, cc.type, target, cc.storage_options)
+            return [(storage, storage.root, False)]
+        local = layout.latest(self.storage, self.root)
+        remote = None
+        backup = self.backup_storage
+        if backup is not None:
+            try:
+                remote = layout.latest(backup, backup.root)
+            except Exception as exc:  # an unreachable backup must not stop a local resume
+                log.warning("roll-ckpt: cannot list the backup at %s (%s); only local checkpoints are "
+                            "considered", backup.url, exc)
+        if local is None and remote is None:
+            where = self.storage.url + (f" nor at the backup {backup.url}" if backup is not None else "")
+            log.info("roll-ckpt: no committed checkpoint under %s; starting fresh", where)
+            return []
+        if remote is None or (local is not None and local.order > remote.order):
+            return [(self.storage, local.path, False)]
+        if local is None or remote.order > local.order:
+            return [(backup, remote.path, True)]
+        return [(self.storage, local.path, False), (backup, remote.path, True)]
 
     def resume(self, state: MutableMapping[str, Any], target: str | None = None) -> int:
         """Restore ``state`` from the configured checkpoint; return its step (0: fresh start).
 
         The checkpoint is verified (sizes and checksums) before torch reads any of it;
-        a damaged or uncommitted one is refused with an error naming the file.
+        a damaged or uncommitted one is refused with an error naming the file. With
+        ``checkpoint_config.backup``, ``"latest"`` is the newest committed checkpoint of
+        both locations; a local copy that is gone or damaged is replaced by its replica
+        (verified the same way; a warning names the damaged file).
         """
         self._check_open()
-        strategy = self.bind(state)
-        found = self.resolve_resume(target)
-        if found is None:
-            return 0
-        storage, path = found
+        self.bind(state)
+        candidates = self._resume_candidates(target)
+        first_error: RollCkptError | None = None
+        for i, (storage, path, from_backup) in enumerate(candidates):
+            try:
+                step = self._resume_from(state, storage, path)
+            except RollCkptError as exc:  # raised alike on every rank (verification is broadcast)
+                if i + 1 < len(candidates):
+                    from .replication import replica_url
+
+                    nxt_storage, nxt_path, _ = candidates[i + 1]
+                    log.warning("roll-ckpt: cannot resume from the local copy %s: %s -- resuming from its "
+                                "replica %s instead (verified first)", path, exc, replica_url(nxt_storage, nxt_path))
+                    first_error = first_error or exc
+                    continue
+                if first_error is not None:
+                    log.warning("roll-ckpt: the replica %s cannot be resumed from either: %s", path, exc)
+                    raise first_error from None
+                raise
+            self.resumed_from_backup = from_backup
+            if from_backup:
+                from .replication import replica_url
+
+                self.resumed_from = replica_url(storage, path)
+                log.info("roll-ckpt: resumed step %d from the backup %s", step, self.resumed_from)
+            return step
+        return 0
+
+    def _resume_from(self, state: MutableMapping[str, Any], storage: Storage, path: str) -> int:
+        """Verify the checkpoint at ``path``, load it into ``state``; return its step."""
+        strategy = self._strategy
         problem: RollCkptError | None = None
         if strategy.is_coordinator:
             try:
@@ -406,6 +484,95 @@ class CheckpointManager:
         self.plugins.hook.roll_ckpt_load(path=path, state=state)
         return int(trainer_state["step"])
 
+    # ------------------------------------------------------------------ backup and space
+
+    def _check_space(self, sd: dict[str, Any], ctx: SaveContext, user: dict[str, Any]) -> BaseException | None:
+        """The coordinator's check that ``checkpoint-<step>`` fits; the refusal to raise, or ``None``."""
+        from .space import SpaceGuard, committed_sizes, estimate_checkpoint_bytes
+
+        if self._space is None:
+            self._space = SpaceGuard(self.storage, self.root, self.config.checkpoint_config.output_dir)
+        if not self._space.can_tell(self._run_dir or self.root):
+            return None  # an object store: nothing to check, nothing to estimate
+        estimate = estimate_checkpoint_bytes(sd, world_size=ctx.world_size, user=user)
+        keep = self.config.checkpoint_config.max_ckpt_to_keep
+
+        def retention(k: int) -> list[str]:
+            with self._local_lock:
+                return apply_retention(self.storage, self.root, k, protect=self._protected(ctx.path),
+                                       own_run=self._run_dir)
+
+        return self._space.check(estimate, path=self._run_dir or self.root, step=ctx.step, keep=keep,
+                                 retention=retention,
+                                 sizes=lambda: committed_sizes(self.storage, self.root, self._run_dir))
+
+    @property
+    def space_estimate(self) -> Any:
+        """The size estimated for the latest save (a ``SpaceEstimate``; ``None`` before the first)."""
+        return None if self._space is None else self._space.last_estimate
+
+    def _refusing(self, error: BaseException) -> Storage:
+        from .space import RefusingStorage
+
+        return RefusingStorage(self.storage, error)  # type: ignore[return-value]
+
+    def _protected(self, path: str) -> set[str]:
+        """Local checkpoints retention must leave alone: the one just written, the one being replicated."""
+        current = self._replicator.current if self._replicator is not None else None
+        return {path} | ({current} if current else set())
+
+    def _replicate(self, path: str, step: int) -> None:
+        """Queue a committed checkpoint for the backup (coordinator; starts the thread once)."""
+        if self.backup_storage is None:
+            return
+        if self._replicator is None:
+            from .replication import Replicator
+
+            self._replicator = Replicator(self.storage, self.root, self.backup_storage,
+                                          self.config.checkpoint_config.backup, lock=self._local_lock,
+                                          own_run=lambda: self._run_dir)
+            self._replicator.start(catch_up=True)
+        self._replicator.submit(path, step)
+
+    @property
+    def backup_status(self) -> Any:
+        """Where replication stands (a ``BackupStatus``), or ``None`` without ``checkpoint_config.backup``.
+
+        Per checkpoint: ``queued``, ``copying``, ``committed``, ``failed``, ``interrupted``
+        or ``skipped``, with attempts and the last error.
+        """
+        if self.backup_storage is None:
+            return None
+        if self._replicator is None:
+            from .replication import BackupStatus
+
+            return BackupStatus(self.backup_storage.url, (), False)
+        return self._replicator.status
+
+    def wait_for_backup(self, timeout: float | None = None) -> Any:
+        """Block until every checkpoint handed to replication is copied (or failed for good).
+
+        Waits for the save in flight first. Returns :attr:`backup_status`; ``timeout``
+        (seconds) bounds the wait. Training never needs to call this: ``close()`` waits
+        at most ``checkpoint_config.backup.max_wait_s``.
+        """
+        self.wait()
+        if self._replicator is not None:
+            self._replicator.wait(timeout)
+        return self.backup_status
+
+    def _close_backup(self) -> BaseException | None:
+        """Stop replication within ``backup.max_wait_s``; the error to raise for copies that failed."""
+        if self._replicator is None:
+            return None
+        try:
+            status = self._replicator.close()
+            log.info("roll-ckpt: %s", status)
+            return self._replicator.error()
+        except Exception as exc:  # closing must go on; report it
+            log.error("roll-ckpt: stopping replication failed: %s", exc, exc_info=True)
+            return None
+
     # ------------------------------------------------------------------ closing
 
     def _check_open(self) -> None:
@@ -420,10 +587,15 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-            if self._strategy is not None:
-                self._strategy.close()
+            try:
+                if self._executor is not None:
+                    self._executor.shutdown(wait=True)
+                if self._strategy is not None:
+                    self._strategy.close()
+            finally:
+                backup_error = self._close_backup()
+        if backup_error is not None:
+            raise backup_error
 
     def __enter__(self) -> "CheckpointManager":
         return self

@@ -1,0 +1,320 @@
+"""Replication to checkpoint_config.backup (local disk and memory:// here; S3 in
+test_replication_s3.py): end to end with keep_local, retries, a bounded close(), a kill
+during replication, resume from the replica when the local copy is gone or damaged."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from roll_ckpt import BackupError, CheckpointCorruptError, CheckpointManager, ConfigError, layout, load_config
+from roll_ckpt import replication
+from roll_ckpt.testing import assert_same_state, state_snapshot, tiny_state
+from roll_ckpt.verify import verify
+
+from ._backup_helpers import HELPERS_DIR, REPLICATING_CHILD, FailingWrites, SlowWrites, flip_byte, wait_for
+
+
+def _config(local: Any, backup: Any, *, resume: Any = False, async_save: bool = False, **bk: Any):
+    return load_config({
+        "checkpoint_config": {"type": "file_system", "output_dir": str(local),
+                              "backup": {"type": "file_system", "output_dir": str(backup), **bk}},
+        "resume_from_checkpoint": resume,
+        "strategy_config": {"async_save_ckpt": async_save},
+    })
+
+
+def _manager(cfg) -> CheckpointManager:
+    return CheckpointManager.from_config(cfg, quiet=True)
+
+
+def _steps(storage, root) -> list[int]:
+    return [r.step for r in layout.committed(storage, root)]
+
+
+def _leftovers(storage, root) -> list[str]:
+    out = []
+    for folder in [root, *(p for _, p in layout.run_folders(storage, root))]:
+        out += [e.path for e in storage.list(folder) if e.name.startswith((".tmp-", ".inflight-"))]
+    return out + [r.path for r in layout.scan(storage, root) if not r.committed]
+
+
+@pytest.fixture(autouse=True)
+def _fast_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(replication, "BACKOFF_S", 0.01)
+
+
+@pytest.fixture(params=["disk", "memory"])
+def backup_url(request, tmp_path: Path, memory_url: str) -> str:
+    return str(tmp_path / "backup") if request.param == "disk" else memory_url
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+def test_replication_end_to_end_with_keep_local(tmp_path: Path, backup_url: str) -> None:
+    local = tmp_path / "local"
+    state = tiny_state(1)
+    m = _manager(_config(local, backup_url, async_save=True, keep_local=1))
+    snaps = {}
+    for step in (1, 2, 3):
+        m.save(step, state)
+        snaps[step] = state_snapshot(state)
+        state["counter"]["seen"] += 1
+    status = m.wait_for_backup(timeout=30)
+    assert [c.state for c in status.checkpoints] == ["committed"] * 3, status
+    assert [c.local_removed for c in status.checkpoints] == [True, True, False]
+    bk = m.backup_storage
+    run = Path(m.run_dir).name
+    # the replica mirrors <run>/checkpoint-<step>, every checkpoint is whole and committed
+    assert _steps(bk, bk.root) == [1, 2, 3]
+    assert {r.run for r in layout.committed(bk, bk.root)} == {run}
+    for ref in layout.committed(bk, bk.root):
+        verify(bk, ref.path)
+    assert _leftovers(bk, bk.root) == []
+    # keep_local: 1 -> only the newest local copy is left, the others live on at the replica
+    assert _steps(m.storage, m.root) == [3]
+    from roll_ckpt.transfer import committed_manifest
+
+    assert committed_manifest(m.storage, str(Path(m.run_dir) / "checkpoint-3")) == \
+        committed_manifest(bk, bk.join(bk.root, run, "checkpoint-3"))  # the manifest is copied unchanged
+    m.close()
+    assert "3 committed" in str(m.backup_status)
+
+    # every replica resumes exactly, e.g. step 2 whose local copy is gone
+    fresh = tiny_state(9)
+    target = replication.replica_url(bk, bk.join(bk.root, run, "checkpoint-2"))
+    with _manager(load_config({"checkpoint_config": {"output_dir": backup_url}, "resume_from_checkpoint": target})) as r:
+        assert r.resume(fresh) == 2
+    assert_same_state(state_snapshot(fresh), snaps[2])
+
+
+def test_saves_do_not_wait_for_replication(tmp_path: Path, monkeypatch) -> None:
+    import roll_ckpt.transfer as transfer
+
+    monkeypatch.setattr(transfer, "CHUNK_BYTES", 4096)
+    m = _manager(_config(tmp_path / "local", tmp_path / "backup", max_wait_s=0))
+    m.backup_storage = SlowWrites(m.backup_storage, delay=0.2)  # one replica takes ~4 s
+    state = tiny_state()
+    t0 = time.perf_counter()
+    m.save(1, state)
+    m.save(2, state)
+    took = time.perf_counter() - t0
+    status = m.backup_status
+    m.close()  # max_wait_s: 0 -> does not wait; the copies are interrupted
+    assert status.pending and not status.committed, "replication runs in the background"
+    assert took < 3.0, f"saves waited for replication ({took:.1f}s)"
+    assert [c.state for c in m.backup_status.checkpoints] == ["interrupted", "interrupted"]
+
+
+# --------------------------------------------------------------------------- failures
+
+
+def test_a_failed_copy_is_retried_then_committed(tmp_path: Path, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="roll_ckpt")
+    m = _manager(_config(tmp_path / "local", tmp_path / "backup", retries=3))
+    m.backup_storage = FailingWrites(m.backup_storage, failures=2)
+    m.save(1, tiny_state())
+    status = m.wait_for_backup(timeout=30)
+    (item,) = status.checkpoints
+    assert item.state == "committed" and item.attempts == 3 and "injected I/O error" in (item.error or "")
+    m.close()
+    assert _steps(m.backup_storage, m.backup_storage.root) == [1]
+    assert len([r for r in caplog.records if "retrying in" in r.getMessage()]) == 2
+
+
+def test_a_copy_that_keeps_failing_is_reported_and_never_counted(tmpfs, tmp_path: Path, caplog) -> None:
+    readonly = tmpfs("1m", readonly=True)  # the backup location refuses every write
+    caplog.set_level(logging.INFO, logger="roll_ckpt")
+    m = _manager(_config(tmp_path / "local", readonly / "backup", retries=2, keep_local=1))
+    m.save(1, tiny_state())
+    m.save(2, tiny_state())
+    status = m.wait_for_backup(timeout=30)
+    assert [c.state for c in status.checkpoints] == ["failed", "failed"]
+    assert all(c.attempts == 3 for c in status.checkpoints)
+    # never counted as a backup: keep_local removed nothing
+    assert _steps(m.storage, m.root) == [1, 2]
+    assert any(r.levelno == logging.ERROR and "has NO backup" in r.getMessage() for r in caplog.records)
+    with pytest.raises(BackupError) as info:
+        m.close()
+    assert len(info.value.failed) == 2 and "could not be replicated" in str(info.value)
+    assert "checkpoint-1" in str(info.value) and "local checkpoints are intact" in str(info.value)
+    for ref in layout.committed(m.storage, m.root):
+        verify(m.storage, ref.path)
+
+
+def test_close_waits_at_most_max_wait_s_and_the_next_run_catches_up(tmp_path: Path, monkeypatch) -> None:
+    import roll_ckpt.transfer as transfer
+
+    monkeypatch.setattr(transfer, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(replication, "STOP_GRACE_S", 2.0)
+    local, backup = tmp_path / "local", tmp_path / "backup"
+    m = _manager(_config(local, backup, max_wait_s=0.5))
+    m.backup_storage = SlowWrites(m.backup_storage, delay=0.2)  # a copy would take ~5 s
+    m.save(1, tiny_state())
+    t0 = time.perf_counter()
+    m.close()  # not an error: replication is cut off by the bound, not failed
+    took = time.perf_counter() - t0
+    assert took < 0.5 + 2.0 + 0.5, f"close() blocked {took:.1f}s"
+    (item,) = m.backup_status.checkpoints
+    assert item.state == "interrupted"
+    bk = m.backup_storage
+    assert _steps(bk, bk.root) == [] and _leftovers(bk, bk.root) == []  # nothing committed, nothing left
+
+    # the next run's first save copies what the previous one could not
+    m2 = _manager(_config(local, backup, resume="latest"))
+    assert m2.resume(tiny_state()) == 1 and not m2.resumed_from_backup
+    m2.save(2, tiny_state())
+    status = m2.wait_for_backup(timeout=30)
+    m2.close()
+    assert sorted(c.step for c in status.committed) == [1, 2]
+    assert _steps(m2.backup_storage, m2.backup_storage.root) == [1, 2]
+
+
+def test_a_kill_during_replication_commits_nothing_and_is_copied_again(tmp_path: Path) -> None:
+    local, backup = tmp_path / "local", tmp_path / "backup"
+    raw = {"checkpoint_config": {"output_dir": str(local), "backup": {"output_dir": str(backup)}}}
+    script = tmp_path / "child.py"
+    script.write_text(REPLICATING_CHILD)
+    flag = tmp_path / "copying"
+    env = dict(os.environ, HELPERS_DIR=HELPERS_DIR, ROLL_CKPT_QUIET="1", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, str(script), json.dumps(raw), str(flag)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(flag, 60, proc)  # the replica is being written
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    cfg = _config(local, backup, resume="latest")
+    m = _manager(cfg)
+    bk = m.backup_storage
+    assert _steps(bk, bk.root) == [], "a killed copy must not look committed"
+    assert _leftovers(bk, bk.root), "the killed copy left its temporary folder (removed below)"
+    (ref,) = layout.committed(m.storage, m.root)
+    verify(m.storage, ref.path)  # the local checkpoint is intact
+
+    assert m.resume(tiny_state()) == 1 and not m.resumed_from_backup
+    m.save(2, tiny_state())
+    status = m.wait_for_backup(timeout=30)
+    m.close()
+    assert sorted(c.step for c in status.committed) == [1, 2]
+    assert _steps(bk, bk.root) == [1, 2]
+    assert _leftovers(bk, bk.root) == []
+    for r in layout.committed(bk, bk.root):
+        verify(bk, r.path)
+
+
+# --------------------------------------------------------------------------- resume
+
+
+def _two_saved(local: Path, backup: str) -> tuple[CheckpointManager, dict, dict]:
+    state = tiny_state(3)
+    m = _manager(_config(local, backup))
+    m.save(1, state)
+    state["counter"]["seen"] += 7
+    m.save(2, state)
+    snap = state_snapshot(state)
+    m.wait_for_backup(timeout=30)
+    m.close()
+    return m, state, snap
+
+
+def test_resume_from_the_replica_when_the_local_copy_is_gone(tmp_path: Path, backup_url: str) -> None:
+    local = tmp_path / "local"
+    m, _, snap = _two_saved(local, backup_url)
+    shutil.rmtree(local)
+    fresh = tiny_state(11)
+    with _manager(_config(local, backup_url, resume="latest")) as r:
+        assert r.resume(fresh) == 2
+        assert r.resumed_from_backup
+        assert r.resumed_from.endswith("checkpoint-2") and r.resumed_from.startswith(backup_url.rstrip("/"))
+    assert_same_state(state_snapshot(fresh), snap)
+
+
+def test_latest_is_the_newest_of_both_locations(tmp_path: Path) -> None:
+    local, backup = tmp_path / "local", tmp_path / "backup"
+    m, state, _ = _two_saved(local, str(backup))
+    # a newer local checkpoint that has no replica (yet) wins over the replica's newest
+    plain = load_config({"checkpoint_config": {"output_dir": str(local)}})
+    with _manager(plain) as p:
+        p.save(3, state)
+    with _manager(_config(local, backup, resume="latest")) as r:
+        storage, path = r.resolve_resume()
+        assert storage is r.storage and path.endswith("checkpoint-3")
+        assert r.resume(tiny_state()) == 3 and not r.resumed_from_backup
+    # both hold the newest: the local copy is taken
+    shutil.rmtree(Path(path))
+    with _manager(_config(local, backup, resume="latest")) as r:
+        assert r.resolve_resume()[0] is r.storage
+        assert r.resume(tiny_state()) == 2 and not r.resumed_from_backup
+
+
+def test_a_damaged_local_copy_falls_back_to_the_replica(tmp_path: Path, backup_url: str, caplog) -> None:
+    local = tmp_path / "local"
+    m, _, snap = _two_saved(local, backup_url)
+    (ckpt2,) = [r for r in layout.committed(m.storage, m.root) if r.step == 2]
+    flip_byte(Path(ckpt2.path) / "dcp" / "__0_0.distcp")
+    caplog.set_level(logging.WARNING, logger="roll_ckpt")
+    fresh = tiny_state(5)
+    with _manager(_config(local, backup_url, resume="latest")) as r:
+        assert r.resume(fresh) == 2
+        assert r.resumed_from_backup
+    assert_same_state(state_snapshot(fresh), snap)
+    warned = [rec.getMessage() for rec in caplog.records if "cannot resume from the local copy" in rec.getMessage()]
+    assert warned and "dcp/__0_0.distcp" in warned[0] and "checksum" in warned[0], warned
+
+
+def test_a_damaged_manifest_falls_back_too_and_both_damaged_is_refused(tmp_path: Path) -> None:
+    local, backup = tmp_path / "local", tmp_path / "backup"
+    m, _, _ = _two_saved(local, str(backup))
+    (ckpt2,) = [r for r in layout.committed(m.storage, m.root) if r.step == 2]
+    (Path(ckpt2.path) / "trainer_state.json").write_text("{}")  # altered (size changes)
+    with _manager(_config(local, backup, resume="latest")) as r:
+        assert r.resume(tiny_state()) == 2 and r.resumed_from_backup
+    # the replica damaged as well: refused, naming the local copy's damage
+    run = Path(ckpt2.path).parent.name
+    flip_byte(backup / run / "checkpoint-2" / "dcp" / "__0_0.distcp")
+    with _manager(_config(local, backup, resume="latest")) as r:
+        with pytest.raises(CheckpointCorruptError) as info:
+            r.resume(tiny_state())
+    assert ckpt2.path in str(info.value) and "trainer_state.json" in str(info.value)
+
+
+# --------------------------------------------------------------------------- config
+
+
+def test_backup_config_keys() -> None:
+    cfg = load_config({"checkpoint_config": {"output_dir": "/a", "backup": {"output_dir": "/b"}}})
+    b = cfg.checkpoint_config.backup
+    assert (b.keep_local, b.max_wait_s, b.retries) == (0, 5.0, 3)
+    cfg = load_config({"checkpoint_config": {"output_dir": "/a", "backup": {
+        "output_dir": "s3://bk/x", "keep_local": 2, "max_wait_s": 30, "retries": 0}}})
+    assert cfg.checkpoint_config.backup.max_wait_s == 30.0 and cfg.checkpoint_config.backup.retries == 0
+    for bad, key in [({"max_wait_s": -1}, "max_wait_s"), ({"max_wait_s": True}, "max_wait_s"),
+                     ({"max_wait_s": "5"}, "max_wait_s"), ({"retries": -2}, "retries"),
+                     ({"retries": 1.5}, "retries"), ({"max_wait_s": float("inf")}, "max_wait_s")]:
+        with pytest.raises(ConfigError, match=rf"checkpoint_config\.backup\.{key}"):
+            load_config({"checkpoint_config": {"output_dir": "/a", "backup": {"output_dir": "/b", **bad}}})
+    with pytest.raises(ConfigError, match="same location"):
+        load_config({"checkpoint_config": {"output_dir": "/a/", "backup": {"output_dir": "/a"}}})
+
+
+def test_unknown_backup_type_names_the_installed_backends(tmp_path: Path) -> None:
+    from roll_ckpt import UnknownPluginError
+
+    cfg = load_config({"checkpoint_config": {"output_dir": str(tmp_path / "a"),
+                                             "backup": {"type": "file_sytem", "output_dir": str(tmp_path / "b")}}})
+    with pytest.raises(UnknownPluginError, match="file_system"):
+        CheckpointManager.from_config(cfg, quiet=True)
