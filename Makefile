@@ -29,6 +29,13 @@ demo: venv
 test: venv
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# Crash consistency and fault injection at full strength: 50 SIGKILLs per mode (make test
+# runs 5), the kill-before-every-storage-operation sweep on S3 too. Replay a failure with
+# ROLL_CKPT_CRASH_SEED=<seed printed by the test>.
+RELIABILITY_KILLS ?= 50
+test-reliability: venv
+	ROLL_CKPT_KILLS=$(RELIABILITY_KILLS) $(PY) -m pytest -q tests/reliability $(PYTEST_ARGS)
+
 # Pure-Python wheels of the four distributions (carried to a GPU machine by scripts/gpu_check.sh).
 wheels: venv
 	rm -rf dist && $(PIP) wheel -q --no-deps -w dist . packages/core packages/backend-fs packages/strategy-fsdp2

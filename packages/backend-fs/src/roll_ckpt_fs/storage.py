@@ -67,7 +67,10 @@ class LocalStorage:
         out = []
         with it:
             for e in it:
-                st = e.stat(follow_symlinks=False)
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except FileNotFoundError:  # removed meanwhile (another run's commit or retention)
+                    continue
                 out.append(Entry(e.name, e.path, stat.S_ISDIR(st.st_mode), st.st_size, st.st_mtime))
         return out
 

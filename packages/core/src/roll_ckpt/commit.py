@@ -136,9 +136,14 @@ def _clean_folder(storage: Storage, folder: str, now: float) -> list[str]:
             live_writes.add(owner.get("write_path"))
             continue
         wp = owner.get("write_path")
-        if wp and wp.startswith(folder) and not storage.exists(storage.join(wp, MANIFEST_NAME)):
-            storage.remove_tree(wp)
-            removed.append(wp)
+        if isinstance(wp, str) and _parent(storage, wp) == folder.rstrip("/"):
+            # A temporary folder is never a checkpoint, even with a manifest inside (the writer
+            # died between writing it and the rename); a folder written in place (object
+            # stores) is one once its manifest exists.
+            temporary = wp.rstrip("/").rsplit("/", 1)[-1].startswith(TMP_PREFIX)
+            if temporary or not storage.exists(storage.join(wp, MANIFEST_NAME)):
+                storage.remove_tree(wp)
+                removed.append(wp)
         storage.remove(e.path)
     for e in entries:
         # A temporary folder no live owner claims is left over from a crash.

@@ -113,6 +113,14 @@ class Config:
 _INTERP = re.compile(r"\$\{([^${}]+)\}")
 
 
+def _key_path(where: str, key: Any) -> str:
+    """``where.key``, the key quoted when it would not show (empty, blank or padded)."""
+    name = str(key)
+    if not name.strip() or name != name.strip():
+        name = repr(key)
+    return f"{where}.{name}" if where else name
+
+
 def _lookup(root: Mapping[str, Any], dotted: str) -> Any:
     node: Any = root
     for part in dotted.split("."):
@@ -157,7 +165,7 @@ def _interpolate(root: dict[str, Any]) -> dict[str, Any]:
         if isinstance(v, str) and "${" in v:
             return resolve_str(v, where, stack)
         if isinstance(v, Mapping):
-            return {k: resolve(x, f"{where}.{k}" if where else str(k), stack) for k, x in v.items()}
+            return {k: resolve(x, _key_path(where, k), stack) for k, x in v.items()}
         if isinstance(v, list):
             return [resolve(x, f"{where}[{i}]", stack) for i, x in enumerate(v)]
         return v
@@ -179,6 +187,8 @@ def _read_file(path: Path) -> dict[str, Any]:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError("<file>", f"config file {path} is not valid YAML: {exc}".replace("\n", " ")) from None
+    except RecursionError:
+        raise ConfigError("<file>", f"config file {path} is nested too deeply") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -198,8 +208,11 @@ def load_config(source: str | os.PathLike[str] | Mapping[str, Any]) -> Config:
                           type(source).__name__)
     for k in raw:
         if not isinstance(k, str):
-            raise ConfigError(str(k), "top-level keys must be strings", k)
-    return _build(_interpolate(raw))
+            raise ConfigError(_key_path("", k), "top-level keys must be strings", k)
+    try:
+        return _build(_interpolate(raw))
+    except RecursionError:
+        raise ConfigError("<config>", "is nested too deeply, or its ${...} references chain too far") from None
 
 
 # --------------------------------------------------------------------------- validation
@@ -228,13 +241,21 @@ def _string(key: str, value: Any, *, empty_ok: bool = False) -> str:
     return value
 
 
+def _location(key: str, value: Any) -> str:
+    """A path or URL: a non-empty string without NUL characters (no file system takes one)."""
+    _string(key, value)
+    if "\x00" in value:
+        raise ConfigError(key, "contains a NUL character", value, "a path or URL")
+    return value
+
+
 def _options(key: str, value: Any) -> dict[str, Any]:
     if value is None:
         return {}
     _expect(key, value, Mapping, "a mapping of options")
     for k in value:
         if not isinstance(k, str):
-            raise ConfigError(f"{key}.{k}", "option names must be strings", k)
+            raise ConfigError(_key_path(key, k), "option names must be strings", k)
     return dict(value)
 
 
@@ -243,7 +264,7 @@ def _reject_unknown(section: str, given: Mapping[str, Any], known: list[str]) ->
         if k not in known:
             close = difflib.get_close_matches(str(k), known, n=1)
             hint = f"did you mean '{close[0]}'? " if close else ""
-            raise ConfigError(f"{section}.{k}", f"unknown key; {hint}known keys are {', '.join(known)}")
+            raise ConfigError(_key_path(section, k), f"unknown key; {hint}known keys are {', '.join(known)}")
 
 
 def _field_names(cls: type) -> list[str]:
@@ -261,7 +282,7 @@ def _backup(value: Any) -> BackupConfig | None:
         raise ConfigError(f"{key}.output_dir", "is required when a backup is configured")
     return BackupConfig(
         type=_string(f"{key}.type", value.get("type", "file_system")),
-        output_dir=_string(f"{key}.output_dir", value["output_dir"]),
+        output_dir=_location(f"{key}.output_dir", value["output_dir"]),
         storage_options=_options(f"{key}.storage_options", value.get("storage_options")),
         keep_local=_count(f"{key}.keep_local", value.get("keep_local", 0)),
         max_wait_s=_seconds(f"{key}.max_wait_s", value.get("max_wait_s", 5.0)),
@@ -279,7 +300,10 @@ def _seconds(key: str, value: Any) -> float:
 def _same_location(a: str, b: str) -> bool:
     def norm(u: str) -> str:
         if "://" not in u or u.startswith("file://"):
-            return os.path.normpath(os.path.abspath(os.path.expanduser(u.removeprefix("file://"))))
+            try:
+                return os.path.normpath(os.path.abspath(os.path.expanduser(u.removeprefix("file://"))))
+            except ValueError:  # a user name ~x that cannot be looked up
+                return u
         return u.rstrip("/")
 
     return norm(a) == norm(b)
@@ -304,7 +328,7 @@ def _checkpoint(value: Any, default_root: str) -> CheckpointConfig:
         components = names or None
     timestamp_subdir = value.get("timestamp_subdir", True)
     _expect(f"{key}.timestamp_subdir", timestamp_subdir, bool, "true or false")
-    output_dir = _string(f"{key}.output_dir", value.get("output_dir", default_root))
+    output_dir = _location(f"{key}.output_dir", value.get("output_dir", default_root))
     backup = _backup(value.get("backup"))
     if backup is not None and _same_location(backup.output_dir, output_dir):
         raise ConfigError(f"{key}.backup.output_dir", "is the same location as checkpoint_config.output_dir",
@@ -358,7 +382,7 @@ def _build(raw: dict[str, Any]) -> Config:
     exp_name = raw.get("exp_name", "roll-ckpt")
     if not isinstance(exp_name, (str, int)) or isinstance(exp_name, bool):
         raise ConfigError("exp_name", "has the wrong type", exp_name, "a string")
-    output_dir = _string("output_dir", raw.get("output_dir", "./output"))
+    output_dir = _location("output_dir", raw.get("output_dir", "./output"))
     seed = raw.get("seed", 42)
     _expect("seed", seed, int, "an integer")
     offload = raw.get("offload_backend", "local")

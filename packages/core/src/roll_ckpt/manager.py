@@ -23,7 +23,7 @@ from .manifest import FileEntry, Manifest
 from .digest import hash_bytes
 from .plugins import Plugins, get_plugins
 from .progress import Progress
-from .retention import apply_retention
+from .retention import apply_retention, note_open_run
 from .savectx import CommitInfo, SaveContext
 from .storage import Storage
 from .verify import verify
@@ -202,6 +202,8 @@ class CheckpointManager:
             raise StorageError(f"cannot write under checkpoint_config.output_dir {self.config.checkpoint_config.output_dir}: "
                                f"{name[1:]}; choose a writable location")
         self._run_dir = self.storage.join(self.root, name) if name else self.root
+        if name:
+            note_open_run(self._run_dir, self)  # retention by other managers leaves it alone
         return self._run_dir
 
     def _claim_run_folder(self) -> str:
@@ -347,12 +349,17 @@ class CheckpointManager:
                 f"no space left while writing {where}; nothing of it was committed and earlier "
                 "checkpoints are intact. Free space or lower checkpoint_config.max_ckpt_to_keep; "
                 "training can go on and the next save will try again")
-        if isinstance(exc, PermissionError):
-            return StorageError(f"permission denied while writing {where}: {exc}; choose a writable "
+        cause = exc
+        failures = getattr(exc, "failures", None)
+        if isinstance(failures, dict) and failures:  # DCP's CheckpointException: what a rank hit, not its traceback
+            first = failures[min(failures)]
+            cause = first[0] if isinstance(first, tuple) and first else first
+        if isinstance(cause, PermissionError):
+            return StorageError(f"permission denied while writing {where}: {cause}; choose a writable "
                                 "checkpoint_config.output_dir")
         if isinstance(exc, RollCkptError):
             return exc
-        return SaveError(f"saving {where} failed ({type(exc).__name__}: {exc}); nothing of it was "
+        return SaveError(f"saving {where} failed ({type(cause).__name__}: {cause}); nothing of it was "
                          "committed and earlier checkpoints are intact")
 
     def _trainer_state(self, ctx: SaveContext, user: dict[str, Any]) -> bytes:

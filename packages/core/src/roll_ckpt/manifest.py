@@ -1,8 +1,10 @@
 """``manifest.json``: the file whose presence commits a checkpoint.
 
 It lists every file of the checkpoint with its size and checksum, so a checkpoint can be
-verified before torch reads any of it. With ``ROLL_CKPT_SIGNING_KEY`` set, it also
-carries an HMAC over its own canonical form.
+verified before torch reads any of it, and carries a checksum of its own content
+(``manifest_checksum``), so a damaged manifest is reported as such rather than as damage
+to the files it describes. With ``ROLL_CKPT_SIGNING_KEY`` set, it also carries an HMAC
+over its own canonical form.
 """
 
 from __future__ import annotations
@@ -15,14 +17,47 @@ import posixpath
 from dataclasses import dataclass, field
 from typing import Any
 
-from .digest import ALGORITHM
+from .digest import ALGORITHM, hash_bytes
 
-__all__ = ["Manifest", "FileEntry", "MANIFEST_NAME", "FORMAT", "FORMAT_VERSION", "safe_relpath"]
+__all__ = ["Manifest", "FileEntry", "MANIFEST_NAME", "FORMAT", "FORMAT_VERSION", "safe_relpath",
+           "seal", "UnsafeManifestError"]
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "roll-ckpt"
 FORMAT_VERSION = 1
 SIGNING_ENV = "ROLL_CKPT_SIGNING_KEY"
+CHECKSUM_FIELD = "manifest_checksum"
+
+
+class UnsafeManifestError(ValueError):
+    """The manifest names a path outside the checkpoint folder (``problems`` says which)."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("; ".join(problems))
+        self.problems = problems
+
+
+def _canonical(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _self_checksum(body: dict[str, Any]) -> str:
+    return hash_bytes(_canonical(body))[1]
+
+
+def seal(body: dict[str, Any]) -> bytes:
+    """The bytes of ``manifest.json`` for ``body``: with its own checksum, and signed when
+    ``ROLL_CKPT_SIGNING_KEY`` is set (any ``manifest_checksum``/``signature`` in ``body``
+    is replaced)."""
+    body = {k: v for k, v in body.items() if k not in (CHECKSUM_FIELD, "signature")}
+    body[CHECKSUM_FIELD] = _self_checksum(body)
+    key = os.environ.get(SIGNING_ENV)
+    if key:
+        body["signature"] = {
+            "algorithm": "hmac-sha256",
+            "value": hmac.new(key.encode(), _canonical(body), hashlib.sha256).hexdigest(),
+        }
+    return (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
 
 
 @dataclass(frozen=True)
@@ -67,26 +102,40 @@ class Manifest:
 
     @staticmethod
     def _canonical(body: dict[str, Any]) -> bytes:
-        return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+        return _canonical(body)
 
     def to_bytes(self) -> bytes:
-        body = self._body()
-        key = os.environ.get(SIGNING_ENV)
-        if key:
-            body["signature"] = {
-                "algorithm": "hmac-sha256",
-                "value": hmac.new(key.encode(), self._canonical(body), hashlib.sha256).hexdigest(),
-            }
-        return (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
+        return seal(self._body())
 
     @classmethod
     def from_bytes(cls, data: bytes) -> tuple["Manifest", list[str]]:
-        """Parse; return the manifest and the problems found (empty when sound)."""
+        """Parse; return the manifest and the problems found (empty when sound).
+
+        Raises ``ValueError`` when the manifest is damaged (not JSON, its own checksum does
+        not match, malformed) and :class:`UnsafeManifestError` when it names a path that
+        leaves the checkpoint folder. The problems returned concern its signature.
+        """
         try:
             body = json.loads(data.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ValueError(f"not valid JSON ({exc})") from None
-        if not isinstance(body, dict) or body.get("format") != FORMAT:
+        if not isinstance(body, dict) or (body.get("format") != FORMAT and CHECKSUM_FIELD not in body):
+            raise ValueError("not a roll-ckpt manifest")
+        signature = body.pop("signature", None)
+        stored = body.pop(CHECKSUM_FIELD, None)
+        unsafe = [f"lists the path {name!r}, which leaves the checkpoint folder"
+                  for name in (body.get("files") if isinstance(body.get("files"), dict) else {})
+                  if not safe_relpath(name)]
+        damaged = None
+        if stored is None:
+            damaged = f"has no {CHECKSUM_FIELD} (damaged, or not written by roll-ckpt)"
+        elif stored != _self_checksum(body):
+            damaged = "checksum mismatch (the manifest changed after it was written)"
+        if unsafe:
+            raise UnsafeManifestError(unsafe + ([damaged] if damaged else []))
+        if damaged:
+            raise ValueError(damaged)
+        if body.get("format") != FORMAT:
             raise ValueError("not a roll-ckpt manifest")
         if body.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"format_version {body.get('format_version')!r} is not supported "
@@ -100,16 +149,22 @@ class Manifest:
         problems: list[str] = []
         files: dict[str, FileEntry] = {}
         for name, ent in files_raw.items():
-            if not safe_relpath(name):
-                raise ValueError(f"lists the path {name!r}, which leaves the checkpoint folder")
             if (not isinstance(ent, dict) or not isinstance(ent.get("size"), int)
                     or not isinstance(ent.get("checksum"), str)):
                 raise ValueError(f"malformed entry for {name!r}")
             files[name] = FileEntry(ent["size"], ent["checksum"])
+        if signature is not None:
+            body["signature"] = signature
+        body[CHECKSUM_FIELD] = stored
         problems.extend(cls._check_signature(body))
-        m = cls(step=step, files=files, created=str(body.get("created", "")),
-                world_size=int(body.get("world_size", 1) or 1), component=body.get("component"),
-                plugins=dict(body.get("plugins") or {}), extra=dict(body.get("extra") or {}))
+        world_size, component = body.get("world_size", 1), body.get("component")
+        plugins, extra = body.get("plugins") or {}, body.get("extra") or {}
+        if (not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1
+                or not isinstance(plugins, dict) or not isinstance(extra, dict)
+                or not (component is None or isinstance(component, str))):
+            raise ValueError("malformed 'world_size', 'component', 'plugins' or 'extra'")
+        m = cls(step=step, files=files, created=str(body.get("created", "")), world_size=world_size,
+                component=component, plugins=dict(plugins), extra=dict(extra))
         return m, problems
 
     @classmethod
@@ -120,7 +175,7 @@ class Manifest:
             return []
         if not isinstance(sig, dict) or sig.get("algorithm") != "hmac-sha256":
             return [f"unsigned, but {SIGNING_ENV} is set: only signed checkpoints are accepted"]
-        want = hmac.new(key.encode(), cls._canonical(body), hashlib.sha256).hexdigest()
+        want = hmac.new(key.encode(), _canonical(body), hashlib.sha256).hexdigest()
         if not hmac.compare_digest(want, str(sig.get("value", ""))):
             return [f"signature does not match {SIGNING_ENV}: the manifest was altered or signed with another key"]
         return []

@@ -8,11 +8,28 @@ removal never leaves a folder that looks committed but is not whole.
 
 from __future__ import annotations
 
+import weakref
+from typing import Any
+
 from .layout import CheckpointRef, committed
 from .manifest import MANIFEST_NAME
 from .storage import Storage
 
-__all__ = ["plan_retention", "remove_checkpoint", "apply_retention"]
+__all__ = ["plan_retention", "remove_checkpoint", "apply_retention", "note_open_run"]
+
+_open_runs: dict[str, "weakref.ref[Any]"] = {}
+"""Run folders of this process's managers: a run of this process is live while its manager is open."""
+
+
+def note_open_run(path: str, manager: Any) -> None:
+    """Record that ``manager`` (open until its ``_closed`` is true) writes the run folder ``path``."""
+    _open_runs[path.rstrip("/")] = weakref.ref(manager)
+
+
+def _open_in_this_process(path: str) -> bool:
+    ref = _open_runs.get(path.rstrip("/"))
+    manager = ref() if ref is not None else None
+    return manager is not None and not getattr(manager, "_closed", False)
 
 
 def plan_retention(refs: list[CheckpointRef], keep: int, protect: set[str] = frozenset()) -> list[CheckpointRef]:
@@ -25,9 +42,25 @@ def plan_retention(refs: list[CheckpointRef], keep: int, protect: set[str] = fro
 
 
 def remove_checkpoint(storage: Storage, path: str) -> None:
+    """Un-commit, then remove the checkpoint at ``path``.
+
+    An owner marker (as a save leaves one) claims the folder meanwhile: if this process
+    dies halfway, the next start (``commit.clean_stale``) finds the marker of a writer that
+    is gone and removes the rest of the folder, which no longer has a manifest.
+    """
+    import json
+    import uuid
+
+    from .commit import MARKER_PREFIX, owner_record
+
+    parent, name = path.rstrip("/").rsplit("/", 1)
+    marker = storage.join(parent, f"{MARKER_PREFIX}{name}-remove-{uuid.uuid4().hex[:12]}.json")
+    with storage.open_write(marker) as f:
+        f.write(json.dumps(dict(owner_record(), write_path=path, final_path=path)).encode())
     storage.remove(storage.join(path, MANIFEST_NAME))
     storage.sync_dir(path)
     storage.remove_tree(path)
+    storage.remove(marker)
 
 
 def _live_foreign_runs(storage: Storage, output_dir: str, own_run: str | None) -> set[str]:
@@ -51,7 +84,10 @@ def _live_foreign_runs(storage: Storage, output_dir: str, own_run: str | None) -
         if not isinstance(owner, dict) or "pid" not in owner:
             continue
         mine = owner.get("pid") == os.getpid() and owner.get("host") == socket.gethostname()
-        if not mine and not owner_gone(owner):
+        if mine:  # another manager of this process (two runs in one job): live while it is open
+            if _open_in_this_process(path):
+                live.add(name)
+        elif not owner_gone(owner):
             live.add(name)
     return live
 
@@ -60,9 +96,10 @@ def apply_retention(storage: Storage, output_dir: str, keep: int, protect: set[s
                     own_run: str | None = None) -> list[str]:
     """Remove the oldest committed checkpoints so that ``keep`` remain.
 
-    Checkpoints of another run that is still alive (its run folder's owner process runs)
-    are neither removed nor counted: two jobs sharing an ``output_dir`` never touch each
-    other's checkpoints. ``own_run`` is the caller's run folder.
+    Checkpoints of another run that is still alive (its run folder's owner process runs;
+    in this process: its manager is open) are neither removed nor counted: two jobs
+    sharing an ``output_dir`` never touch each other's checkpoints. ``own_run`` is the
+    caller's run folder.
     """
     removed = []
     live = _live_foreign_runs(storage, output_dir, own_run)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 from dataclasses import dataclass
 from typing import Callable
 
 from .commit import require_committed
 from .digest import hash_stream
 from .errors import CheckpointCorruptError, UnsafeCheckpointError
-from .manifest import MANIFEST_NAME, Manifest
+from .manifest import MANIFEST_NAME, Manifest, UnsafeManifestError
 from .storage import Storage
 
 __all__ = ["verify", "read_manifest", "list_files", "VerifyReport"]
@@ -34,12 +35,26 @@ def list_files(storage: Storage, root: str, prefix: str = "") -> dict[str, int]:
     return out
 
 
+def unsafe_read_fault(exc: OSError) -> str:
+    """What a file that cannot be opened safely is (local disks open with ``O_NOFOLLOW``)."""
+    if exc.errno == errno.ELOOP:
+        return "is a symbolic link, refused (a checkpoint holds regular files inside its folder)"
+    return f"cannot be read safely ({exc.strerror or exc})"
+
+
 def read_manifest(storage: Storage, path: str) -> Manifest:
     require_committed(storage, path)
     try:
-        with storage.open_read(storage.join(path, MANIFEST_NAME)) as f:
-            data = f.read()
+        try:
+            with storage.open_read(storage.join(path, MANIFEST_NAME)) as f:
+                data = f.read()
+        except FileNotFoundError:
+            raise
+        except OSError as exc:  # e.g. a link planted in place of the manifest
+            raise UnsafeCheckpointError(path, [(MANIFEST_NAME, unsafe_read_fault(exc))]) from None
         manifest, problems = Manifest.from_bytes(data)
+    except UnsafeManifestError as exc:
+        raise UnsafeCheckpointError(path, [(MANIFEST_NAME, p) for p in exc.problems]) from None
     except ValueError as exc:
         raise CheckpointCorruptError(path, [(MANIFEST_NAME, str(exc))]) from None
     if problems:
@@ -74,7 +89,7 @@ def verify(storage: Storage, path: str, *, checksums: bool = True,
                 with storage.open_read(storage.join(path, name)) as f:
                     size, digest = hash_stream(f, on_bytes)
             except OSError as exc:  # e.g. a link, refused by O_NOFOLLOW
-                faults.append((name, f"cannot be read safely ({exc.strerror or exc})"))
+                faults.append((name, unsafe_read_fault(exc)))
                 continue
             if size != ent.size:
                 faults.append((name, f"read {size} bytes, the manifest says {ent.size}"))

@@ -1,0 +1,239 @@
+"""Helpers shared by the reliability tests: a fork server for crash workers, checkpoint
+snapshots, leftovers of crashed saves, and the S3 test server (SeaweedFS)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from roll_ckpt import layout
+from roll_ckpt.commit import MARKER_PREFIX
+from roll_ckpt.layout import TMP_PREFIX
+from roll_ckpt.manifest import MANIFEST_NAME
+from roll_ckpt.storage import Storage
+from roll_ckpt.verify import list_files, verify
+
+HERE = Path(__file__).resolve().parent
+CHILD = HERE / "_crash_child.py"
+
+
+def kills_per_mode() -> int:
+    """``ROLL_CKPT_KILLS`` (default 5): SIGKILLs per crash mode (``make test-reliability``: 50)."""
+    try:
+        n = int(os.environ.get("ROLL_CKPT_KILLS", "5"))
+    except ValueError:
+        raise pytest.UsageError("ROLL_CKPT_KILLS must be a whole number") from None
+    return max(1, n)
+
+
+# --------------------------------------------------------------------------- S3 (SeaweedFS)
+
+def s3server_module() -> Any:
+    """``tests/backend_fs/s3server.py`` (the SeaweedFS fixture), or ``None`` when it is missing."""
+    try:
+        from backend_fs import s3server  # tests/ is on sys.path (pytest's rootdir-relative import)
+
+        return s3server
+    except ImportError:
+        pass
+    import importlib.util
+
+    path = HERE.parent / "backend_fs" / "s3server.py"
+    if not path.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location("_roll_ckpt_tests_s3server", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod
+
+
+def s3_unavailable_reason() -> str | None:
+    try:
+        import s3fs  # noqa: F401
+    except ImportError:
+        return "s3fs is not installed (pip install 'roll-ckpt[s3]')"
+    mod = s3server_module()
+    if mod is None:
+        return "the SeaweedFS fixture tests/backend_fs/s3server.py does not exist"
+    try:
+        mod.check_runs(mod.weed_binary())
+    except mod.SeaweedUnavailable as exc:
+        return f"no S3 server for these tests: {exc}"
+    return None
+
+
+@contextlib.contextmanager
+def offline_aws() -> Iterator[dict[str, str]]:
+    """The environment of test_s3.py: dummy AWS credentials, no metadata service, dead default endpoint."""
+    mod = s3server_module()
+    with pytest.MonkeyPatch.context() as mp:
+        for k in mod.OFFLINE_UNSET:
+            mp.delenv(k, raising=False)
+        for k, v in mod.OFFLINE_ENV.items():
+            mp.setenv(k, v)
+        yield dict(mod.OFFLINE_ENV)
+
+
+def restart_seaweed(server: Any) -> None:
+    """Start ``weed mini`` again with the same ports and data folder (after it was killed)."""
+    mod = s3server_module()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(AWS_ACCESS_KEY_ID=mod.ACCESS_KEY, AWS_SECRET_ACCESS_KEY=mod.SECRET_KEY,
+               AWS_EC2_METADATA_DISABLED="true", HOME=str(server.data_dir))
+    for sock in ("filer.sock", "s3.sock"):
+        with contextlib.suppress(FileNotFoundError):
+            (server.data_dir / sock).unlink()
+    with open(server.log_path, "ab") as log:
+        server.proc = subprocess.Popen(server.proc.args, cwd=server.data_dir, env=env,
+                                       stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                       preexec_fn=mod._die_with_parent)
+    mod._wait_ready(server, time.monotonic() + 2 * mod.START_TIMEOUT_S)
+
+
+# --------------------------------------------------------------------------- crash workers
+
+class ForkServer:
+    """``_crash_child.py serve``: forks warm training workers on request (see that file)."""
+
+    def __init__(self, env: dict[str, str] | None = None) -> None:
+        full_env = {k: v for k, v in os.environ.items()
+                    if not k.startswith("ROLL_CKPT_") or k == "ROLL_CKPT_QUIET"}
+        full_env.update(env or {})
+        full_env["PYTHONUNBUFFERED"] = "1"
+        self.proc = subprocess.Popen([sys.executable, str(CHILD), "serve"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=full_env)
+        hello = self._read(180)
+        assert "ready" in hello, hello
+
+    def _read(self, timeout: float) -> dict[str, Any]:
+        import selectors
+
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout):
+            raise AssertionError(f"the fork server did not answer within {timeout:.0f}s")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"the fork server exited ({self.proc.poll()})")
+        return json.loads(line)
+
+    def _ask(self, cmd: dict[str, Any], timeout: float = 60) -> dict[str, Any]:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._read(timeout)
+
+    def fork(self, spec: dict[str, Any]) -> int:
+        return int(self._ask({"fork": spec})["pid"])
+
+    def reap(self, pid: int, timeout: float = 60) -> int:
+        """Wait for the worker; its raw wait status."""
+        return int(self._ask({"reap": pid}, timeout)["status"])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write('{"exit": 1}\n')
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+
+
+@dataclass
+class WorkerLog:
+    """The events a crash worker wrote (see ``_crash_child.py``)."""
+
+    path: Path
+    events: list[tuple[str, list[str], float]] = field(default_factory=list)
+
+    def read(self) -> "WorkerLog":
+        self.events = []
+        if self.path.exists():
+            for line in self.path.read_text().splitlines():
+                body, _, t = line.rpartition(" @")
+                if not body:
+                    continue
+                kind, *rest = body.split()
+                self.events.append((kind, rest, float(t)))
+        return self
+
+    def first(self, kind: str) -> tuple[list[str], float] | None:
+        for k, rest, t in self.events:
+            if k == kind:
+                return rest, t
+        return None
+
+    def all(self, kind: str) -> list[tuple[list[str], float]]:
+        return [(rest, t) for k, rest, t in self.events if k == kind]
+
+    def last(self) -> tuple[str, list[str], float] | None:
+        return self.events[-1] if self.events else None
+
+    def errors(self) -> str:
+        err = Path(str(self.path) + ".err")
+        return err.read_text(errors="replace")[-4000:] if err.exists() else ""
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A committed checkpoint as it was: its manifest bytes and the sizes of its files."""
+
+    path: str
+    step: int
+    manifest: bytes
+    sizes: dict[str, int]
+
+
+def read_bytes(storage: Storage, path: str) -> bytes:
+    with storage.open_read(path) as f:
+        return f.read()
+
+
+def snapshot(storage: Storage, path: str, step: int) -> Snapshot:
+    """Verify the committed checkpoint at ``path`` fully and remember it."""
+    manifest = read_bytes(storage, storage.join(path, MANIFEST_NAME))
+    verify(storage, path)
+    sizes = list_files(storage, path)
+    return Snapshot(path, step, manifest, sizes)
+
+
+def assert_unchanged(storage: Storage, snap: Snapshot, *, checksums: bool) -> None:
+    """The checkpoint is still committed, with the same manifest bytes and files.
+
+    With ``checksums`` every file is hashed (verify); otherwise names and sizes are compared.
+    """
+    manifest_path = storage.join(snap.path, MANIFEST_NAME)
+    assert storage.exists(manifest_path), f"committed checkpoint {snap.path} lost its manifest"
+    assert read_bytes(storage, manifest_path) == snap.manifest, f"the manifest of {snap.path} changed"
+    if checksums:
+        verify(storage, snap.path)
+    sizes = list_files(storage, snap.path)
+    assert sizes == snap.sizes, f"the files of {snap.path} changed: {sizes} != {snap.sizes}"
+
+
+def leftovers(storage: Storage, root: str) -> dict[str, list[str]]:
+    """Traces of saves that never finished: temporary folders, owner markers, manifest-less
+    checkpoint folders (root and every run folder)."""
+    out: dict[str, list[str]] = {"tmp": [], "markers": [], "uncommitted": []}
+    folders = [root] + [p for _, p in layout.run_folders(storage, root)]
+    for folder in folders:
+        for e in storage.list(folder):
+            if e.is_dir and e.name.startswith(TMP_PREFIX):
+                out["tmp"].append(e.path)
+            elif not e.is_dir and e.name.startswith(MARKER_PREFIX):
+                out["markers"].append(e.path)
+    out["uncommitted"] = [r.path for r in layout.scan(storage, root) if not r.committed]
+    return {k: sorted(v) for k, v in out.items()}
