@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from roll_ckpt.manifest import seal
 from roll_ckpt import CheckpointManager, load_config
 from roll_ckpt.cli import main
 
@@ -340,7 +341,7 @@ def test_inspect_verifies_before_unpickling(capsys: pytest.CaptureFixture[str], 
     manifest = json.loads((ckpt / "manifest.json").read_text())
     size, digest = hash_bytes(payload)
     manifest["files"]["dcp/.metadata"] = {"size": size, "checksum": digest}
-    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    (ckpt / "manifest.json").write_bytes(seal(manifest))
     rc, _, err = run_cli(capsys, "inspect", str(ckpt))
     assert_one_line_error(rc, err, 1, "refused to unpickle")
     assert not marker.exists()

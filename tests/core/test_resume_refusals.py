@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from roll_ckpt.manifest import seal
 from roll_ckpt import (CheckpointCorruptError, CheckpointManager, CheckpointNotFoundError,
                        UnsafeCheckpointError)
 from roll_ckpt.digest import hash_bytes
@@ -142,7 +143,7 @@ def test_metadata_pickle_with_code_is_never_run(saved: Path, ckpt_config, capsys
     manifest = json.loads((saved / "manifest.json").read_text())
     size, digest = hash_bytes(payload)
     manifest["files"]["dcp/.metadata"] = {"size": size, "checksum": digest}
-    (saved / "manifest.json").write_text(json.dumps(manifest))
+    (saved / "manifest.json").write_bytes(seal(manifest))
     err, untouched = _resume(ckpt_config, saved)
     assert isinstance(err, UnsafeCheckpointError), err
     assert "PWNED" not in capsys.readouterr().out
@@ -152,7 +153,7 @@ def test_metadata_pickle_with_code_is_never_run(saved: Path, ckpt_config, capsys
 def test_manifest_path_escaping_the_checkpoint(saved: Path, ckpt_config) -> None:
     manifest = json.loads((saved / "manifest.json").read_text())
     manifest["files"]["../../etc/passwd"] = {"size": 1, "checksum": "0"}
-    (saved / "manifest.json").write_text(json.dumps(manifest))
+    (saved / "manifest.json").write_bytes(seal(manifest))
     err, untouched = _resume(ckpt_config, saved)
     assert isinstance(err, CheckpointCorruptError) and "leaves the checkpoint folder" in str(err)
     assert untouched
