@@ -31,11 +31,11 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
 from .digest import Hasher
-from .errors import UnsafeCheckpointError
+from .errors import RollCkptError, UnsafeCheckpointError
 from .storage import Storage
 
 __all__ = ["StorageFileSystem", "DigestingWriter", "SafeReader", "SafeLoadPlanner",
-           "SafeEmptyLoadPlanner", "safe_load_metadata", "METADATA_NAME"]
+           "SafeEmptyLoadPlanner", "safe_load_metadata", "roll_error_in", "METADATA_NAME"]
 
 METADATA_NAME = ".metadata"
 _DIGEST_FQN = "__roll_ckpt_file_digests__"
@@ -253,17 +253,50 @@ class SafeReader(FileSystemReader):
         return fut
 
 
-def _load_bytes_safely(value: io.BytesIO) -> Any:
-    return torch.load(value, weights_only=True)
+def _load_bytes_safely(value: io.BytesIO, read_item: Any, reader: Any) -> Any:
+    try:
+        return torch.load(value, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        where = getattr(reader, "path", "?")
+        info = getattr(reader, "storage_data", {}).get(read_item.storage_index)
+        name = f"dcp/{info.relative_path}" if info is not None else "dcp"
+        why = next((ln.strip() for ln in str(exc).splitlines() if "GLOBAL" in ln), str(exc).splitlines()[0])
+        raise UnsafeCheckpointError(str(where), [(name, f"refused to unpickle the value of "
+                                                 f"'{read_item.dest_index.fqn}': {why}")]) from None
+
+
+def roll_error_in(exc: BaseException) -> BaseException | None:
+    """The roll-ckpt error inside DCP's ``CheckpointException`` (which holds per-rank failures)."""
+    seen: set[int] = set()
+    stack: list[Any] = [exc]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, RollCkptError):
+            return e
+        stack.extend([getattr(e, "__cause__", None), getattr(e, "__context__", None)])
+        failures = [a for a in getattr(e, "args", ()) if isinstance(a, dict)]
+        failures.append(getattr(e, "failures", None) or {})
+        for per_rank in failures:
+            for v in per_rank.values():  # DCP keeps (exception, traceback) per rank
+                stack.extend(x for x in (v if isinstance(v, tuple) else (v,)) if isinstance(x, BaseException))
+    return None
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, but non-tensor values are read with ``weights_only=True``."""
+    """DCP's default load planner, but non-tensor values are read with ``weights_only=True``.
+
+    ``reader`` (the :class:`SafeReader`) lets a refusal name the file it came from.
+    """
+
+    reader: Any = None
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         from torch.distributed.checkpoint._traverse import set_element as set_el
 
-        obj = _load_bytes_safely(value)
+        obj = _load_bytes_safely(value, read_item, self.reader)
         if self.flatten_state_dict:
             set_el(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
@@ -273,10 +306,12 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 class SafeEmptyLoadPlanner(_EmptyStateDictLoadPlanner):
     """Rebuilds a full state dict from metadata (export, inspect), reading safely."""
 
+    reader: Any = None
+
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         from torch.distributed.checkpoint._traverse import set_element as set_el
 
-        obj = _load_bytes_safely(value)
+        obj = _load_bytes_safely(value, read_item, self.reader)
         if self.flatten_state_dict:
             set_el(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
