@@ -16,11 +16,61 @@ from roll_ckpt.storage import Entry
 
 __all__ = ["LocalStorage", "FsspecStorage", "open_storage"]
 
-_WRITE_BUFFER = 8 << 20
+_WRITE_BUFFER = 1 << 20
+"""Coalesces small writes (headers, pickles); large ones (tensors) go straight to the file."""
+_WRITEBACK_EVERY = 32 << 20
+"""Bytes after which a file's dirty pages are handed to the disk (without waiting)."""
+
+
+def _load_sync_file_range() -> Any:
+    """Linux's ``sync_file_range`` (not in :mod:`os`), or ``None`` elsewhere."""
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_sync_file_range = _load_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
 
 
 class _DurableFile(io.BufferedWriter):
-    """A buffered file whose ``close()`` returns only once the data is on disk."""
+    """A buffered file whose ``close()`` returns only once the data is on disk.
+
+    Every ``_WRITEBACK_EVERY`` bytes it starts the write-out of what it has written so
+    far (``sync_file_range(SYNC_FILE_RANGE_WRITE)``, which does not wait), so the disk
+    works while the caller is still producing data and the final fsync only waits for
+    the tail. Without it the kernel would hold everything in the page cache until the
+    fsync and the disk would sit idle meanwhile.
+    """
+
+    _started = 0
+    _pending = 0
+
+    def write(self, b: Any) -> int:
+        n = super().write(b)
+        if _sync_file_range is not None:
+            self._pending += n
+            if self._pending >= _WRITEBACK_EVERY:
+                self._start_writeback()
+        return n
+
+    def _start_writeback(self) -> None:
+        self.flush()
+        end = self.raw.tell()
+        if end > self._started and _sync_file_range(self.fileno(), self._started, end - self._started,
+                                                    _SYNC_FILE_RANGE_WRITE) == 0:
+            self._started = end
+        self._pending = 0
 
     def close(self) -> None:
         if self.closed:

@@ -9,7 +9,9 @@ import xxhash
 __all__ = ["ALGORITHM", "Hasher", "hash_stream", "hash_bytes"]
 
 ALGORITHM = "xxh3_128"
-_CHUNK = 8 << 20
+_CHUNK = 256 << 10
+"""Read size of :func:`hash_stream`: small enough that the hash reads the chunk from the CPU
+cache the read just filled (8 MiB chunks cost about 40% more CPU per byte)."""
 
 
 class Hasher:

@@ -76,6 +76,10 @@ class CheckpointCorruptError(RollCkptError):
             "Resume from an earlier checkpoint or from a backup copy."
         )
 
+    def __reduce__(self) -> Any:
+        # DCP carries a rank's error to the others pickled: rebuild it from its parts.
+        return (type(self), (self.checkpoint, self.faults))
+
 
 class UnsafeCheckpointError(CheckpointCorruptError):
     """A checkpoint file asks to run code or to reach outside its folder."""

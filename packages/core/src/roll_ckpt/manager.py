@@ -26,7 +26,7 @@ from .progress import Progress
 from .retention import apply_retention, note_open_run
 from .savectx import CommitInfo, SaveContext
 from .storage import Storage
-from .verify import verify
+from .verify import read_manifest, verify
 
 __all__ = ["CheckpointManager", "SaveStats", "open_storage", "TRAINER_STATE", "DCP_DIR"]
 
@@ -75,6 +75,10 @@ def _disk_full(exc: BaseException) -> bool:
             if isinstance(arg, dict):
                 stack.extend(v for v in arg.values() if isinstance(v, BaseException))
     return False
+
+
+def _checked_while_loading(name: str) -> bool:
+    return name.startswith(f"{DCP_DIR}/") and name != f"{DCP_DIR}/.metadata"
 
 
 def _utc_now() -> str:
@@ -471,10 +475,13 @@ class CheckpointManager:
         """Verify the checkpoint at ``path``, load it into ``state``; return its step."""
         strategy = self._strategy
         problem: RollCkptError | None = None
+        manifest = None
         if strategy.is_coordinator:
             try:
+                # DCP's data files are checked while they are read, once, by the rank that
+                # reads them (before anything is deserialized); everything else here.
                 with self._progress("verify") as progress:
-                    verify(storage, path, on_bytes=progress)
+                    manifest = verify(storage, path, on_bytes=progress, defer=_checked_while_loading).manifest
             except RollCkptError as exc:
                 problem = exc
         message = strategy.broadcast(str(problem) if problem else "")
@@ -482,10 +489,14 @@ class CheckpointManager:
             raise problem
         if message:
             raise RollCkptError(message)
+        if manifest is None:
+            manifest = read_manifest(storage, path)
+        files = {name[len(DCP_DIR) + 1:]: entry for name, entry in manifest.files.items()
+                 if name.startswith(f"{DCP_DIR}/")}
         with storage.open_read(storage.join(path, TRAINER_STATE)) as f:
             trainer_state = json.loads(f.read().decode())
         with self._progress(f"load step {trainer_state.get('step')}") as progress:
-            strategy.load(state, storage, storage.join(path, DCP_DIR), progress)
+            strategy.load(state, storage, storage.join(path, DCP_DIR), progress, files=files, checkpoint=path)
         self.trainer_state = trainer_state
         self.resumed_from = storage.url if storage is not self.storage else path
         self.plugins.hook.roll_ckpt_load(path=path, state=state)

@@ -166,25 +166,47 @@ class DCPStrategy(Strategy):
 
         from .dcp_io import DigestingWriter
 
-        writer = DigestingWriter(storage, dcp_path, thread_count=self.writer_threads(), on_bytes=on_bytes)
+        writer = DigestingWriter(storage, dcp_path, thread_count=self.writer_threads(_local_bytes(sd)),
+                                 on_bytes=on_bytes)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             dcp.save(sd, storage_writer=writer, planner=DefaultSavePlanner(),
                      process_group=self.process_group, no_dist=self._dist is None)
         return writer.file_digests
 
-    def writer_threads(self) -> int:
-        return 1
+    def writer_threads(self, nbytes: int = 0) -> int:
+        """Files this process writes at once (DCP's ``thread_count``) for ``nbytes`` of tensors.
+
+        Two from 64 MiB on: one thread's CPU work (serializing, hashing, copying into the
+        page cache) overlaps the other's wait on the disk, and the disk gets two streams.
+        Below that the second file only adds a file to sync.
+        """
+        return 2 if nbytes >= 64 << 20 else 1
 
     def load(self, state: MutableMapping[str, Any], storage: "Storage", dcp_path: str,
-             on_bytes: Any = None) -> None:
-        """Load the DCP folder at ``dcp_path`` into ``state`` in place (already verified)."""
+             on_bytes: Any = None, *, files: Mapping[str, Any] | None = None,
+             checkpoint: str | None = None) -> None:
+        """Load the DCP folder at ``dcp_path`` into ``state`` in place.
+
+        ``files`` (the manifest's entries for this folder, by name) makes every file be
+        checked as it is read, before anything of it is deserialized; a mismatch raises
+        :class:`~roll_ckpt.errors.CheckpointCorruptError` on every rank with ``state``
+        untouched. Without it the folder must have been verified already.
+        """
+        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
 
-        from .dcp_io import SafeReader
+        from .dcp_io import SafeLoadPlanner, SafeReader, roll_error_in
 
-        reader = SafeReader(storage, dcp_path, on_bytes)
+        reader = SafeReader(storage, dcp_path, on_bytes, files=files, checkpoint=checkpoint)
+        if files:
+            # Saved by as many processes as load it: this one reads its own files. Start
+            # reading and checking them now, while the load is planned.
+            saved_ranks = {n[2:].split("_", 1)[0] for n in files if n.startswith("__") and n.endswith(".distcp")}
+            if saved_ranks == {str(r) for r in range(self.world_size)}:
+                reader.start_checks(sorted(n for n in files if n.startswith(f"__{self.rank}_")
+                                           and n.endswith(".distcp")))
         md = reader.read_metadata()
         owners = self._pairs(state)
         target: dict[str, Any] = {}
@@ -200,12 +222,17 @@ class DCPStrategy(Strategy):
         if missing:
             raise RollCkptError(f"the checkpoint at {dcp_path} has no entry for state key(s) "
                                 f"{', '.join(missing)}; it holds {', '.join(sorted(_top_keys(md)))}")
-        # Per-process values first, on their own: they are the only pickled ones, so a
-        # value weights_only refuses stops the load before any live tensor is touched.
-        self._dcp_load({PER_RANK: {src: mine}}, reader, dcp_path)
-        tensors = {k: v for k, v in target.items() if k != PER_RANK}
-        if tensors:
-            self._dcp_load(tensors, reader, dcp_path)
+        reader.reset(dcp_path)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            try:
+                dcp.load(target, storage_reader=reader, planner=SafeLoadPlanner(),
+                         process_group=self.process_group, no_dist=self._dist is None)
+            except BaseException as exc:  # DCP wraps every rank's error in a CheckpointException
+                ours = roll_error_in(exc)
+                if ours is None:
+                    raise
+                raise ours from None
         for key, obj in state.items():
             if isinstance(obj, torch.nn.Module):
                 set_model_state_dict(obj, target[key])
@@ -230,25 +257,6 @@ class DCPStrategy(Strategy):
         if RNG_KEY in loaded:
             restore_rng(loaded[RNG_KEY])
 
-    def _dcp_load(self, target: dict[str, Any], reader: Any, dcp_path: str) -> None:
-        import torch.distributed.checkpoint as dcp
-
-        from .dcp_io import SafeLoadPlanner, roll_error_in
-
-        reader.reset(dcp_path)
-        planner = SafeLoadPlanner()
-        planner.reader = reader
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            try:
-                dcp.load(target, storage_reader=reader, planner=planner,
-                         process_group=self.process_group, no_dist=self._dist is None)
-            except BaseException as exc:  # DCP's CheckpointException is a BaseException
-                found = roll_error_in(exc)
-                if found is None:
-                    raise
-                raise found from None
-
     def _source_rank(self, md: Any) -> str:
         ranks = {path[1] for path in md.planner_data.values() if len(path) > 1 and path[0] == PER_RANK}
         mine = str(self.rank)
@@ -262,6 +270,18 @@ class DCPStrategy(Strategy):
 
     def close(self) -> None:
         self.pool.clear()
+
+
+def _local_bytes(node: Any) -> int:
+    """Bytes of the tensors (local shards of DTensors) this process would write for ``node``."""
+    if isinstance(node, torch.Tensor):
+        t = getattr(node, "_local_tensor", node)
+        return t.numel() * t.element_size()
+    if isinstance(node, Mapping):
+        return sum(_local_bytes(v) for v in node.values())
+    if isinstance(node, (list, tuple)):
+        return sum(_local_bytes(v) for v in node)
+    return 0
 
 
 def _box(value: Any) -> Any:

@@ -53,6 +53,8 @@ class Slot:
     device: torch.device | None = None
     replaced: bool = False
     """The live local tensor was swapped for an empty one (its storage cannot be resized)."""
+    alias: DTensor | None = None
+    """The zero-copy DTensor over this slot's part of the buffer, built once per layout."""
 
     @property
     def local_numel(self) -> int:
@@ -247,11 +249,18 @@ class OffloadStore:
         return self.slots.get(name) if self.offloaded else None
 
     def zero_copy(self, slot: Slot) -> DTensor:
-        """The slot as a DTensor whose local tensor is an exact-size alias of the buffer."""
-        alias = exact_alias(self._slice(slot)).view(slot.local_shape)
-        t = slot.dtensor
-        return DTensor.from_local(alias, t.device_mesh, t.placements, run_check=False,
-                                  shape=t.shape, stride=t.stride())
+        """The slot as a DTensor whose local tensor is an exact-size alias of the buffer.
+
+        Built once per layout and reused by every later save: the buffer (hence the
+        alias) only changes when :meth:`offload` lays the store out anew, which makes
+        new slots. Nothing writes through it.
+        """
+        if slot.alias is None:
+            alias = exact_alias(self._slice(slot)).view(slot.local_shape)
+            t = slot.dtensor
+            slot.alias = DTensor.from_local(alias, t.device_mesh, t.placements, run_check=False,
+                                            shape=t.shape, stride=t.stride())
+        return slot.alias
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())

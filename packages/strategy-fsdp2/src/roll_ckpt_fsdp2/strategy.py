@@ -61,30 +61,36 @@ class FSDP2Strategy(DCPStrategy):
             return sd
         # The live tensors of offloaded shards hold no memory: write from the store.
         self._aliases = set()
-        for key, sub in sd.items():
-            if isinstance(sub, dict):
-                self._substitute(sub, key)
-        return sd
+        return {key: self._substitute(sub, key) if isinstance(sub, dict) else sub for key, sub in sd.items()}
 
-    def _substitute(self, node: dict[str, Any], prefix: str) -> None:
+    def _substitute(self, node: dict[str, Any], prefix: str) -> dict[str, Any]:
+        """A copy of ``node`` with the store's tensors in place of the offloaded ones.
+
+        Never ``node`` itself: ``get_optimizer_state_dict`` returns the optimizer's own
+        per-parameter state dicts, and an alias put there would become the optimizer's
+        state (training would then update the store's buffer).
+        """
+        out: dict[str, Any] = {}
         for k, v in node.items():
             name = f"{prefix}.{k}"
             if isinstance(v, dict):
-                self._substitute(v, name)
+                out[k] = self._substitute(v, name)
                 continue
+            out[k] = v
             slot = self.store.lookup(name)
             if slot is None or not isinstance(v, torch.Tensor):
                 continue
             if slot.segments == 1:
-                node[k] = self.store.zero_copy(slot)
-                self._aliases.add(id(node[k]))
+                out[k] = self.store.zero_copy(slot)
+                self._aliases.add(id(out[k]))
             else:
                 from torch.distributed.tensor import DTensor
 
                 t = slot.dtensor
                 local = self.store.rebuild(slot).view(slot.local_shape)
-                node[k] = DTensor.from_local(local, t.device_mesh, t.placements, run_check=False,
-                                             shape=t.shape, stride=t.stride())
+                out[k] = DTensor.from_local(local, t.device_mesh, t.placements, run_check=False,
+                                            shape=t.shape, stride=t.stride())
+        return out
 
     def stage(self, sd: dict[str, Any], save: Any) -> dict[str, Any]:
         if self._aliases:
@@ -102,6 +108,6 @@ class FSDP2Strategy(DCPStrategy):
         finally:
             self._aliases = set()
 
-    def load(self, state: Any, storage: Any, dcp_path: str, on_bytes: Any = None) -> None:
+    def load(self, state: Any, storage: Any, dcp_path: str, on_bytes: Any = None, **kwargs: Any) -> None:
         self.store.load()  # loading writes into the live tensors: they must hold memory
-        super().load(state, storage, dcp_path, on_bytes)
+        super().load(state, storage, dcp_path, on_bytes, **kwargs)
