@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
 from .digest import Hasher, hash_bytes, hash_stream
-from .errors import CheckpointCorruptError, RollCkptError, UnsafeCheckpointError
+from .errors import carried, CheckpointCorruptError, RollCkptError, UnsafeCheckpointError
 from .storage import Storage
 
 __all__ = ["StorageFileSystem", "DigestingWriter", "SafeReader", "SafeLoadPlanner",
@@ -699,22 +699,7 @@ class SafeReader(FileSystemReader):
 
 def roll_error_in(exc: BaseException) -> RollCkptError | None:
     """The roll-ckpt error a DCP ``CheckpointException`` carries from any rank, if one does."""
-    seen: set[int] = set()
-    stack: list[Any] = [exc]
-    while stack:
-        e = stack.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, RollCkptError):
-            return e
-        if isinstance(e, BaseException):
-            stack += [e.__cause__, e.__context__]
-            failures = getattr(e, "failures", None)
-            if isinstance(failures, dict):
-                for v in failures.values():  # {rank: (exception, traceback summary)}
-                    stack.append(v[0] if isinstance(v, tuple) and v else v)
-    return None
+    return next((e for e in carried(exc) if isinstance(e, RollCkptError)), None)
 
 
 class _RefusedValue(pickle.UnpicklingError):

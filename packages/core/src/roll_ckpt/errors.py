@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "carried",
     "RollCkptError",
     "ConfigError",
     "PluginError",
@@ -22,6 +23,27 @@ __all__ = [
     "SaveError",
     "BackupError",
 ]
+
+
+def carried(exc: BaseException):
+    """``exc`` and every exception it carries: causes, contexts and the per-rank failures
+    of DCP's ``CheckpointException`` (``{rank: (exception, traceback)}``, in ``failures``
+    or in ``args``). Each is yielded once."""
+    seen: set[int] = set()
+    stack: list[object] = [exc]
+    while stack:
+        e = stack.pop()
+        if isinstance(e, tuple):
+            stack.extend(e)
+            continue
+        if not isinstance(e, BaseException) or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        stack += [e.__cause__, e.__context__]
+        for per_rank in [getattr(e, "failures", None), *getattr(e, "args", ())]:
+            if isinstance(per_rank, dict):
+                stack.extend(per_rank.values())
 
 
 class RollCkptError(Exception):

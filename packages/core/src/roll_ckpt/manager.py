@@ -17,7 +17,7 @@ from typing import Any, Mapping, MutableMapping
 from . import commit as commit_mod
 from . import layout
 from .config import Config, load_config
-from .errors import (CheckpointNotFoundError, RollCkptError, SaveError, StorageError,
+from .errors import (CheckpointNotFoundError, RollCkptError, carried, SaveError, StorageError,
                      StorageFullError)
 from .manifest import FileEntry, Manifest
 from .digest import hash_bytes
@@ -59,22 +59,8 @@ def open_storage(plugins: Plugins, type_: str, url: str, options: Mapping[str, A
 
 
 def _disk_full(exc: BaseException) -> bool:
-    seen: set[int] = set()
-    stack: list[BaseException | None] = [exc]
-    while stack:
-        e = stack.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        if "No space left on device" in str(e):
-            return True
-        stack.extend([e.__cause__, e.__context__])
-        for arg in getattr(e, "args", ()):  # DCP's CheckpointException keeps per-rank failures
-            if isinstance(arg, dict):
-                stack.extend(v for v in arg.values() if isinstance(v, BaseException))
-    return False
+    return any((isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT))
+               or "No space left on device" in str(e) for e in carried(exc))
 
 
 def _checked_while_loading(name: str) -> bool:

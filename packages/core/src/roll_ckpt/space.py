@@ -33,7 +33,7 @@ import pickle
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from .errors import RollCkptError, StorageFullError
+from .errors import RollCkptError, StorageFullError, carried
 from .storage import Storage
 
 __all__ = ["SpaceEstimate", "estimate_checkpoint_bytes", "SpaceGuard", "RefusingStorage",
@@ -246,28 +246,7 @@ class RefusingStorage:
 
 def wrapped_roll_error(exc: BaseException) -> RollCkptError | None:
     """The roll-ckpt error a DCP ``CheckpointException`` carries from some process, if any."""
-    seen: set[int] = set()
-    stack: list[Any] = [exc]
-    while stack:
-        e = stack.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, tuple):
-            stack.extend(x for x in e if isinstance(x, BaseException))
-            continue
-        if not isinstance(e, BaseException):
-            continue
-        if isinstance(e, RollCkptError) and e is not exc:
-            return e
-        failures = getattr(e, "failures", None)
-        if isinstance(failures, dict):
-            stack.extend(failures.values())
-        for arg in getattr(e, "args", ()):
-            if isinstance(arg, dict):
-                stack.extend(arg.values())
-        stack.extend([e.__cause__, e.__context__])
-    return None
+    return next((e for e in carried(exc) if e is not exc and isinstance(e, RollCkptError)), None)
 
 
 class SpaceGuard:
