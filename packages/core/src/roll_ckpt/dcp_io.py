@@ -305,6 +305,8 @@ class _MemoryReader(io.RawIOBase):
         return n
 
 
+_CHECK_STREAMS = 1
+"""Files one process checks at once in the background (2 measured slower here: more CPU)."""
 _READ_CHUNK = 256 << 10
 """Read and hash in pieces that stay in the CPU cache (16 MiB pieces cost 40% more CPU)."""
 
@@ -464,6 +466,10 @@ def _load_tensor(data: _Verified, offset: int, length: int, target: torch.Tensor
         return plain()
 
 
+def _item_key(req: Any) -> Any:
+    return (req.dest_index, tuple(req.dest_offsets), req.storage_index, tuple(req.storage_offsets), tuple(req.lengths))
+
+
 class SafeReader(FileSystemReader):
     """DCP's standard reader on a backend: restricted ``.metadata`` unpickler, and, given
     the manifest's entries (``files``), every file checked before torch reads any of it.
@@ -494,6 +500,13 @@ class SafeReader(FileSystemReader):
         self._verified: dict[str, _Verified] = {}
         self._early: dict[str, tuple[_Verified | None, BaseException | None]] = {}
         self._early_thread: threading.Thread | None = None
+        self._early_done: dict[str, threading.Event] = {}
+        self._early_threads: list[threading.Thread] = []
+        self._failed: dict[str, BaseException] = {}
+        self._keeps_files = True
+        self._targets: dict[Any, torch.Tensor] = {}
+        self.planner: Any = None
+        """The load planner (set by ``DCPStrategy``): targets are looked up while files are checked."""
         self._metadata_bytes: bytes | None = None
 
     # ------------------------------------------------------------ checks
@@ -552,36 +565,90 @@ class SafeReader(FileSystemReader):
         self._check(name, pos, hasher.hexdigest())
         return _Verified(view=view)
 
-    def _release(self) -> None:
+    def release(self) -> None:
+        """Close the checked files (kept open across the loads of one ``DCPStrategy.load``)."""
         for data in self._verified.values():
             data.close()
         self._verified.clear()
+        for data, _ in self._take_early().values():
+            if data is not None:
+                data.close()
 
     def start_checks(self, names: list[str]) -> None:
         """Start reading and checking ``names`` (the files this process will most likely
         load) in the background, so the disk works while the load is being planned.
-        ``prepare_local_plan`` takes their results; it checks any other file itself."""
+        ``prepare_local_plan`` waits for the ones its plan needs; it checks others itself."""
         names = [n for n in names if self._files is not None and n in self._files]
         if not names or self._early_thread is not None:
             return
         keep = sum(self._expected(n).size for n in names) <= _verify_budget()
+        done = {n: threading.Event() for n in names}
+        self._early_done = dict(done)
 
-        def run() -> None:
-            for name in names:
+        def run(mine: list[str]) -> None:
+            for name in mine:
                 try:
                     self._early[name] = (self._read_verified(name, keep), None)
                 except BaseException as exc:  # raised again by prepare_local_plan, on every rank
                     self._early[name] = (None, exc)
+                done[name].set()
 
-        self._early_thread = threading.Thread(target=run, name="roll-ckpt-verify", daemon=True)
-        self._early_thread.start()
+        streams = max(1, min(_CHECK_STREAMS, len(names)))
+        threads = [threading.Thread(target=run, args=(names[i::streams],), name="roll-ckpt-verify", daemon=True)
+                   for i in range(streams)]
+        for t in threads:
+            t.start()
+        self._early_thread = threads[0]
+        self._early_threads = threads
 
-    def _take_early(self) -> dict[str, tuple[_Verified | None, BaseException | None]]:
+    def _take_early(self, names: Any = None) -> dict[str, tuple[_Verified | None, BaseException | None]]:
+        """The early checks of ``names`` (all: ``None``), waiting for the ones still running."""
         if self._early_thread is None:
             return {}
-        self._early_thread.join()
-        early, self._early = self._early, {}
-        return early
+        wanted = list(self._early_done) if names is None else [n for n in names if n in self._early_done]
+        out = {}
+        for name in wanted:
+            self._early_done.pop(name).wait()
+            out[name] = self._early.pop(name)
+        if not self._early_done:
+            for t in self._early_threads:
+                t.join()
+        return out
+
+    def _resolve_targets(self, plan: Any) -> None:
+        """Look up every tensor item's target now (no data is read or written): DCP's lookup
+        costs about half a millisecond per item."""
+        from torch.distributed.checkpoint.planner import LoadItemType
+
+        planner = self.planner
+        self._targets = {}
+        if planner is None:
+            return
+        try:
+            for req in plan.items:
+                if req.type != LoadItemType.BYTE_IO:
+                    self._targets[_item_key(req)] = planner.resolve_tensor(req).detach()
+        except Exception:  # a planner that resolves only while reading: do it then
+            self._targets = {}
+
+    def _verify_plan(self, names: list[str]) -> None:
+        """Check every file in ``names`` not checked yet (or take its early check)."""
+        for name, (data, error) in self._take_early(names).items():
+            if data is not None:
+                self._verified.setdefault(name, data)
+            elif error is not None:
+                self._failed.setdefault(name, error)
+        todo = [n for n in names if n not in self._verified]
+        for name in todo:
+            if name in self._failed:
+                raise self._failed[name]
+        keep = sum(self._expected(n).size for n in todo) <= _verify_budget()
+        for name in todo:
+            data = self._read_verified(name, keep)
+            if data is not None:
+                self._verified[name] = data
+            else:
+                self._keeps_files = False  # too large to keep: DCP's reader reads them again
 
     # ------------------------------------------------------------ DCP's StorageReader
 
@@ -602,31 +669,61 @@ class SafeReader(FileSystemReader):
         md.storage_meta.load_id = self.load_id
         return md
 
+    def _plan_bytes(self, plan: Any) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            out[info.relative_path] = out.get(info.relative_path, 0) + info.length
+        return out
+
     def prepare_local_plan(self, plan: Any) -> Any:
+        # Each file is checked by one process: one that reads at least half of it (its
+        # writer, at the same world size). Others may read a few items of it (DCP puts a
+        # value every rank holds, like AdamW's step, in one rank's file) and rely on that
+        # check, announced through the global plan, instead of reading all of it again.
+        import dataclasses
+
         plan = super().prepare_local_plan(plan)
-        if self._files is not None:
-            self._release()
-            early = self._take_early()
-            names = sorted({self.storage_data[i.storage_index].relative_path for i in plan.items})
-            keep = sum(self._expected(n).size for n in names if n not in early) <= _verify_budget()
-            try:
-                for name in names:
-                    if name in early:
-                        data, error = early.pop(name)
-                        if error is not None:
-                            raise error
-                    else:
-                        data = self._read_verified(name, keep)
-                    if data is not None:
-                        self._verified[name] = data
-            except BaseException:
-                self._release()
-                raise
-            finally:
-                for data, _ in early.values():  # checked early but not needed by this plan
-                    if data is not None:
-                        data.close()
-        return plan
+        if self._files is None:
+            return plan
+        reads = self._plan_bytes(plan)
+        mine = sorted(n for n, b in reads.items() if 2 * b >= self._expected(n).size)
+        self._resolve_targets(plan)  # while the early checks read the disk
+        # the files this plan reads that are being checked early: wait for those only
+        self._verify_plan(sorted(set(mine) | {n for n in reads if n in self._early_done}))
+        for name in sorted(reads):
+            if name in self._failed:  # an early check found it damaged
+                raise self._failed[name]
+        return dataclasses.replace(plan, storage_data={"roll_ckpt_checked": sorted(self._verified)})
+
+    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+        import dataclasses
+
+        plans = super().prepare_global_plan(plans)
+        if self._files is None:
+            return plans
+        checked = {n for p in plans for n in ((p.storage_data or {}).get("roll_ckpt_checked") or ())}
+        needed = {n for p in plans for n in self._plan_bytes(p)}
+        # files no process reads much of: the coordinator checks them, before anyone reads
+        self._verify_plan(sorted(needed - checked))
+        checked |= needed
+        return [dataclasses.replace(p, storage_data={"roll_ckpt_checked": sorted(checked)}) for p in plans]
+
+    def _checked_elsewhere(self, name: str, plan: Any) -> _Verified | None:
+        """A file another process checked for this load, opened to read a few items of it
+        (``None``: let DCP's reader read just those items, e.g. from an object store)."""
+        if name not in ((plan.storage_data or {}).get("roll_ckpt_checked") or ()):
+            raise self._fault(name, "read before its checksum was checked")
+        f = self._storage.open_read(self._storage.join(self.path, name))
+        try:
+            fd = f.fileno()
+        except (AttributeError, OSError, ValueError):
+            fd = -1
+        if fd < 0:
+            f.close()
+            return None
+        data = self._verified[name] = _Verified(file=f)
+        return data
 
     def read_data(self, plan: Any, planner: Any) -> Any:
         try:
@@ -655,36 +752,38 @@ class SafeReader(FileSystemReader):
         from torch.distributed.checkpoint.planner import LoadItemType
         from torch.futures import Future
 
-        try:
-            per_file: dict[str, list[Any]] = {}
-            for item in plan.items:
-                per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-            for name, reqs in per_file.items():
-                data = self._verified.get(name)
-                if data is None or any(self.storage_data[r.storage_index].transform_descriptors for r in reqs):
-                    # checked but not kept (too large for memory): DCP reads it again
-                    super().read_data(dataclasses.replace(plan, items=reqs), planner)
+        # the checked files stay open until release(): a load may take two passes
+        per_file: dict[str, list[Any]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for name, reqs in per_file.items():
+            data = self._verified.get(name)
+            if data is None and self._expected(name).size and self._keeps_files:
+                data = self._checked_elsewhere(name, plan)
+            if data is None or any(self.storage_data[r.storage_index].transform_descriptors for r in reqs):
+                # checked but not kept (too large for memory): DCP reads it again
+                super().read_data(dataclasses.replace(plan, items=reqs), planner)
+                continue
+            # in file order: the pages are touched sequentially
+            for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
+                info = self.storage_data[req.storage_index]
+                if req.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(req, io.BytesIO(data.bytes(info.offset, info.length)))
                     continue
-                # in file order: the pages are touched sequentially
-                for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
-                    info = self.storage_data[req.storage_index]
-                    if req.type == LoadItemType.BYTE_IO:
-                        planner.load_bytes(req, io.BytesIO(data.bytes(info.offset, info.length)))
-                        continue
+                target = self._targets.pop(_item_key(req), None)
+                if target is None:
                     target = planner.resolve_tensor(req).detach()
-                    whole = not any(req.storage_offsets) and tuple(req.lengths) == tuple(target.shape)
-                    tensor = narrow_tensor_by_index(
-                        _load_tensor(data, info.offset, info.length, target if whole else None),
-                        req.storage_offsets, req.lengths)
-                    if target.size() != tensor.size():
-                        raise AssertionError(f"req {req.storage_index} mismatch sizes {target.size()} vs {tensor.size()}")
-                    if tensor.data_ptr() != target.data_ptr() or tensor.dtype != target.dtype \
-                            or tensor.stride() != target.stride():
-                        target.copy_(tensor)  # else it was read straight into the target
-                    del tensor
-                    planner.commit_tensor(req, target)
-        finally:
-            self._release()
+                whole = not any(req.storage_offsets) and tuple(req.lengths) == tuple(target.shape)
+                tensor = narrow_tensor_by_index(
+                    _load_tensor(data, info.offset, info.length, target if whole else None),
+                    req.storage_offsets, req.lengths)
+                if target.size() != tensor.size():
+                    raise AssertionError(f"req {req.storage_index} mismatch sizes {target.size()} vs {tensor.size()}")
+                if tensor.data_ptr() != target.data_ptr() or tensor.dtype != target.dtype \
+                        or tensor.stride() != target.stride():
+                    target.copy_(tensor)  # else it was read straight into the target
+                del tensor
+                planner.commit_tensor(req, target)
         fut: Future = Future()
         fut.set_result(None)
         return fut
@@ -692,9 +791,9 @@ class SafeReader(FileSystemReader):
     def reset(self, checkpoint_id: Any = None) -> None:
         if checkpoint_id is not None and str(checkpoint_id) != self.path:
             self._metadata_bytes = None
+            self.release()
         super().reset(checkpoint_id)
         self.path = str(self.path)
-        self._release()
 
 
 def roll_error_in(exc: BaseException) -> RollCkptError | None:
@@ -728,6 +827,8 @@ def _load_bytes_safely(value: io.BytesIO, read_item: Any = None) -> Any:
 
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, but non-tensor values are read with ``weights_only=True``."""
+
+    reader: Any = None
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         from torch.distributed.checkpoint._traverse import set_element as set_el

@@ -193,13 +193,21 @@ class DCPStrategy(Strategy):
         :class:`~roll_ckpt.errors.CheckpointCorruptError` on every rank with ``state``
         untouched. Without it the folder must have been verified already.
         """
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
 
-        from .dcp_io import SafeLoadPlanner, SafeReader, roll_error_in
+        from .dcp_io import SafeReader
 
         reader = SafeReader(storage, dcp_path, on_bytes, files=files, checkpoint=checkpoint)
+        try:
+            self._load(state, reader, dcp_path, files, set_model_state_dict, set_optimizer_state_dict,
+                       get_model_state_dict, get_optimizer_state_dict)
+        finally:
+            reader.release()  # the checked files, kept open for both loads below
+
+    def _load(self, state: MutableMapping[str, Any], reader: Any, dcp_path: str, files: Any,
+              set_model_state_dict: Any, set_optimizer_state_dict: Any,
+              get_model_state_dict: Any, get_optimizer_state_dict: Any) -> None:
         if files:
             # Saved by as many processes as load it: this one reads its own files. Start
             # reading and checking them now, while the load is planned.
@@ -222,17 +230,12 @@ class DCPStrategy(Strategy):
         if missing:
             raise RollCkptError(f"the checkpoint at {dcp_path} has no entry for state key(s) "
                                 f"{', '.join(missing)}; it holds {', '.join(sorted(_top_keys(md)))}")
-        reader.reset(dcp_path)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            try:
-                dcp.load(target, storage_reader=reader, planner=SafeLoadPlanner(),
-                         process_group=self.process_group, no_dist=self._dist is None)
-            except BaseException as exc:  # DCP wraps every rank's error in a CheckpointException
-                ours = roll_error_in(exc)
-                if ours is None:
-                    raise
-                raise ours from None
+        # Per-process values first, on their own: they are the only pickled ones, so a
+        # value weights_only refuses stops the load before any live tensor is touched.
+        self._dcp_load({PER_RANK: {src: mine}}, reader, dcp_path)
+        tensors = {k: v for k, v in target.items() if k != PER_RANK}
+        if tensors:
+            self._dcp_load(tensors, reader, dcp_path)
         for key, obj in state.items():
             if isinstance(obj, torch.nn.Module):
                 set_model_state_dict(obj, target[key])
@@ -256,6 +259,26 @@ class DCPStrategy(Strategy):
                 state[key] = value
         if RNG_KEY in loaded:
             restore_rng(loaded[RNG_KEY])
+
+    def _dcp_load(self, target: dict[str, Any], reader: Any, dcp_path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        from .dcp_io import SafeLoadPlanner, roll_error_in
+
+        reader.reset(dcp_path)
+        planner = SafeLoadPlanner()
+        planner.reader = reader
+        reader.planner = planner
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            try:
+                dcp.load(target, storage_reader=reader, planner=planner,
+                         process_group=self.process_group, no_dist=self._dist is None)
+            except BaseException as exc:  # DCP wraps every rank's error in a CheckpointException
+                found = roll_error_in(exc)
+                if found is None:
+                    raise
+                raise found from None
 
     def _source_rank(self, md: Any) -> str:
         ranks = {path[1] for path in md.planner_data.values() if len(path) > 1 and path[0] == PER_RANK}
