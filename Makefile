@@ -36,6 +36,16 @@ RELIABILITY_KILLS ?= 50
 test-reliability: venv
 	ROLL_CKPT_KILLS=$(RELIABILITY_KILLS) $(PY) -m pytest -q tests/reliability $(PYTEST_ARGS)
 
+# Benchmark: stall, memory and throughput against DCP, torch.save and the disk, in one run
+# (--quick: <= 3 min on 2 cores; BENCH_ARGS=--full for larger states). Writes
+# bench/results/latest.{json,md,png}; bench-check exits non-zero when a target fails.
+BENCH_ARGS ?= --quick
+bench: venv
+	$(PY) bench/run.py $(BENCH_ARGS)
+
+bench-check: venv
+	$(PY) bench/run.py --check $(BENCH_ARGS)
+
 # Pure-Python wheels of the four distributions (carried to a GPU machine by scripts/gpu_check.sh).
 wheels: venv
 	rm -rf dist && $(PIP) wheel -q --no-deps -w dist . packages/core packages/backend-fs packages/strategy-fsdp2

@@ -1,0 +1,573 @@
+"""One benchmark run on N ranks (FSDP2 on gloo, or NCCL on GPUs), started by ``run.py``:
+
+    python -m torch.distributed.run --standalone --nproc_per_node N bench/worker.py SPEC.json OUT.json
+
+SPEC lists groups (a state size and the cases to run on it). Every case of a group runs
+on the same FSDP2 model + AdamW state, ``reps`` times, the order reversed on every other
+repetition. Per case and repetition each rank measures its own blocking time, time until
+durable, extra peak RSS (sampled every millisecond, plus the kernel's high-water mark)
+and the bytes it copied while staging; rank 0 gathers them and writes OUT.json.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import shutil
+import sys
+import time
+import warnings
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import PeakRSS, drop_cache, tree_bytes, tree_files  # noqa: E402
+
+from roll_ckpt import CheckpointManager, load_config  # noqa: E402
+from roll_ckpt import digest as _digest  # noqa: E402
+
+warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+warnings.filterwarnings("ignore", message=".*Detected an existing checkpoint.*")
+
+DEVICE = "cpu"
+
+# ----------------------------------------------------------------------------- hashing time
+
+_HASH_S = [0.0]
+_orig_update = _digest.Hasher.update
+
+
+def _timed_update(self: Any, data: Any) -> None:
+    t0 = time.perf_counter()
+    _orig_update(self, data)
+    _HASH_S[0] += time.perf_counter() - t0
+
+
+_digest.Hasher.update = _timed_update  # type: ignore[method-assign]
+
+
+# ----------------------------------------------------------------------------- state
+
+
+def build(width: int, depth: int, mesh_kind: str = "fsdp") -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    ws = dist.get_world_size()
+    if mesh_kind == "hsdp":
+        mesh = init_device_mesh(DEVICE, (ws, 1), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(DEVICE, (ws,))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(depth)]).to(DEVICE)
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(4, width, device=DEVICE)
+    model(x).pow(2).mean().backward()  # one step materialises AdamW's exp_avg / exp_avg_sq
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return model, opt
+
+
+def local_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
+    def nbytes(t: Any) -> int:
+        t = getattr(t, "_local_tensor", t)
+        return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+    n = sum(nbytes(p) for p in model.parameters())
+    n += sum(nbytes(v) for st in opt.state.values() for v in st.values())
+    return n
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+class Group:
+    """One state (model + AdamW) and everything the cases need to save and load it."""
+
+    def __init__(self, spec: dict[str, Any], scratch: str) -> None:
+        self.name = spec["name"]
+        self.spec = spec
+        self.rank = dist.get_rank()
+        self.dir = os.path.join(scratch, self.name)
+        self.model, self.opt = build(spec["width"], spec["depth"])
+        self.state = {"model": self.model, "optimizer": self.opt}
+        self.state_bytes = local_bytes(self.model, self.opt)
+        self.pg = dist.new_group(backend="gloo")  # checkpoint collectives off FSDP's group
+        self.step = 0
+        cfg = {"checkpoint_config": {"output_dir": os.path.join(self.dir, "rc"), "timestamp_subdir": False},
+               "strategy_config": {"async_save_ckpt": True}}
+        self.m = CheckpointManager.from_config(load_config(cfg), quiet=True)
+        self.m.bind(self.state)
+        self.m_load = CheckpointManager.from_config(load_config(cfg), quiet=True)
+        self.m_load.bind(self.state)
+        self.stager: Any = None
+        self.dedup: tuple[Any, ...] | None = None
+        self.invariants: list[str] = []
+        # The checkpoint both loaders read (roll-ckpt's dcp/ folder is a plain DCP folder).
+        self.load_path = self.m.save(self.next_step(), self.state, final=True)
+        self.load_bytes = tree_bytes(self.load_path) if self.rank == 0 else 0
+
+    def next_step(self) -> int:
+        self.step += 1
+        return self.step
+
+    def path(self, kind: str) -> str:
+        return os.path.join(self.dir, f"{kind}-{self.step}")
+
+    def sd(self) -> dict[str, Any]:
+        msd, osd = get_state_dict(self.model, self.opt)
+        return {"model": msd, "optimizer": osd}
+
+    def dedup_group(self) -> tuple[Any, ...]:
+        if self.dedup is None:
+            model, opt = build(self.spec["width"], self.spec["depth"], mesh_kind="hsdp")
+            state = {"model": model, "optimizer": opt}
+            cfg = {"checkpoint_config": {"output_dir": os.path.join(self.dir, "dedup"), "timestamp_subdir": False},
+                   "strategy_config": {"async_save_ckpt": True}, "offload_backend": "local_dedup"}
+            m = CheckpointManager.from_config(load_config(cfg), quiet=True)
+            m.bind(state)
+            self.dedup = (m, state, local_bytes(model, opt))
+        return self.dedup
+
+    def close(self) -> None:
+        self.m.close()
+        self.m_load.close()
+        if self.dedup is not None:
+            self.dedup[0].close()
+        if self.stager is not None:
+            self.stager.close()
+
+
+# ----------------------------------------------------------------------------- cases
+#
+# A case is prepare() -> run() -> cleanup(); only run() is timed and memory-sampled. run()
+# returns (blocked_s, durable_s, extra) measured from its own start, and leaves the
+# checkpoint durable. ``extra`` holds per-rank facts (bytes copied at staging...).
+
+
+class Case:
+    name = ""
+    title = ""
+    kind = "save"  # or "load"
+    ranks_min = 1
+
+    def __init__(self, g: Group) -> None:
+        self.g = g
+        self.written: str | None = None
+
+    def prepare(self) -> None:
+        pass
+
+    def run(self) -> tuple[float, float, dict[str, Any]]:
+        raise NotImplementedError
+
+    def cleanup(self) -> None:
+        dist.barrier()
+        if self.written and self.g.rank == 0:
+            shutil.rmtree(self.written, ignore_errors=True)
+        self.written = None
+
+    def state_bytes(self) -> int:
+        return self.g.state_bytes
+
+
+class TorchSave(Case):
+    name, title = "torch_save", "torch.save + fsync (per rank)"
+
+    def run(self):
+        g = self.g
+        folder = g.path("torch_save")
+        os.makedirs(folder, exist_ok=True)
+        t0 = time.perf_counter()
+        sd = g.sd()
+        local = {k: {n: getattr(v, "_local_tensor", v) for n, v in sub.items()} if isinstance(sub, dict) else sub
+                 for k, sub in sd.items()}
+        local["optimizer"] = {"state": {p: {k: getattr(v, "_local_tensor", v) for k, v in st.items()}
+                                        for p, st in sd["optimizer"]["state"].items()},
+                              "param_groups": sd["optimizer"]["param_groups"]}
+        with open(os.path.join(folder, f"rank{g.rank}.pt"), "wb") as f:
+            torch.save(local, f)
+            f.flush()
+            os.fsync(f.fileno())
+        dt = time.perf_counter() - t0
+        self.written = folder
+        return dt, dt, {}
+
+
+class DCPSave(Case):
+    name, title = "dcp_save", "dcp.save (FileSystemWriter defaults)"
+
+    def run(self):
+        g = self.g
+        path = g.path("dcp_save")
+        t0 = time.perf_counter()
+        dcp.save(g.sd(), checkpoint_id=path, process_group=g.pg)
+        dt = time.perf_counter() - t0
+        self.written = path
+        return dt, dt, {}
+
+
+class DCPAsync(Case):
+    name, title = "dcp_async", "dcp.async_save, default staging (torchtitan async)"
+
+    def run(self):
+        g = self.g
+        path = g.path("dcp_async")
+        t0 = time.perf_counter()
+        fut = dcp.async_save(g.sd(), checkpoint_id=path, process_group=g.pg)
+        blocked = time.perf_counter() - t0
+        fut.result()
+        self.written = path
+        return blocked, time.perf_counter() - t0, {"copied": g.state_bytes}
+
+
+class DCPAsyncStager(Case):
+    name, title = "dcp_async_stager", "dcp.async_save + DefaultStager"
+
+    def prepare(self):
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        if self.g.stager is None:
+            opts = StagingOptions() if DEVICE == "cuda" else StagingOptions(False, True, True, False)
+            self.g.stager = DefaultStager(opts)
+
+    def run(self):
+        g = self.g
+        path = g.path("dcp_async_stager")
+        t0 = time.perf_counter()
+        resp = dcp.async_save(g.sd(), checkpoint_id=path, process_group=g.pg, async_stager=g.stager)
+        blocked = time.perf_counter() - t0
+        staged = None
+        if hasattr(resp, "staging_completion"):
+            resp.staging_completion.result()
+            staged = time.perf_counter() - t0
+            resp.upload_completion.result()
+        else:
+            resp.result()
+        self.written = path
+        return blocked, time.perf_counter() - t0, {"copied": g.state_bytes, "staged_s": staged}
+
+
+class RCSave(Case):
+    name, title = "rc_save", "roll-ckpt sync save"
+    threads: int | None = None
+
+    def run(self):
+        g = self.g
+        strategy = g.m.strategy
+        if self.threads is not None:
+            strategy.writer_threads = lambda nbytes=0: self.threads
+        _HASH_S[0] = 0.0
+        try:
+            t0 = time.perf_counter()
+            self.written = g.m.save(g.next_step(), g.state, final=True)
+            dt = time.perf_counter() - t0
+        finally:
+            strategy.__dict__.pop("writer_threads", None)
+        st = g.m.last_save
+        return dt, dt, {"copied": st.bytes_copied, "hash_s": _HASH_S[0],
+                        "threads": strategy.writer_threads(g.state_bytes) if self.threads is None else self.threads}
+
+
+class RCSaveT1(RCSave):
+    name, title = "rc_save_t1", "roll-ckpt sync save, 1 writer thread"
+    threads = 1
+
+
+class RCAsync(Case):
+    name, title = "rc_async", "roll-ckpt async, regular staging (reused buffers)"
+    offload: bool | None = None  # None: live state; False: model in the store; True: model + optimizer
+
+    def manager(self) -> tuple[Any, dict[str, Any]]:
+        return self.g.m, self.g.state
+
+    def prepare(self):
+        m, state = self.manager()
+        if self.offload is not None:
+            m.strategy.offload_states(state, optimizer=self.offload)
+            sync()
+
+    def run(self):
+        m, state = self.manager()
+        _HASH_S[0] = 0.0
+        t0 = time.perf_counter()
+        self.written = m.save(self.g.next_step(), state)
+        blocked = time.perf_counter() - t0
+        m.wait()
+        durable = time.perf_counter() - t0
+        st = m.last_save
+        return blocked, durable, {"copied": st.bytes_copied, "policies": dict(st.policies), "hash_s": _HASH_S[0]}
+
+    def cleanup(self):
+        m, state = self.manager()
+        self.g.invariants += check_no_store_alias(m, state, self.name)
+        if self.offload is not None:
+            m.strategy.load_states(state)
+            sync()
+        super().cleanup()
+
+
+def check_no_store_alias(m: Any, state: dict[str, Any], case: str) -> list[str]:
+    """A save must leave the training state's tensors alone: none may alias the offload store."""
+    store = getattr(m.strategy, "store", None)
+    if store is None or not store.buffers:
+        return []
+    spans = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in store.buffers.values()]
+    bad = []
+    for key, obj in state.items():
+        if isinstance(obj, torch.optim.Optimizer):
+            for st in obj.state.values():
+                for k, v in st.items():
+                    local = getattr(v, "_local_tensor", v)
+                    if isinstance(local, torch.Tensor) and local.numel() and any(
+                            a <= local.data_ptr() < b for a, b in spans):
+                        bad.append(f"{case}: optimizer state {k} aliases the offload store after the save")
+    return bad[:1]
+
+
+class RCAsyncZCModel(RCAsync):
+    name, title = "rc_async_zc_model", "roll-ckpt async, zero-copy (model in the store)"
+    offload = False
+
+
+class RCAsyncZCAll(RCAsync):
+    name, title = "rc_async_zc_all", "roll-ckpt async, zero-copy (model + optimizer in the store)"
+    offload = True
+
+
+class RCDedup(RCAsync):
+    name, title = "rc_dedup", "roll-ckpt async, local_dedup store (HSDP, rebuilt + staged)"
+    offload = True
+    ranks_min = 2
+
+    def manager(self):
+        m, state, _ = self.g.dedup_group()
+        return m, state
+
+    def state_bytes(self) -> int:
+        return self.g.dedup_group()[2]
+
+
+class _Limit(Case):
+    """The machine's own limits, measured by rank 0 in the same alternation as the cases."""
+
+    kind = "limit"
+
+    def limits(self) -> Any:
+        g = self.g
+        if getattr(g, "_limits", None) is None:
+            from limits import Limits
+
+            g._limits = Limits(os.path.join(g.dir, "limits"), g.load_bytes) if g.rank == 0 else None
+        return g._limits
+
+    def prepare(self):
+        self.limits()
+
+    def run(self):
+        lim = self.limits()
+        rate, method = (self.measure(lim) if lim is not None else (0.0, ""))
+        return 0.0, 0.0, {"rate": rate, "method": method, "nbytes": lim.nbytes if lim else 0}
+
+    def state_bytes(self) -> int:
+        return 0
+
+
+class LimitWrite(_Limit):
+    name, title = "limit_write", "disk: sequential write + fdatasync"
+
+    def measure(self, lim):
+        return lim.disk_write(1), "dd bs=16M conv=fdatasync"
+
+
+class LimitWrite2(_Limit):
+    name, title = "limit_write2", "disk: 2 files written at once + fdatasync"
+
+    def measure(self, lim):
+        return lim.disk_write(2), "2 x dd bs=16M conv=fdatasync"
+
+
+class LimitRead(_Limit):
+    name, title = "limit_read", "disk: uncached sequential read"
+
+    def measure(self, lim):
+        return lim.disk_read()
+
+
+class LimitRead2(_Limit):
+    name, title = "limit_read2", "disk: 2 files read at once, uncached"
+
+    def measure(self, lim):
+        return lim.disk_read(2)
+
+
+class LimitMemcpy(_Limit):
+    name, title = "limit_memcpy", "memory: memcpy between touched buffers"
+
+    def measure(self, lim):
+        return lim.memcpy(), "numpy.copyto"
+
+
+class LimitMemcpyFresh(_Limit):
+    name, title = "limit_memcpy_fresh", "memory: copy into a fresh allocation (clone)"
+
+    def measure(self, lim):
+        return lim.memcpy_fresh(), "torch.clone"
+
+
+class _Load(Case):
+    kind = "load"
+
+    def prepare(self):
+        dist.barrier()
+        if self.g.rank == 0:
+            drop_cache(tree_files(self.g.load_path))  # cold: read from the disk, not the page cache
+        dist.barrier()
+
+
+class RCLoad(_Load):
+    name, title = "rc_load", "roll-ckpt resume (verify + load)"
+
+    def run(self):
+        g = self.g
+        _HASH_S[0] = 0.0
+        t0 = time.perf_counter()
+        g.m_load.resume(g.state, target=g.load_path)
+        sync()
+        dt = time.perf_counter() - t0
+        return dt, dt, {"hash_s": _HASH_S[0]}
+
+
+class DCPLoad(_Load):
+    name, title = "dcp_load", "dcp.load (FileSystemReader) + set_state_dict"
+
+    def run(self):
+        g = self.g
+        t0 = time.perf_counter()
+        msd, osd = get_state_dict(g.model, g.opt)
+        dcp.load({"model": msd, "optimizer": osd}, checkpoint_id=os.path.join(g.load_path, "dcp"), process_group=g.pg)
+        set_state_dict(g.model, g.opt, model_state_dict=msd, optim_state_dict=osd)
+        sync()
+        dt = time.perf_counter() - t0
+        return dt, dt, {}
+
+
+CASES: dict[str, type[Case]] = {c.name: c for c in (
+    TorchSave, DCPSave, DCPAsync, DCPAsyncStager, RCSave, RCSaveT1, RCAsync, RCAsyncZCModel, RCAsyncZCAll,
+    RCDedup, DCPLoad, RCLoad, LimitWrite, LimitWrite2, LimitRead, LimitRead2, LimitMemcpy, LimitMemcpyFresh)}
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def _trim() -> None:
+    """Give freed heap memory back to the OS, so a case's extra RSS is what it allocates itself.
+
+    Without it, memory a previous case freed but glibc kept would be reused silently (and
+    would count in the next case's baseline).
+    """
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def log(msg: str) -> None:
+    if dist.get_rank() == 0:
+        print(f"[worker {dist.get_world_size()}] {time.strftime('%H:%M:%S')} {msg}", file=sys.stderr, flush=True)
+
+
+def measure(case: Case) -> dict[str, Any]:
+    case.prepare()
+    _trim()
+    sync()
+    dist.barrier()
+    rss = PeakRSS().start()
+    try:
+        blocked, durable, extra = case.run()
+    finally:
+        extra_rss = rss.stop()
+    mine = {"blocked_s": blocked, "durable_s": durable, "extra_rss": extra_rss, "rss_base": rss.base,
+            "state_bytes": case.state_bytes(), **extra}
+    written = case.written
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    nbytes = 0
+    if dist.get_rank() == 0:
+        if case.kind == "load":
+            nbytes = case.g.load_bytes
+        elif written:
+            nbytes = tree_bytes(written)
+    case.cleanup()
+    return {"ranks": everyone, "bytes": nbytes}
+
+
+def run_group(spec: dict[str, Any], scratch: str, out: dict[str, Any]) -> None:
+    ws = dist.get_world_size()
+    t_build = time.perf_counter()
+    g = Group(spec, scratch)
+    build_s = time.perf_counter() - t_build
+    gc.collect()
+    gc.freeze()  # what exists now lives on: the collections between cases skip it (else ~0.3 s each)
+    names = [n for n in spec["cases"] if CASES[n].ranks_min <= ws]
+    cases = {n: CASES[n](g) for n in names}
+    results: dict[str, list[Any]] = {n: [] for n in names}
+    log(f"{g.name}: state {g.state_bytes / 2**20:.0f} MiB/rank built in {build_s:.1f} s")
+    if spec.get("warmup", True):
+        for n in names:  # first calls pay for thread pools, process groups, staging buffers
+            measure(cases[n])
+        log(f"{g.name}: warm-up done")
+    for rep in range(spec["reps"]):
+        order = names if rep % 2 == 0 else names[::-1]
+        t_rep = time.perf_counter()
+        for n in order:
+            results[n].append(measure(cases[n]))
+        log(f"{g.name}: repetition {rep + 1} took {time.perf_counter() - t_rep:.1f} s")
+    g.close()
+    out["groups"].append({
+        "name": g.name, "world_size": ws, "width": spec["width"], "depth": spec["depth"],
+        "state_bytes": g.state_bytes, "build_s": build_s,
+        "checkpoint_bytes": g.load_bytes, "invariants": g.invariants,
+        "cases": {n: {"title": cases[n].title, "kind": cases[n].kind, "reps": results[n]} for n in names},
+    })
+    if dist.get_rank() == 0:
+        shutil.rmtree(g.dir, ignore_errors=True)
+    dist.barrier()
+
+
+def main() -> None:
+    global DEVICE
+    spec_path, out_path = sys.argv[1], sys.argv[2]
+    with open(spec_path) as f:
+        spec = json.load(f)
+    DEVICE = spec.get("device", "cpu")
+    if DEVICE == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("cpu:gloo,cuda:nccl")
+    else:
+        dist.init_process_group("gloo")
+    out: dict[str, Any] = {"world_size": dist.get_world_size(), "device": DEVICE, "groups": []}
+    try:
+        for gspec in spec["groups"]:
+            run_group(gspec, spec["scratch"], out)
+        if dist.get_rank() == 0:
+            with open(out_path, "w") as f:
+                json.dump(out, f)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
