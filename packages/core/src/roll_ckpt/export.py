@@ -81,12 +81,12 @@ def load_full_tensors(storage: Storage, path: str, *, only: Sequence[str] | None
     from torch.distributed.checkpoint._traverse import get_element
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    from .dcp_io import SafeEmptyLoadPlanner, SafeReader
+    from .dcp_io import SafeEmptyLoadPlanner, SafeReader, roll_error_in
     from .verify import read_manifest, verify
 
     manifest = verify(storage, path, on_bytes=on_verify_bytes).manifest if verify_first \
         else read_manifest(storage, path)
-    reader = SafeReader(storage, storage.join(path, DCP_DIR), on_bytes)
+    reader = SafeReader(storage, storage.join(path, DCP_DIR), on_bytes, checkpoint=path)
     md = reader.read_metadata()
     keys, skipped = select_tensor_keys(md, only)
     sd: dict[str, Any] = {}
@@ -94,8 +94,14 @@ def load_full_tensors(storage: Storage, path: str, *, only: Sequence[str] | None
         reader.reset(storage.join(path, DCP_DIR))
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            _load_state_dict(sd, storage_reader=reader, planner=SafeEmptyLoadPlanner(keys=set(keys)),
-                             no_dist=True)
+            try:
+                _load_state_dict(sd, storage_reader=reader, planner=SafeEmptyLoadPlanner(keys=set(keys)),
+                                 no_dist=True)
+            except BaseException as exc:  # DCP wraps errors in a CheckpointException
+                ours = roll_error_in(exc)
+                if ours is None:
+                    raise
+                raise ours from None
     planner_data = md.planner_data or {}
     out: dict[str, Any] = {}
     for key in keys:
