@@ -137,6 +137,40 @@ class LocalStorage:
         return _DurableFile(raw, buffer_size=_WRITE_BUFFER)  # type: ignore[return-value]
 
     def write_create(self, path: str, data: bytes) -> None:
+        """Create ``path`` whole or not at all: the bytes go to a fsynced temporary file that
+        is then hard-linked into place, which fails if ``path`` exists. Nobody, not even after
+        a crash or power loss, sees a partial file there.
+
+        The temporary file lives one folder up (``.tmp-*``, removed by ``clean_stale`` if
+        we die before unlinking it), so no stray file ever appears inside a checkpoint.
+        """
+        folder = os.path.dirname(path) or "."
+        above = os.path.dirname(os.path.abspath(folder))
+        tmp_dir = above if os.path.isdir(above) and os.access(above, os.W_OK) else folder
+        tmp = os.path.join(tmp_dir, f".tmp-{os.path.basename(path)}-{os.getpid()}-{time.monotonic_ns()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            try:
+                view = memoryview(data)
+                while view:
+                    n = os.write(fd, view)
+                    view = view[n:]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            try:
+                os.link(tmp, path)
+            except OSError as exc:
+                if exc.errno == errno.EEXIST:
+                    raise FileExistsError(errno.EEXIST, "already exists", path) from None
+                if exc.errno not in (errno.EPERM, errno.EXDEV, errno.ENOTSUP, errno.EOPNOTSUPP):
+                    raise
+                self._create_in_place(path, data)  # a file system without hard links
+        finally:
+            self.remove(tmp)
+        _fsync_dir(folder)
+
+    def _create_in_place(self, path: str, data: bytes) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             view = memoryview(data)
@@ -153,7 +187,6 @@ class LocalStorage:
         finally:
             if fd >= 0:
                 os.close(fd)
-        _fsync_dir(os.path.dirname(path) or ".")
 
     def rename_dir(self, src: str, dst: str) -> None:
         if os.path.lexists(dst):

@@ -13,7 +13,9 @@ from .config import BackupConfig, CheckpointConfig, Config, StrategyConfig, load
 from .errors import (BackupError, CheckpointCorruptError, CheckpointNotFoundError, ConfigError, PluginError,
                      RollCkptError, SaveError, StorageError, StorageFullError, UnknownPluginError,
                      UnsafeCheckpointError)
+from .driver_state import DriverState
 from .hookspecs import hookimpl, hookspec
+from .layout import new_run_name
 from .records import BackendRecord, StagingPolicyRecord, StrategyRecord
 from .savectx import CommitInfo, SaveContext
 from .storage import Entry, Storage
@@ -25,6 +27,8 @@ __all__ = [
     "__version__",
     "CheckpointManager",
     "SaveStats",
+    "DriverState",
+    "new_run_name",
     "load_config",
     "Config",
     "CheckpointConfig",

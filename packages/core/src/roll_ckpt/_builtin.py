@@ -1,4 +1,4 @@
-"""Core's own hook implementations: the ``dcp`` strategy and regular staging."""
+"""Core's own hook implementations: the ``dcp`` and ``json`` strategies and regular staging."""
 
 from __future__ import annotations
 
@@ -14,11 +14,26 @@ def _make_dcp(config: Any, plugins: Any) -> Any:
     return DCPStrategy(config, plugins)
 
 
+def _make_json(config: Any, plugins: Any) -> Any:
+    from .driver_state import JSONStrategy
+
+    return JSONStrategy(config, plugins)
+
+
+def _holds_driver_state(state: Any) -> bool:
+    from .driver_state import holds_driver_state
+
+    return holds_driver_state(state)
+
+
 @hookimpl
 def roll_ckpt_strategies() -> list[StrategyRecord]:
     return [StrategyRecord(
         name="dcp", factory=_make_dcp, applies=lambda state: True, priority=0,
         description="torch.distributed.checkpoint for one process or replicated modules",
+    ), StrategyRecord(
+        name="json", factory=_make_json, applies=_holds_driver_state, priority=20,
+        description="DriverState values (a driver's step, counters, data position, history) as JSON, no pickle",
     )]
 
 

@@ -20,11 +20,12 @@ import time
 from dataclasses import dataclass
 
 from .errors import CheckpointNotFoundError, RollCkptError
-from .layout import TMP_PREFIX, run_folders
+from .layout import TMP_PREFIX, parse_step, run_folders
 from .manifest import MANIFEST_NAME
 from .storage import Storage
 
-__all__ = ["PendingCheckpoint", "owner_record", "owner_gone", "plan", "begin", "commit", "abort", "clean_stale", "STALE_FOREIGN_S"]
+__all__ = ["PendingCheckpoint", "owner_record", "owner_gone", "plan", "begin", "commit", "abort", "clean_stale", "live_writers",
+           "STALE_FOREIGN_S"]
 
 MARKER_PREFIX = ".inflight-"
 STALE_FOREIGN_S = 24 * 3600.0
@@ -120,10 +121,9 @@ def _stale(owner: dict, now: float) -> bool:
     return now - float(owner.get("started", 0)) > STALE_FOREIGN_S
 
 
-def _clean_folder(storage: Storage, folder: str, now: float) -> list[str]:
-    removed = []
-    entries = storage.list(folder)
-    live_writes = set()
+def _markers(storage: Storage, entries: list) -> list[tuple[object, dict]]:
+    """The owner markers among ``entries``, with what each records (``{}`` if unreadable)."""
+    out = []
     for e in entries:
         if not e.name.startswith(MARKER_PREFIX) or e.is_dir:
             continue
@@ -132,6 +132,15 @@ def _clean_folder(storage: Storage, folder: str, now: float) -> list[str]:
                 owner = json.loads(f.read().decode())
         except (OSError, ValueError):
             owner = {}
+        out.append((e, owner if isinstance(owner, dict) else {}))
+    return out
+
+
+def _clean_folder(storage: Storage, folder: str, now: float) -> list[str]:
+    removed = []
+    entries = storage.list(folder)
+    live_writes = set()
+    for e, owner in _markers(storage, entries):
         if owner and not _stale(owner, now):
             live_writes.add(owner.get("write_path"))
             continue
@@ -146,21 +155,38 @@ def _clean_folder(storage: Storage, folder: str, now: float) -> list[str]:
                 removed.append(wp)
         storage.remove(e.path)
     for e in entries:
-        # A temporary folder no live owner claims is left over from a crash.
+        # A temporary folder no live owner claims is left over from a crash; so is a
+        # create-only write's temporary file (LocalStorage.write_create), once it is old.
         if e.is_dir and e.name.startswith(TMP_PREFIX) and e.path not in live_writes:
             if e.mtime is None or now - e.mtime > 5.0:
                 storage.remove_tree(e.path)
                 removed.append(e.path)
+        elif not e.is_dir and e.name.startswith(TMP_PREFIX) and e.mtime is not None and now - e.mtime > 60.0:
+            storage.remove(e.path)
+            removed.append(e.path)
     return removed
 
 
 def clean_stale(storage: Storage, output_dir: str) -> list[str]:
-    """Remove the uncommitted folders of saves whose process is gone. Returns their paths."""
+    """Remove the uncommitted folders of saves whose process is gone. Returns their paths.
+
+    Parts of a step with components are written inside its (uncommitted) step folder, so
+    those folders are looked into as well.
+    """
     now = time.time()
-    removed = _clean_folder(storage, output_dir, now)
-    for _, path in run_folders(storage, output_dir):
-        removed += _clean_folder(storage, path, now)
+    removed = []
+    for folder in [output_dir, *(path for _, path in run_folders(storage, output_dir))]:
+        removed += _clean_folder(storage, folder, now)
+        for e in storage.list(folder):
+            if e.is_dir and parse_step(e.name) is not None and not storage.exists(storage.join(e.path, MANIFEST_NAME)):
+                removed += _clean_folder(storage, e.path, now)
     return removed
+
+
+def live_writers(storage: Storage, folder: str) -> bool:
+    """True when an owner marker in ``folder`` belongs to a process that still runs."""
+    now = time.time()
+    return any(owner and not _stale(owner, now) for _, owner in _markers(storage, storage.list(folder)))
 
 
 def require_committed(storage: Storage, path: str) -> None:

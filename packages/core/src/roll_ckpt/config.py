@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .errors import ConfigError
+from .layout import RUN_RE
 
 __all__ = ["Config", "CheckpointConfig", "BackupConfig", "StrategyConfig", "load_config"]
 
@@ -64,7 +65,15 @@ class CheckpointConfig:
     backup: BackupConfig | None = None
     """Optional second location, replicated in the background."""
     components: tuple[str, ...] | None = None
-    """Parts that must all commit a step before it counts (actor, critic, pipeline...)."""
+    """Parts that must all commit a step before it counts (actor, critic, pipeline...).
+
+    Each part is saved by its own manager (``CheckpointManager(config, component=...)``)
+    into ``checkpoint-<step>/<component>/``; the last part to commit commits the step."""
+    run_name: str | None = None
+    """The run folder to write (``YYYYmmdd-HHMMSS[-n]``, as :func:`roll_ckpt.new_run_name`
+    makes); by default each manager claims a new one. Components of one job must share it:
+    the driver picks it once per launch and passes it to every worker (e.g. through
+    ``${env:ROLL_CKPT_RUN_NAME}``)."""
 
 
 @dataclass(frozen=True)
@@ -328,6 +337,17 @@ def _checkpoint(value: Any, default_root: str) -> CheckpointConfig:
         components = names or None
     timestamp_subdir = value.get("timestamp_subdir", True)
     _expect(f"{key}.timestamp_subdir", timestamp_subdir, bool, "true or false")
+    run_name = value.get("run_name")
+    if run_name in ("", None):
+        run_name = None
+    else:
+        run_name = _string(f"{key}.run_name", run_name)
+        if not RUN_RE.match(run_name):
+            raise ConfigError(f"{key}.run_name", "is not a run folder name", run_name,
+                              "YYYYmmdd-HHMMSS or YYYYmmdd-HHMMSS-<n> (roll_ckpt.new_run_name() makes one)")
+        if not timestamp_subdir:
+            raise ConfigError(f"{key}.run_name", "names a run folder, but timestamp_subdir is false",
+                              run_name, "timestamp_subdir: true, or no run_name")
     output_dir = _location(f"{key}.output_dir", value.get("output_dir", default_root))
     backup = _backup(value.get("backup"))
     if backup is not None and _same_location(backup.output_dir, output_dir):
@@ -341,6 +361,7 @@ def _checkpoint(value: Any, default_root: str) -> CheckpointConfig:
         storage_options=_options(f"{key}.storage_options", value.get("storage_options")),
         backup=backup,
         components=components,
+        run_name=run_name,
     )
 
 

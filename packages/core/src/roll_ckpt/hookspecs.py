@@ -96,4 +96,9 @@ def roll_ckpt_load(path: str, state: dict[str, Any]) -> None:
 
 @hookspec
 def roll_ckpt_on_commit(info: CommitInfo) -> None:
-    """A checkpoint was committed (its manifest is durable). Runs on the coordinator."""
+    """A checkpoint was committed (its manifest is durable). Runs on the coordinator.
+
+    With ``checkpoint_config.components``, once for the part a manager committed
+    (``info.component`` set) and once more, in the one process that commits it, for the
+    whole step (``info.component`` is ``None``).
+    """

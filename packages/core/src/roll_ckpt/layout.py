@@ -20,7 +20,7 @@ from .manifest import MANIFEST_NAME
 from .storage import Storage
 
 __all__ = ["CheckpointRef", "scan", "committed", "latest", "checkpoint_name", "run_name",
-           "parse_step", "RUN_RE"]
+           "new_run_name", "parse_step", "RUN_RE"]
 
 RUN_RE = re.compile(r"^(\d{8}-\d{6})(?:-(\d+))?$")
 CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
@@ -36,6 +36,15 @@ def checkpoint_name(step: int) -> str:
 def run_name(now: datetime, attempt: int = 0) -> str:
     base = now.strftime("%Y%m%d-%H%M%S")
     return base if attempt == 0 else f"{base}-{attempt}"
+
+
+def new_run_name() -> str:
+    """A run folder name for a job starting now (``YYYYmmdd-HHMMSS``, local time).
+
+    Multi-component jobs pick it once per launch, in the driver, and give it to every
+    component as ``checkpoint_config.run_name``.
+    """
+    return run_name(datetime.now())
 
 
 def parse_step(name: str) -> int | None:

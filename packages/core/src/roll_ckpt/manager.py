@@ -64,6 +64,7 @@ def _disk_full(exc: BaseException) -> bool:
 
 
 def _checked_while_loading(name: str) -> bool:
+    # DCP's data files are checked by SafeReader as they are read; anything else up front.
     return name.startswith(f"{DCP_DIR}/") and name != f"{DCP_DIR}/.metadata"
 
 
@@ -88,6 +89,31 @@ def _plugin_versions(plugins: Plugins) -> dict[str, str]:
     return out
 
 
+def _check_component(component: str | None, cc: Any) -> str | None:
+    from .errors import ConfigError
+
+    names = cc.components or ()
+    if component is None:
+        if names:
+            raise ConfigError("checkpoint_config.components", "lists the parts of each step, so every manager "
+                              "saves one of them", list(names),
+                              "CheckpointManager(config, component=<one of them>)")
+        return None
+    if not names:
+        raise ConfigError("checkpoint_config.components", f"is not set, but a manager was created for "
+                          f"component '{component}'", None,
+                          f"the list of every component that saves a step, e.g. [{component}, ...]")
+    if component not in names:
+        raise ConfigError("checkpoint_config.components", f"does not list component '{component}'",
+                          list(names), "one of the listed names")
+    if not cc.run_name:
+        raise ConfigError("checkpoint_config.run_name", "is needed with components: every component of one "
+                          "launch must write the same run folder", None,
+                          "a name the driver picks once per launch (roll_ckpt.new_run_name()) and gives to "
+                          "every component, e.g. run_name: ${env:ROLL_CKPT_RUN_NAME}")
+    return component
+
+
 class CheckpointManager:
     """Saves and resumes the full training state of one job.
 
@@ -99,12 +125,20 @@ class CheckpointManager:
 
     One save is in flight at most: a save issued while an asynchronous one is still
     writing waits for it first (and raises its error, if it failed).
+
+    ``component`` names this manager's part of a job whose steps are made of several
+    (``checkpoint_config.components``: actor, critic, driver...): it saves into
+    ``checkpoint-<step>/<component>/`` with its own processes, and a step counts once every
+    component has committed its part (see :mod:`roll_ckpt.components`). ``resume`` loads
+    this component's part of the newest step that every component committed.
     """
 
-    def __init__(self, config: Config, *, plugins: Plugins | None = None, quiet: bool = False) -> None:
+    def __init__(self, config: Config, *, component: str | None = None, plugins: Plugins | None = None,
+                 quiet: bool = False) -> None:
         self.config = config
-        self.plugins = plugins or get_plugins()
         cc = config.checkpoint_config
+        self.component = _check_component(component, cc)
+        self.plugins = plugins or get_plugins()
         self.storage = open_storage(self.plugins, cc.type, cc.output_dir, cc.storage_options)
         self.root = self.storage.root
         self.quiet = quiet
@@ -197,6 +231,16 @@ class CheckpointManager:
         return self._run_dir
 
     def _claim_run_folder(self) -> str:
+        wanted = self.config.checkpoint_config.run_name
+        if wanted:  # shared by the job's components: whoever comes first records it
+            path = self.storage.join(self.root, wanted)
+            self.storage.makedirs(path)
+            record = dict(commit_mod.owner_record(), created=_utc_now(), exp_name=self.config.exp_name)
+            try:
+                self.storage.write_create(self.storage.join(path, layout.RUN_RECORD), json.dumps(record).encode())
+            except FileExistsError:
+                pass
+            return wanted
         now = datetime.now()
         for attempt in range(100):
             name = layout.run_name(now, attempt)
@@ -242,6 +286,8 @@ class CheckpointManager:
         self.wait()  # one save in flight at most; raises the previous one's error
         run_dir = self._ensure_run_dir()
         final_path = self.storage.join(run_dir, layout.checkpoint_name(step))
+        if self.component:
+            final_path = self.storage.join(final_path, self.component)
         if step in self._committed_steps:
             return final_path
         is_async = self.config.strategy_config.async_save_ckpt and not final
@@ -275,36 +321,34 @@ class CheckpointManager:
         error: BaseException | None = None
         try:
             if strategy.is_coordinator and refuse is None:
+                if self.component:
+                    self._check_part_free(ctx)
                 commit_mod.begin(storage, pending)
             # A refused save (no space) fails in DCP's planning step, before any data is
             # written, and DCP carries the refusal to every rank.
             target = storage if refuse is None else self._refusing(refuse)
+            data_dir = strategy.data_dir
             with self._progress(f"save step {ctx.step}") as progress:
-                digests = strategy.write(sd, target, storage.join(pending.write_path, DCP_DIR), progress)
+                digests = strategy.write(sd, target, storage.join(pending.write_path, data_dir), progress)
             total = 0
             if strategy.is_coordinator:
-                files = {f"{DCP_DIR}/{name}": FileEntry(size, digest) for name, (size, digest) in digests.items()}
+                files = {f"{data_dir}/{name}": FileEntry(size, digest) for name, (size, digest) in digests.items()}
                 ts = self._trainer_state(ctx, user)
                 with storage.open_write(storage.join(pending.write_path, TRAINER_STATE)) as f:
                     f.write(ts)
                 size, digest = hash_bytes(ts)
                 files[TRAINER_STATE] = FileEntry(size, digest)
                 manifest = Manifest(step=ctx.step, files=files, created=_utc_now(),
-                                    world_size=strategy.world_size, plugins=_plugin_versions(self.plugins),
-                                    extra={"strategy": strategy.name})
-                commit_mod.commit(storage, pending, manifest.to_bytes(), [DCP_DIR])
+                                    world_size=strategy.world_size, component=self.component,
+                                    plugins=_plugin_versions(self.plugins), extra={"strategy": strategy.name})
+                commit_mod.commit(storage, pending, manifest.to_bytes(), [data_dir])
                 total = sum(e.size for e in files.values())
                 self._committed_steps.add(ctx.step)
-                self.plugins.hook.roll_ckpt_on_commit(
-                    info=CommitInfo(path=ctx.path, step=ctx.step, url=storage.url, manifest=json.loads(manifest.to_bytes())))
-                keep = self.config.checkpoint_config.max_ckpt_to_keep
-                if keep:
-                    with self._local_lock:
-                        removed = apply_retention(storage, self.root, keep, protect=self._protected(ctx.path),
-                                                  own_run=self._run_dir)
-                    for path in removed:
-                        log.info("roll-ckpt: retention removed %s", path)
-                self._replicate(ctx.path, ctx.step)
+                self.plugins.hook.roll_ckpt_on_commit(info=CommitInfo(
+                    path=ctx.path, step=ctx.step, url=storage.url, manifest=json.loads(manifest.to_bytes()),
+                    component=self.component))
+                if self._commit_step(ctx):  # the whole checkpoint, or the last part of the step
+                    self._after_commit(self._step_path(ctx.path), ctx.step)
             else:
                 self._committed_steps.add(ctx.step)
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
@@ -326,6 +370,50 @@ class CheckpointManager:
                           policies=dict(Counter(ctx.staging.values())))
         self.last_save = stats
         return stats
+
+    def _step_path(self, path: str) -> str:
+        """The checkpoint folder of ``path`` (a part's parent with components)."""
+        return path.rstrip("/").rsplit("/", 1)[0] if self.component else path
+
+    def _check_part_free(self, ctx: SaveContext) -> None:
+        from .manifest import MANIFEST_NAME
+
+        step_path = self._step_path(ctx.path)
+        if self.storage.exists(self.storage.join(step_path, MANIFEST_NAME)):
+            raise RollCkptError(f"step {ctx.step} is already committed at {step_path}; a part cannot be added "
+                                "to it. Save another step, or delete it with 'roll-ckpt prune'")
+        if self.storage.exists(self.storage.join(ctx.path, MANIFEST_NAME)):
+            raise RollCkptError(
+                f"{ctx.path} is already committed by an earlier launch of this job: each launch needs a new "
+                "checkpoint_config.run_name (roll_ckpt.new_run_name(), picked once by the driver), or "
+                "parts of two launches would make one step")
+
+    def _commit_step(self, ctx: SaveContext) -> bool:
+        """True when the step is committed by this process: always without components;
+        with them, when this part was the last one and this process's create won."""
+        if not self.component:
+            return True
+        from .components import try_complete
+
+        step_path = self._step_path(ctx.path)
+        if not try_complete(self.storage, step_path, ctx.step, self.config.checkpoint_config.components or ()):
+            return False
+        manifest = read_manifest(self.storage, step_path)
+        self.plugins.hook.roll_ckpt_on_commit(info=CommitInfo(
+            path=step_path, step=ctx.step, url=self.storage.url, manifest=json.loads(manifest.to_bytes())))
+        log.info("roll-ckpt: step %d committed (every component's part is in %s)", ctx.step, step_path)
+        return True
+
+    def _after_commit(self, path: str, step: int) -> None:
+        """Retention and replication for the checkpoint just committed at ``path``."""
+        keep = self.config.checkpoint_config.max_ckpt_to_keep
+        if keep:
+            with self._local_lock:
+                removed = apply_retention(self.storage, self.root, keep, protect=self._protected(path),
+                                          own_run=self._run_dir)
+            for removed_path in removed:
+                log.info("roll-ckpt: retention removed %s", removed_path)
+        self._replicate(path, step)
 
     def _save_error(self, ctx: SaveContext, exc: BaseException) -> RollCkptError:
         from .space import wrapped_roll_error
@@ -360,6 +448,7 @@ class CheckpointManager:
             "world_size": ctx.world_size,
             "strategy": self._strategy.name,
             "exp_name": self.config.exp_name,
+            "component": self.component,
             "resumed_from": self.resumed_from,
             "user": user,
         }
@@ -419,6 +508,29 @@ class CheckpointManager:
             return [(backup, remote.path, True)]
         return [(self.storage, local.path, False), (backup, remote.path, True)]
 
+    def _agreed_candidates(self, target: str | None, strategy: Any) -> list[tuple[Storage, str, bool]]:
+        """The coordinator's resume candidates on every rank: ranks that listed the folders
+        themselves could see different steps (another component may commit one meanwhile)."""
+        target = self.config.resume_target if target is None else target
+        if target != "latest":
+            return self._resume_candidates(target)
+        mine: list[tuple[str, bool]] | str = []
+        if strategy.is_coordinator:
+            try:
+                if self.component:
+                    from .components import complete_pending
+
+                    for path in complete_pending(self.storage, self.root, self.config.checkpoint_config.components or ()):
+                        log.info("roll-ckpt: committed %s (its parts were all committed)", path)
+                mine = [(path, from_backup) for _, path, from_backup in self._resume_candidates(target)]
+            except RollCkptError as exc:
+                mine = str(exc)
+        agreed = strategy.broadcast(mine)
+        if isinstance(agreed, str):
+            raise RollCkptError(agreed)
+        return [(self.backup_storage if from_backup else self.storage, path, from_backup)  # type: ignore[misc]
+                for path, from_backup in agreed]
+
     def resume(self, state: MutableMapping[str, Any], target: str | None = None) -> int:
         """Restore ``state`` from the configured checkpoint; return its step (0: fresh start).
 
@@ -429,8 +541,8 @@ class CheckpointManager:
         (verified the same way; a warning names the damaged file).
         """
         self._check_open()
-        self.bind(state)
-        candidates = self._resume_candidates(target)
+        strategy = self.bind(state)
+        candidates = self._agreed_candidates(target, strategy)
         first_error: RollCkptError | None = None
         for i, (storage, path, from_backup) in enumerate(candidates):
             try:
@@ -462,31 +574,66 @@ class CheckpointManager:
         strategy = self._strategy
         problem: RollCkptError | None = None
         manifest = None
+        part = path
         if strategy.is_coordinator:
             try:
+                part = self._part_to_load(storage, path)
                 # DCP's data files are checked while they are read, once, by the rank that
                 # reads them (before anything is deserialized); everything else here.
                 with self._progress("verify") as progress:
-                    manifest = verify(storage, path, on_bytes=progress, defer=_checked_while_loading).manifest
+                    manifest = verify(storage, part, on_bytes=progress, defer=_checked_while_loading).manifest
+                self._check_written_by(manifest, part, strategy)
             except RollCkptError as exc:
                 problem = exc
-        message = strategy.broadcast(str(problem) if problem else "")
+        message, part = strategy.broadcast((str(problem) if problem else "", part))
         if problem is not None:
             raise problem
         if message:
             raise RollCkptError(message)
         if manifest is None:
-            manifest = read_manifest(storage, path)
-        files = {name[len(DCP_DIR) + 1:]: entry for name, entry in manifest.files.items()
-                 if name.startswith(f"{DCP_DIR}/")}
-        with storage.open_read(storage.join(path, TRAINER_STATE)) as f:
+            manifest = read_manifest(storage, part)
+        data_dir = strategy.data_dir
+        files = {name[len(data_dir) + 1:]: entry for name, entry in manifest.files.items()
+                 if name.startswith(f"{data_dir}/")}
+        with storage.open_read(storage.join(part, TRAINER_STATE)) as f:
             trainer_state = json.loads(f.read().decode())
         with self._progress(f"load step {trainer_state.get('step')}") as progress:
-            strategy.load(state, storage, storage.join(path, DCP_DIR), progress, files=files, checkpoint=path)
+            strategy.load(state, storage, storage.join(part, data_dir), progress, files=files, checkpoint=part)
         self.trainer_state = trainer_state
         self.resumed_from = storage.url if storage is not self.storage else path
         self.plugins.hook.roll_ckpt_load(path=path, state=state)
         return int(trainer_state["step"])
+
+    def _part_to_load(self, storage: Storage, path: str) -> str:
+        """The folder this manager loads from ``path``: the checkpoint itself, or its component's part."""
+        from .components import components_of, open_part
+
+        top = read_manifest(storage, path)
+        parts = components_of(top)
+        if self.component is None:
+            if parts or top.component:
+                what = f"made of components ({', '.join(sorted(parts))})" if parts else \
+                    f"component '{top.component}'s part of a step"
+                raise RollCkptError(f"{path} is {what}; resume it with CheckpointManager(config, component=...) "
+                                    "and checkpoint_config.components")
+            return path
+        if top.component == self.component:
+            return path  # the part's own folder, named explicitly
+        if top.component is not None:
+            raise RollCkptError(f"{path} is component '{top.component}'s part, not '{self.component}''s; "
+                                "resume from the step's folder or from this component's part")
+        if not parts:
+            raise RollCkptError(f"{path} was saved without components; resume it with a manager created "
+                                "without component=")
+        return open_part(storage, path, top, self.component)
+
+    @staticmethod
+    def _check_written_by(manifest: Manifest, path: str, strategy: Any) -> None:
+        if not any(name.startswith(f"{strategy.data_dir}/") for name in manifest.files):
+            raise RollCkptError(
+                f"{path} was written by the '{manifest.extra.get('strategy')}' strategy and holds no "
+                f"'{strategy.data_dir}/' folder, which the '{strategy.name}' strategy chosen for this state "
+                "loads; resume it with the same kind of state it was saved from")
 
     # ------------------------------------------------------------------ backup and space
 

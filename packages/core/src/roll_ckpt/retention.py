@@ -1,7 +1,9 @@
 """Retention: keep the newest ``max_ckpt_to_keep`` committed checkpoints.
 
 Order is :attr:`CheckpointRef.order` (run, then step as a number). The newest committed
-checkpoint and any checkpoint still being written are never removed. A checkpoint is
+checkpoint and any checkpoint still being written are never removed. Steps with
+components go whole: a committed step with all its parts, or a step that can no longer
+be committed (a part is missing and a newer step is whole). A checkpoint is
 un-committed (manifest removed) before its files go, so a crash halfway through a
 removal never leaves a folder that looks committed but is not whole.
 """
@@ -11,7 +13,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from .layout import CheckpointRef, committed
+from .layout import CheckpointRef, scan
 from .manifest import MANIFEST_NAME
 from .storage import Storage
 
@@ -58,6 +60,9 @@ def remove_checkpoint(storage: Storage, path: str) -> None:
     with storage.open_write(marker) as f:
         f.write(json.dumps(dict(owner_record(), write_path=path, final_path=path)).encode())
     storage.remove(storage.join(path, MANIFEST_NAME))
+    for e in storage.list(path):  # a step's parts too: complete_pending must not commit it again
+        if e.is_dir:
+            storage.remove(storage.join(e.path, MANIFEST_NAME))
     storage.sync_dir(path)
     storage.remove_tree(path)
     storage.remove(marker)
@@ -103,12 +108,30 @@ def apply_retention(storage: Storage, output_dir: str, keep: int, protect: set[s
     """
     removed = []
     live = _live_foreign_runs(storage, output_dir, own_run)
-    refs = [r for r in committed(storage, output_dir) if not r.run or r.run not in live]
+    refs = [r for r in scan(storage, output_dir) if not r.run or r.run not in live]
     for ref in plan_retention(refs, keep, protect):
+        remove_checkpoint(storage, ref.path)
+        removed.append(ref.path)
+    for ref in _abandoned_steps(storage, refs, protect):
         remove_checkpoint(storage, ref.path)
         removed.append(ref.path)
     _drop_empty_runs(storage, output_dir)
     return removed
+
+
+def _abandoned_steps(storage: Storage, refs: list[CheckpointRef], protect: set[str]) -> list[CheckpointRef]:
+    """Steps with components that will never be committed: some parts are, but a newer step
+    is whole and nobody writes to them. Components save their steps in order, one at a
+    time, so once a newer step has every part, no part of an older step is still coming."""
+    from .commit import live_writers
+    from .components import committed_parts
+
+    done = [r.order for r in refs if r.committed]
+    if not done:
+        return []
+    newest = max(done)
+    return [r for r in refs if not r.committed and r.order < newest and r.path not in protect
+            and committed_parts(storage, r.path) and not live_writers(storage, r.path)]
 
 
 def _drop_empty_runs(storage: Storage, output_dir: str) -> None:

@@ -54,3 +54,5 @@ class CommitInfo:
     step: int
     url: str
     manifest: dict[str, Any]
+    component: str | None = None
+    """The component whose part was committed; ``None`` for a whole checkpoint or step."""

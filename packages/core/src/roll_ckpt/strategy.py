@@ -47,6 +47,8 @@ class Strategy:
     name: str
     rank: int
     world_size: int
+    data_dir: str = "dcp"
+    """The checkpoint's folder this strategy writes its files into."""
 
     @property
     def is_coordinator(self) -> bool:

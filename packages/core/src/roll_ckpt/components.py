@@ -1,0 +1,143 @@
+"""Steps made of several components (actor, critic, driver...), committed as one.
+
+::
+
+    checkpoint-<step>/
+        actor_train/     manifest.json, trainer_state.json, dcp/...   one part per component,
+        critic/          manifest.json, trainer_state.json, dcp/...   each written by its own
+        pipeline/        manifest.json, trainer_state.json, state/... processes and group
+        manifest.json    the step's manifest: written last, create-only
+
+A part commits the way a whole checkpoint does (rename of a fsynced temporary sibling on
+POSIX disks, its manifest last on object stores), inside the step folder. Right after,
+its manager looks at the step folder: once every expected part has its manifest, it
+writes the step's manifest -- every file of every part, under the part's name, the
+parts' own manifests included -- with create-only semantics. Several parts may find the
+step complete at the same moment; the storage lets exactly one create succeed, and that
+process runs retention and replication for the step. No service, no collective across
+components: the part that commits last always sees the others (each looks after its own
+commit), so a complete step is always committed.
+
+The step's manifest is a function of the parts' manifests only (``created`` is the
+newest part's), so two writers would write the same bytes: a store that cannot refuse a
+second create still ends up with one consistent manifest.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from .digest import hash_bytes
+from .errors import CheckpointCorruptError, CheckpointNotFoundError
+from .layout import scan
+from .manifest import MANIFEST_NAME, FileEntry, Manifest
+from .storage import Storage
+
+__all__ = ["COMPONENTS_KEY", "committed_parts", "step_manifest", "try_complete", "complete_pending",
+           "components_of", "open_part"]
+
+COMPONENTS_KEY = "components"
+"""``manifest.extra[COMPONENTS_KEY]`` of a step: ``{component: {"step", "world_size", "strategy"}}``."""
+
+
+def components_of(manifest: Manifest) -> dict[str, dict]:
+    """The parts a step's manifest lists (empty for a checkpoint without components)."""
+    parts = manifest.extra.get(COMPONENTS_KEY)
+    return dict(parts) if isinstance(parts, dict) else {}
+
+
+def committed_parts(storage: Storage, step_path: str) -> dict[str, bytes]:
+    """``component -> manifest bytes`` for every part committed in ``step_path``."""
+    out: dict[str, bytes] = {}
+    for e in storage.list(step_path):
+        if not e.is_dir or e.name.startswith("."):
+            continue
+        try:
+            with storage.open_read(storage.join(e.path, MANIFEST_NAME)) as f:
+                out[e.name] = f.read()
+        except FileNotFoundError:
+            continue
+    return out
+
+
+def step_manifest(step: int, parts: dict[str, bytes], step_path: str = "") -> Manifest:
+    """The step's manifest over ``parts`` (each part's manifest bytes, by component)."""
+    files: dict[str, FileEntry] = {}
+    summary: dict[str, dict] = {}
+    created = ""
+    for name in sorted(parts):
+        data = parts[name]
+        try:
+            part, _ = Manifest.from_bytes(data)
+        except ValueError as exc:
+            raise CheckpointCorruptError(step_path, [(f"{name}/{MANIFEST_NAME}", str(exc))]) from None
+        if part.step != step or part.component != name:
+            raise CheckpointCorruptError(step_path, [(
+                f"{name}/{MANIFEST_NAME}",
+                f"belongs to component {part.component!r} at step {part.step}, not {name!r} at step {step}")])
+        for rel, entry in part.files.items():
+            files[f"{name}/{rel}"] = entry
+        size, digest = hash_bytes(data)
+        files[f"{name}/{MANIFEST_NAME}"] = FileEntry(size, digest)
+        summary[name] = {"world_size": part.world_size, "strategy": part.extra.get("strategy"),
+                         "created": part.created}
+        created = max(created, part.created)
+    return Manifest(step=step, files=files, created=created, world_size=1, component=None,
+                    extra={COMPONENTS_KEY: summary})
+
+
+def try_complete(storage: Storage, step_path: str, step: int, expected: Iterable[str]) -> bool:
+    """Commit the step when every ``expected`` part is committed; ``True`` if this call did.
+
+    ``False`` when a part is still missing, or when another process committed the step
+    first (the storage refused our create).
+    """
+    if storage.exists(storage.join(step_path, MANIFEST_NAME)):
+        return False
+    parts = committed_parts(storage, step_path)
+    if not set(expected) <= set(parts):
+        return False
+    data = step_manifest(step, parts, step_path).to_bytes()
+    try:
+        storage.write_create(storage.join(step_path, MANIFEST_NAME), data)
+    except FileExistsError:
+        return False
+    return True
+
+
+def complete_pending(storage: Storage, root: str, expected: Iterable[str]) -> list[str]:
+    """Commit the steps under ``root`` whose parts are all committed but whose own manifest
+    is missing (the last part's process died between the two); returns their paths."""
+    expected = tuple(expected)
+    done = []
+    for ref in scan(storage, root):
+        if not ref.committed and try_complete(storage, ref.path, ref.step, expected):
+            done.append(ref.path)
+    return done
+
+
+def open_part(storage: Storage, step_path: str, step: Manifest, component: str) -> str:
+    """The folder of ``component``'s part of a committed step, its manifest checked against the step's.
+
+    Raises :class:`CheckpointNotFoundError` when the step has no such part and
+    :class:`CheckpointCorruptError` when the part's manifest is not the one the step committed.
+    """
+    parts = components_of(step)
+    if component not in parts:
+        held = ", ".join(sorted(parts)) or "no components"
+        raise CheckpointNotFoundError(
+            f"{step_path} has no part for component '{component}' (it holds {held}); resume that "
+            "component from a step that has it, or check checkpoint_config.components")
+    name = f"{component}/{MANIFEST_NAME}"
+    path = storage.join(step_path, component)
+    entry = step.files.get(name)
+    try:
+        with storage.open_read(storage.join(path, MANIFEST_NAME)) as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise CheckpointCorruptError(step_path, [(name, "missing")]) from None
+    size, digest = hash_bytes(data)
+    if entry is None or (size, digest) != (entry.size, entry.checksum):
+        raise CheckpointCorruptError(step_path, [(name, "is not the part's manifest the step committed "
+                                                        "(checksum mismatch)")])
+    return path

@@ -1,0 +1,196 @@
+"""The driver's plain Python state, saved as JSON: no pickle on save or on load.
+
+An RL driver (the pipeline process that schedules actor and critic) holds the global
+step, counters, the data-sampling position and the logged history. :class:`DriverState`
+is a ``dict`` of JSON values; a manager given only driver states picks the ``json``
+strategy, which writes ``state/state.json`` (checksummed in the manifest like any other
+file) instead of a DCP folder::
+
+    driver = DriverState(step=0, consumed_samples=0, history=[])
+    manager = CheckpointManager.from_config(config, component="pipeline")
+    start = manager.resume({"driver": driver})      # restores the dict in place
+    ...
+    manager.save(step, {"driver": driver})
+
+Values must come back exactly as they were, so only JSON types are accepted: ``str``
+keys; ``str``, ``int``, ``float`` (NaN and infinities included), ``bool``, ``None``, and
+lists and dicts of them. A tuple, set, bytes or NumPy scalar is refused at save, naming
+its key path. With ``rng=True`` (the default) the process's Python ``random`` and NumPy
+global generator states are saved too, and restored by ``resume``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import TYPE_CHECKING, Any, Mapping, MutableMapping
+
+from .digest import hash_bytes
+from .errors import CheckpointCorruptError, CheckpointNotFoundError, RollCkptError
+
+if TYPE_CHECKING:
+    from .config import Config
+    from .plugins import Plugins
+    from .savectx import SaveContext
+    from .storage import Storage
+
+__all__ = ["DriverState", "JSONStrategy", "STATE_FILE"]
+
+STATE_FILE = "state.json"
+_FORMAT = "roll-ckpt-driver-state"
+
+
+class DriverState(dict):
+    """A ``dict`` of JSON values saved and restored without pickle (see the module doc)."""
+
+    def __init__(self, *args: Any, rng: bool = True, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.rng = rng
+
+    def state_dict(self) -> dict[str, Any]:
+        _check_json(dict(self), "DriverState")
+        out: dict[str, Any] = {"values": json.loads(json.dumps(dict(self)))}
+        if self.rng:
+            out["rng"] = _capture_rng()
+        return out
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        values = state.get("values")
+        if not isinstance(values, dict):
+            raise RollCkptError("driver state without 'values': not written by DriverState")
+        self.clear()
+        self.update(values)
+        if self.rng and state.get("rng") is not None:
+            _restore_rng(state["rng"])
+
+
+def _check_json(value: Any, where: str) -> None:
+    if value is None or isinstance(value, (str, bool, int)):
+        return
+    if isinstance(value, float):
+        return
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_json(v, f"{where}[{i}]")
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise RollCkptError(f"{where} has the key {k!r} ({type(k).__name__}); DriverState keys are "
+                                    "strings (JSON objects), or they would come back as strings")
+            _check_json(v, f"{where}[{k!r}]")
+        return
+    raise RollCkptError(
+        f"{where} is a {type(value).__name__}; DriverState holds JSON values only (str, int, float, bool, "
+        "None, lists and dicts of them) so it restores exactly without pickle: convert it (a tuple "
+        "to a list, a NumPy number with .item()) or keep it in a module/optimizer state instead")
+
+
+def _capture_rng() -> dict[str, Any]:
+    version, internal, gauss = random.getstate()
+    out: dict[str, Any] = {"python": [version, list(internal), gauss]}
+    try:
+        import numpy as np
+    except ImportError:
+        return out
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    if kind == "MT19937":
+        out["numpy"] = [kind, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)]
+    return out
+
+
+def _restore_rng(state: Mapping[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    saved = state.get("numpy")
+    if saved is not None:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = saved
+        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def holds_driver_state(state: Mapping[str, Any]) -> bool:
+    return bool(state) and all(isinstance(v, DriverState) for v in state.values())
+
+
+class JSONStrategy:
+    """One process, driver states only: ``state/state.json``, written and read without pickle.
+
+    It has the interface of :class:`roll_ckpt.strategy.Strategy` without importing torch.
+    """
+
+    name = "json"
+    data_dir = "state"
+    rank = 0
+    world_size = 1
+    is_coordinator = True
+
+    def __init__(self, config: "Config", plugins: "Plugins") -> None:
+        self.config = config
+        self.plugins = plugins
+
+    def broadcast(self, obj: Any) -> Any:
+        return obj
+
+    def barrier(self) -> None:
+        pass
+
+    def state_dict(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """The bytes of ``state.json``: a snapshot taken now, so the caller may go on right away."""
+        body: dict[str, Any] = {}
+        for key, value in state.items():
+            if not isinstance(value, DriverState):
+                raise RollCkptError(f"state['{key}'] is a {type(value).__name__}: the json strategy saves "
+                                    "DriverState values only; save tensors, modules and optimizers "
+                                    "with a component of their own")
+            body[key] = value.state_dict()
+        data = json.dumps({"format": _FORMAT, "version": 1, "state": body}, sort_keys=True,
+                          allow_nan=True).encode()
+        return {STATE_FILE: data}
+
+    def stage(self, sd: dict[str, Any], save: "SaveContext") -> dict[str, Any]:
+        return sd  # already bytes, nothing shared with the caller
+
+    def write(self, sd: dict[str, Any], storage: "Storage", path: str,
+              on_bytes: Any = None) -> dict[str, tuple[int, str]]:
+        data = sd[STATE_FILE]
+        storage.makedirs(path)
+        with storage.open_write(storage.join(path, STATE_FILE)) as f:
+            f.write(data)
+        if on_bytes is not None:
+            on_bytes(len(data))
+        return {STATE_FILE: hash_bytes(data)}
+
+    def load(self, state: MutableMapping[str, Any], storage: "Storage", path: str, on_bytes: Any = None, *,
+             files: Mapping[str, Any] | None = None, checkpoint: str | None = None) -> None:
+        where = checkpoint or path
+        name = f"{self.data_dir}/{STATE_FILE}"
+        try:
+            with storage.open_read(storage.join(path, STATE_FILE)) as f:
+                data = f.read()
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"{where} holds no driver state ({name} is missing): it was "
+                                          "not saved from DriverState values") from None
+        entry = (files or {}).get(STATE_FILE)
+        if entry is not None and hash_bytes(data) != (entry.size, entry.checksum):
+            raise CheckpointCorruptError(where, [(name, "checksum mismatch (the content changed after it was written)")])
+        try:
+            body = json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise CheckpointCorruptError(where, [(name, f"not valid JSON ({exc})")]) from None
+        saved = body.get("state") if isinstance(body, dict) and body.get("format") == _FORMAT else None
+        if not isinstance(saved, dict):
+            raise CheckpointCorruptError(where, [(name, "not a roll-ckpt driver state")])
+        missing = sorted(set(state) - set(saved))
+        if missing:
+            raise CheckpointNotFoundError(f"{where} has no driver state for {', '.join(map(repr, missing))} "
+                                          f"(it holds {', '.join(map(repr, sorted(saved))) or 'nothing'})")
+        for key, value in state.items():
+            value.load_state_dict(saved[key])
+        if on_bytes is not None:
+            on_bytes(len(data))
+
+    def close(self) -> None:
+        pass
+
