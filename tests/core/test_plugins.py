@@ -61,7 +61,7 @@ def test_disable_autoload_keeps_only_core(monkeypatch) -> None:
     monkeypatch.setenv("ROLL_CKPT_DISABLE_PLUGIN_AUTOLOAD", "1")
     p = Plugins()
     assert p.backends() == {}
-    assert set(p.strategies()) == {"dcp"}
+    assert set(p.strategies()) == {"dcp", "json"}
     assert p.distributions() == ["roll-ckpt-core"]
 
 
@@ -70,7 +70,7 @@ def test_disable_autoload_with_explicit_list(monkeypatch) -> None:
     monkeypatch.setenv("ROLL_CKPT_PLUGINS", "file_system")
     p = Plugins()
     assert set(p.backends()) == {"file_system"}
-    assert set(p.strategies()) == {"dcp"}
+    assert set(p.strategies()) == {"dcp", "json"}
 
 
 @pytest.mark.parametrize("blocked", ["example_dir", "roll-ckpt-example-backend"])

@@ -74,7 +74,18 @@ def begin(storage: Storage, pending: PendingCheckpoint) -> None:
     with storage.open_write(pending.marker_path) as f:
         f.write(json.dumps(owner).encode())
     if not storage.atomic_rename:
-        # A folder left by a crashed writer of the same step would mix with this one.
+        # Written in place: another live writer of the same folder (two replications of one
+        # step) would see its files deleted under it; a crashed writer's leftovers would mix
+        # with ours and are removed.
+        now = time.time()
+        mine = pending.marker_path.rstrip("/").rsplit("/", 1)[-1]
+        busy = [o for e, o in _markers(storage, storage.list(_parent(storage, pending.final_path)))
+                if e.name != mine and str(o.get("final_path", "")).rstrip("/") == pending.final_path.rstrip("/")
+                and not _stale(o, now)]
+        if busy:
+            storage.remove(pending.marker_path)
+            raise RollCkptError(f"{pending.final_path} is being written by another process "
+                                f"(host {busy[0].get('host')}, pid {busy[0].get('pid')}); try again once it is done")
         storage.remove_tree(pending.final_path)
     storage.makedirs(pending.write_path)
 

@@ -1,0 +1,417 @@
+"""Steps made of several components, in one process: the commit rule, resume of each
+part, retention of whole steps, the refusals, DriverState, and create-only writes.
+
+Separate process groups, kills mid-save and S3 are in tests/reliability/test_components.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from roll_ckpt import (CheckpointCorruptError, CheckpointManager, CheckpointNotFoundError, ConfigError,
+                       DriverState, RollCkptError, hookimpl, layout, load_config, new_run_name)
+from roll_ckpt.components import components_of, step_manifest, try_complete
+from roll_ckpt.plugins import Plugins
+from roll_ckpt.testing import assert_same_state, state_snapshot, tiny_state
+
+COMPONENTS = ["actor", "pipeline"]
+
+
+def _config(root: Any, run: str, **cc: Any) -> Any:
+    top = {k: cc.pop(k) for k in ("resume_from_checkpoint", "save_steps", "strategy_config") if k in cc}
+    checkpoint = {"output_dir": str(root), "components": COMPONENTS, "run_name": run, **cc}
+    return load_config({"checkpoint_config": checkpoint, **top})
+
+
+def _managers(root: Any, run: str, **cc: Any) -> tuple[CheckpointManager, CheckpointManager]:
+    return (CheckpointManager(_config(root, run, **dict(cc)), component="actor", quiet=True),
+            CheckpointManager(_config(root, run, **dict(cc)), component="pipeline", quiet=True))
+
+
+def _steps(root: Path) -> list[int]:
+    return [r.step for r in layout.committed(layout_storage(root), str(root))]
+
+
+def layout_storage(root: Path) -> Any:
+    from roll_ckpt_fs.storage import LocalStorage
+
+    return LocalStorage(str(root))
+
+
+# --------------------------------------------------------------------------- config
+
+
+def test_components_need_a_component_a_listed_name_and_a_shared_run_name(tmp_path: Path) -> None:
+    run = new_run_name()
+    with pytest.raises(ConfigError, match="component=<one of them>"):
+        CheckpointManager(_config(tmp_path, run), quiet=True)
+    with pytest.raises(ConfigError, match="does not list component 'critic'"):
+        CheckpointManager(_config(tmp_path, run), component="critic", quiet=True)
+    plain = load_config({"checkpoint_config": {"output_dir": str(tmp_path)}})
+    with pytest.raises(ConfigError, match="components.*is not set"):
+        CheckpointManager(plain, component="actor", quiet=True)
+    no_run = load_config({"checkpoint_config": {"output_dir": str(tmp_path), "components": COMPONENTS}})
+    with pytest.raises(ConfigError, match="run_name.*same run folder"):
+        CheckpointManager(no_run, component="actor", quiet=True)
+
+
+def test_run_name_is_validated(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="run_name.*not a run folder name"):
+        load_config({"checkpoint_config": {"output_dir": str(tmp_path), "run_name": "../elsewhere"}})
+    with pytest.raises(ConfigError, match="timestamp_subdir is false"):
+        load_config({"checkpoint_config": {"output_dir": str(tmp_path), "run_name": "20260101-000000",
+                                           "timestamp_subdir": False}})
+    os.environ["ROLL_CKPT_TEST_RUN"] = "20260101-000000-3"
+    try:
+        cfg = load_config({"checkpoint_config": {"output_dir": str(tmp_path),
+                                                 "run_name": "${env:ROLL_CKPT_TEST_RUN}"}})
+    finally:
+        del os.environ["ROLL_CKPT_TEST_RUN"]
+    assert cfg.checkpoint_config.run_name == "20260101-000000-3"
+    assert layout.RUN_RE.match(new_run_name())
+
+
+# --------------------------------------------------------------------------- commit and resume
+
+
+def _train(state: dict[str, Any], steps: int) -> None:
+    model, opt = state["model"], state["optimizer"]
+    for _ in range(steps):
+        loss = model(torch.randn(3, 8)).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def test_a_step_counts_once_every_part_is_committed_and_each_part_resumes_exactly(tmp_path: Path) -> None:
+    run = new_run_name()
+    announced: list[tuple[str | None, int]] = []
+
+    class _Listener:
+        @hookimpl
+        def roll_ckpt_on_commit(self, info: Any) -> None:
+            announced.append((info.component, info.step))
+
+    plugins = Plugins()
+    plugins.register(_Listener(), name="listener-components", distribution="test-listener")
+    actor = CheckpointManager(_config(tmp_path, run), component="actor", plugins=plugins, quiet=True)
+    pipe = CheckpointManager(_config(tmp_path, run), component="pipeline", plugins=plugins, quiet=True)
+    state = tiny_state(seed=3)
+    random.seed(11)
+    np.random.seed(12)
+    driver = DriverState(step=4, consumed=[0, 96], history=[{"reward": 0.5, "loss": float("nan")}],
+                         note="ünïcode", big=2 ** 70, neg_zero=-0.0)
+    actor.save(4, state)
+    step_dir = tmp_path / run / "checkpoint-4"
+    assert (step_dir / "actor" / "manifest.json").is_file()
+    assert not (step_dir / "manifest.json").exists() and _steps(tmp_path) == []
+    pipe.save(4, {"driver": driver})
+    assert _steps(tmp_path) == [4]
+    expected_actor, expected_driver = state_snapshot(state), json.dumps(dict(driver), sort_keys=True)
+    expected_random = (random.random(), np.random.rand())
+    actor.close()
+    pipe.close()
+    assert announced == [("actor", 4), ("pipeline", 4), (None, 4)]
+
+    top = json.loads((step_dir / "manifest.json").read_text())
+    assert top["component"] is None and set(components_of_body(top)) == set(COMPONENTS)
+    assert {"actor/manifest.json", "pipeline/manifest.json", "pipeline/state/state.json",
+            "actor/dcp/.metadata"} <= set(top["files"])
+    saved = json.loads((step_dir / "pipeline" / "state" / "state.json").read_text())  # JSON, no pickle
+    assert saved["state"]["driver"]["values"]["note"] == "ünïcode"
+
+    # a new launch: another run folder, each component resumes its own part
+    run2 = new_run_name() + "-1"
+    actor2, pipe2 = _managers(tmp_path, run2, resume_from_checkpoint="latest")
+    fresh = tiny_state(seed=99)
+    _train(fresh, 1)
+    driver2 = DriverState()
+    random.seed(0)
+    np.random.seed(0)
+    assert actor2.resume(fresh) == 4 and pipe2.resume({"driver": driver2}) == 4
+    assert_same_state(state_snapshot(fresh), expected_actor)
+    assert json.dumps(dict(driver2), sort_keys=True) == expected_driver
+    assert math.isnan(driver2["history"][0]["loss"]) and driver2["big"] == 2 ** 70
+    assert math.copysign(1.0, driver2["neg_zero"]) == -1.0
+    assert (random.random(), np.random.rand()) == expected_random  # the driver's RNG came back too
+    assert actor2.trainer_state["component"] == "actor"
+    actor2.close()
+    pipe2.close()
+
+
+def components_of_body(body: dict[str, Any]) -> dict[str, Any]:
+    return body["extra"]["components"]
+
+
+def test_latest_skips_a_step_a_component_never_committed(tmp_path: Path) -> None:
+    run = new_run_name()
+    actor, pipe = _managers(tmp_path, run)
+    state, driver = tiny_state(seed=1), DriverState(step=0)
+    for step in (2, 4):
+        driver["step"] = step
+        actor.save(step, state)
+        pipe.save(step, {"driver": driver})
+    actor.save(6, state)  # the pipeline never saves step 6
+    actor.close()
+    pipe.close()
+    assert _steps(tmp_path) == [2, 4]
+    ref = layout.latest(layout_storage(tmp_path), str(tmp_path))
+    assert ref is not None and ref.step == 4
+    _, pipe2 = _managers(tmp_path, new_run_name() + "-2", resume_from_checkpoint="latest")
+    restored = DriverState()
+    assert pipe2.resume({"driver": restored}) == 4 and restored["step"] == 4
+    pipe2.close()
+
+
+def test_a_step_whose_last_part_died_before_the_step_manifest_is_committed_at_resume(tmp_path: Path) -> None:
+    run = new_run_name()
+    actor, pipe = _managers(tmp_path, run)
+    state = tiny_state(seed=2)
+    actor.save(3, state)
+    pipe.save(3, {"driver": DriverState(step=3)})
+    actor.close()
+    pipe.close()
+    step_dir = tmp_path / run / "checkpoint-3"
+    (step_dir / "manifest.json").unlink()  # as if the last part's process died right after its own commit
+    assert _steps(tmp_path) == []
+    actor2, _ = _managers(tmp_path, new_run_name() + "-1", resume_from_checkpoint="latest")
+    assert actor2.resume(tiny_state(seed=5)) == 3
+    assert (step_dir / "manifest.json").is_file()
+    actor2.close()
+
+
+def test_concurrent_finishers_commit_the_step_exactly_once(tmp_path: Path) -> None:
+    run = new_run_name()
+    actor, pipe = _managers(tmp_path, run)
+    actor.save(1, tiny_state(seed=1))
+    pipe.save(1, {"driver": DriverState(step=1)})
+    actor.close()
+    pipe.close()
+    step_dir = tmp_path / run / "checkpoint-1"
+    first = (step_dir / "manifest.json").read_bytes()
+    storage = layout_storage(tmp_path)
+    for _ in range(3):
+        (step_dir / "manifest.json").unlink()
+        barrier = threading.Barrier(8)
+        wins: list[bool] = []
+
+        def finish() -> None:
+            barrier.wait(10)
+            wins.append(try_complete(storage, str(step_dir), 1, COMPONENTS))
+
+        threads = [threading.Thread(target=finish) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert sorted(wins) == [False] * 7 + [True]
+        # the step's manifest depends only on the parts': any writer writes the same bytes
+        assert (step_dir / "manifest.json").read_bytes() == first
+    assert not [p for p in (tmp_path / run).iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_step_manifest_refuses_a_part_that_names_another_component(tmp_path: Path) -> None:
+    run = new_run_name()
+    actor, _ = _managers(tmp_path, run)
+    actor.save(1, tiny_state(seed=1))
+    actor.close()
+    data = (tmp_path / run / "checkpoint-1" / "actor" / "manifest.json").read_bytes()
+    with pytest.raises(CheckpointCorruptError, match="pipeline/manifest.json.*belongs to component 'actor'"):
+        step_manifest(1, {"actor": data, "pipeline": data})
+    with pytest.raises(CheckpointCorruptError, match="at step 1, not 'actor' at step 2"):
+        step_manifest(2, {"actor": data})
+
+
+def test_async_parts_commit_the_step_in_the_background(tmp_path: Path) -> None:
+    run = new_run_name()
+    actor, pipe = _managers(tmp_path, run, strategy_config={"async_save_ckpt": True})
+    state = tiny_state(seed=4)
+    actor.save(8, state)
+    pipe.save(8, {"driver": DriverState(step=8)})
+    actor.wait()
+    pipe.wait()
+    assert _steps(tmp_path) == [8]
+    actor.close()
+    pipe.close()
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def test_resume_refuses_the_wrong_kind_of_checkpoint(tmp_path: Path) -> None:
+    run = new_run_name()
+    actor, pipe = _managers(tmp_path, run)
+    state = tiny_state(seed=1)
+    actor.save(1, state)
+    pipe.save(1, {"driver": DriverState(step=1)})
+    actor.close()
+    pipe.close()
+    step_dir = tmp_path / run / "checkpoint-1"
+
+    plain = CheckpointManager(load_config({"checkpoint_config": {"output_dir": str(tmp_path / "other")}}), quiet=True)
+    with pytest.raises(RollCkptError, match="made of components \\(actor, pipeline\\).*component="):
+        plain.resume(tiny_state(seed=2), target=str(step_dir))
+    with pytest.raises(RollCkptError, match="component 'actor's part of a step"):
+        plain.resume(tiny_state(seed=2), target=str(step_dir / "actor"))
+    plain_path = plain.save(1, tiny_state(seed=2))
+    plain.close()
+
+    actor2, pipe2 = _managers(tmp_path, new_run_name() + "-1")
+    with pytest.raises(RollCkptError, match="saved without components"):
+        actor2.resume(tiny_state(seed=2), target=plain_path)
+    with pytest.raises(RollCkptError, match="'pipeline's part, not 'actor''s"):
+        actor2.resume(tiny_state(seed=2), target=str(step_dir / "pipeline"))
+    # a part folder named explicitly is loaded as it is
+    target = tiny_state(seed=7)
+    assert actor2.resume(target, target=str(step_dir / "actor")) == 1
+    assert_same_state(state_snapshot(target), state_snapshot(state))
+    # a driver state into a tensor state (and back) is refused before anything loads
+    with pytest.raises(RollCkptError, match="written by the 'json' strategy"):
+        CheckpointManager(_config(tmp_path, new_run_name() + "-3"), component="pipeline", quiet=True).resume(
+            tiny_state(seed=1), target=str(step_dir))
+    with pytest.raises(CheckpointNotFoundError, match="no driver state for 'other'"):
+        pipe2.resume({"other": DriverState()}, target=str(step_dir))
+    actor2.close()
+    pipe2.close()
+
+
+def test_a_swapped_part_manifest_is_refused(tmp_path: Path) -> None:
+    run = new_run_name()
+    actor, pipe = _managers(tmp_path, run)
+    actor.save(1, tiny_state(seed=1))
+    pipe.save(1, {"driver": DriverState(step=1)})
+    actor.save(2, tiny_state(seed=2))
+    pipe.save(2, {"driver": DriverState(step=2)})
+    actor.close()
+    pipe.close()
+    one, two = tmp_path / run / "checkpoint-1", tmp_path / run / "checkpoint-2"
+    (two / "pipeline" / "manifest.json").write_bytes((one / "pipeline" / "manifest.json").read_bytes())
+    _, pipe2 = _managers(tmp_path, new_run_name() + "-1")
+    with pytest.raises(CheckpointCorruptError, match="pipeline/manifest.json.*not the part's manifest the step committed"):
+        pipe2.resume({"driver": DriverState()}, target=str(two))
+    pipe2.close()
+
+
+def test_a_part_of_an_earlier_launch_is_not_overwritten(tmp_path: Path) -> None:
+    run = new_run_name()
+    actor, _ = _managers(tmp_path, run)
+    actor.save(5, tiny_state(seed=1))
+    actor.close()
+    again, _ = _managers(tmp_path, run)  # the same run_name reused by a new launch
+    with pytest.raises(RollCkptError, match="earlier launch of this job: each launch needs a new"):
+        again.save(5, tiny_state(seed=1))
+    again.close()
+
+
+def test_driver_state_refuses_values_that_would_not_come_back(tmp_path: Path) -> None:
+    _, pipe = _managers(tmp_path, new_run_name())
+    for bad, where in [(DriverState(pos=(1, 2)), "DriverState\\['pos'\\] is a tuple"),
+                       (DriverState(hist={1: "a"}), "has the key 1 \\(int\\)"),
+                       (DriverState(x=[np.float32(1.0)]), "DriverState\\['x'\\]\\[0\\] is a float32"),
+                       (DriverState(t=torch.ones(1)), "is a Tensor")]:
+        with pytest.raises(RollCkptError, match=where):
+            pipe.save(1, {"driver": bad})
+    with pytest.raises(RollCkptError, match="DriverState values only"):
+        pipe.strategy.state_dict({"driver": DriverState(), "model": torch.nn.Linear(1, 1)})
+    pipe.close()
+    assert _steps(tmp_path) == []
+
+
+# --------------------------------------------------------------------------- retention
+
+
+def test_retention_removes_whole_steps_and_steps_that_can_no_longer_complete(tmp_path: Path) -> None:
+    run = new_run_name()
+    actor, pipe = _managers(tmp_path, run, max_ckpt_to_keep=2)
+    state = tiny_state(seed=1)
+    actor.save(1, state)            # step 1: the pipeline's part never comes
+    for step in (2, 3, 4):
+        actor.save(step, state)
+        pipe.save(step, {"driver": DriverState(step=step)})
+    actor.save(5, state)            # step 5: newer than every whole step, the pipeline may still come
+    actor.close()
+    pipe.close()
+    present = sorted(p.name for p in (tmp_path / run).iterdir() if p.name.startswith("checkpoint-"))
+    assert present == ["checkpoint-3", "checkpoint-4", "checkpoint-5"]
+    assert _steps(tmp_path) == [3, 4]
+    assert sorted(p.name for p in (tmp_path / run / "checkpoint-3").iterdir()) == ["actor", "manifest.json", "pipeline"]
+
+
+def test_removing_a_step_uncommits_its_parts_first(tmp_path: Path) -> None:
+    from roll_ckpt.components import complete_pending
+    from roll_ckpt.retention import remove_checkpoint
+
+    run = new_run_name()
+    actor, pipe = _managers(tmp_path, run)
+    actor.save(1, tiny_state(seed=1))
+    pipe.save(1, {"driver": DriverState(step=1)})
+    actor.close()
+    pipe.close()
+    storage = layout_storage(tmp_path)
+    step_dir = str(tmp_path / run / "checkpoint-1")
+    real_remove_tree = storage.remove_tree
+
+    def dies_halfway(path: str) -> None:
+        raise KeyboardInterrupt  # the process stops right before the files go
+
+    storage.remove_tree = dies_halfway  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        remove_checkpoint(storage, step_dir)
+    storage.remove_tree = real_remove_tree  # type: ignore[method-assign]
+    # nothing left that looks committed, and nothing that could be committed again
+    assert complete_pending(storage, str(tmp_path), COMPONENTS) == []
+    assert _steps(tmp_path) == []
+
+
+# --------------------------------------------------------------------------- create-only on a disk
+
+
+def test_local_write_create_is_whole_or_absent_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    from roll_ckpt.commit import clean_stale
+
+    storage = layout_storage(tmp_path)
+    target = tmp_path / "run" / "checkpoint-1" / "manifest.json"
+    target.parent.mkdir(parents=True)
+    storage.write_create(str(target), b"first")
+    with pytest.raises(FileExistsError):
+        storage.write_create(str(target), b"second")
+    assert target.read_bytes() == b"first"
+    assert sorted(p.name for p in target.parent.iterdir()) == ["manifest.json"]
+    assert not [p for p in (tmp_path / "run").iterdir() if p.name.startswith(".tmp-")]
+    # a temporary file left by a writer that died between link and unlink is cleaned up once old
+    stale = tmp_path / ".tmp-manifest.json-1-2"
+    stale.write_bytes(b"x")
+    old = time.time() - 120
+    os.utime(stale, (old, old))
+    assert str(stale) in clean_stale(storage, str(tmp_path))
+    assert not stale.exists()
+
+
+def test_components_on_memory_storage(memory_url: str) -> None:
+    run = new_run_name()
+    cc = {"type": "file_system"}
+    actor = CheckpointManager(_config(memory_url, run, **cc), component="actor", quiet=True)
+    pipe = CheckpointManager(_config(memory_url, run, **cc), component="pipeline", quiet=True)
+    state = tiny_state(seed=6)
+    actor.save(2, state)
+    pipe.save(2, {"driver": DriverState(step=2)})
+    assert [r.step for r in layout.committed(actor.storage, actor.root)] == [2]
+    actor.close()
+    pipe.close()
+    actor2 = CheckpointManager(_config(memory_url, new_run_name() + "-1", resume_from_checkpoint="latest"),
+                               component="actor", quiet=True)
+    target = tiny_state(seed=8)
+    assert actor2.resume(target) == 2
+    assert_same_state(state_snapshot(target), state_snapshot(state))
+    actor2.close()
