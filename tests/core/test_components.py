@@ -39,6 +39,20 @@ def _managers(root: Any, run: str, **cc: Any) -> tuple[CheckpointManager, Checkp
             CheckpointManager(_config(root, run, **dict(cc)), component="pipeline", quiet=True))
 
 
+def _save_steps(root: Any, run: str, steps: list[int], *, actor_only: tuple[int, ...] = (), seed: int = 1,
+                **cc: Any) -> dict[str, Any]:
+    """Save ``steps`` with both components (``actor_only``: the pipeline skips them); the actor's state."""
+    actor, pipe = _managers(root, run, **cc)
+    state = tiny_state(seed=seed)
+    for step in steps:
+        actor.save(step, state)
+        if step not in actor_only:
+            pipe.save(step, {"driver": DriverState(step=step)})
+    actor.close()
+    pipe.close()
+    return state
+
+
 def _steps(root: Path) -> list[int]:
     return [r.step for r in layout.committed(layout_storage(root), str(root))]
 
@@ -155,16 +169,7 @@ def components_of_body(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_latest_skips_a_step_a_component_never_committed(tmp_path: Path) -> None:
-    run = new_run_name()
-    actor, pipe = _managers(tmp_path, run)
-    state, driver = tiny_state(seed=1), DriverState(step=0)
-    for step in (2, 4):
-        driver["step"] = step
-        actor.save(step, state)
-        pipe.save(step, {"driver": driver})
-    actor.save(6, state)  # the pipeline never saves step 6
-    actor.close()
-    pipe.close()
+    _save_steps(tmp_path, new_run_name(), [2, 4, 6], actor_only=(6,))  # the pipeline never saves step 6
     assert _steps(tmp_path) == [2, 4]
     ref = layout.latest(layout_storage(tmp_path), str(tmp_path))
     assert ref is not None and ref.step == 4
@@ -176,12 +181,7 @@ def test_latest_skips_a_step_a_component_never_committed(tmp_path: Path) -> None
 
 def test_a_step_whose_last_part_died_before_the_step_manifest_is_committed_at_resume(tmp_path: Path) -> None:
     run = new_run_name()
-    actor, pipe = _managers(tmp_path, run)
-    state = tiny_state(seed=2)
-    actor.save(3, state)
-    pipe.save(3, {"driver": DriverState(step=3)})
-    actor.close()
-    pipe.close()
+    _save_steps(tmp_path, run, [3])
     step_dir = tmp_path / run / "checkpoint-3"
     (step_dir / "manifest.json").unlink()  # as if the last part's process died right after its own commit
     assert _steps(tmp_path) == []
@@ -193,11 +193,7 @@ def test_a_step_whose_last_part_died_before_the_step_manifest_is_committed_at_re
 
 def test_concurrent_finishers_commit_the_step_exactly_once(tmp_path: Path) -> None:
     run = new_run_name()
-    actor, pipe = _managers(tmp_path, run)
-    actor.save(1, tiny_state(seed=1))
-    pipe.save(1, {"driver": DriverState(step=1)})
-    actor.close()
-    pipe.close()
+    _save_steps(tmp_path, run, [1])
     step_dir = tmp_path / run / "checkpoint-1"
     first = (step_dir / "manifest.json").read_bytes()
     storage = layout_storage(tmp_path)
@@ -251,12 +247,7 @@ def test_async_parts_commit_the_step_in_the_background(tmp_path: Path) -> None:
 
 def test_resume_refuses_the_wrong_kind_of_checkpoint(tmp_path: Path) -> None:
     run = new_run_name()
-    actor, pipe = _managers(tmp_path, run)
-    state = tiny_state(seed=1)
-    actor.save(1, state)
-    pipe.save(1, {"driver": DriverState(step=1)})
-    actor.close()
-    pipe.close()
+    state = _save_steps(tmp_path, run, [1])
     step_dir = tmp_path / run / "checkpoint-1"
 
     plain = CheckpointManager(load_config({"checkpoint_config": {"output_dir": str(tmp_path / "other")}}), quiet=True)
@@ -288,13 +279,7 @@ def test_resume_refuses_the_wrong_kind_of_checkpoint(tmp_path: Path) -> None:
 
 def test_a_swapped_part_manifest_is_refused(tmp_path: Path) -> None:
     run = new_run_name()
-    actor, pipe = _managers(tmp_path, run)
-    actor.save(1, tiny_state(seed=1))
-    pipe.save(1, {"driver": DriverState(step=1)})
-    actor.save(2, tiny_state(seed=2))
-    pipe.save(2, {"driver": DriverState(step=2)})
-    actor.close()
-    pipe.close()
+    _save_steps(tmp_path, run, [1, 2])
     one, two = tmp_path / run / "checkpoint-1", tmp_path / run / "checkpoint-2"
     (two / "pipeline" / "manifest.json").write_bytes((one / "pipeline" / "manifest.json").read_bytes())
     _, pipe2 = _managers(tmp_path, new_run_name() + "-1")
@@ -305,9 +290,7 @@ def test_a_swapped_part_manifest_is_refused(tmp_path: Path) -> None:
 
 def test_a_part_of_an_earlier_launch_is_not_overwritten(tmp_path: Path) -> None:
     run = new_run_name()
-    actor, _ = _managers(tmp_path, run)
-    actor.save(5, tiny_state(seed=1))
-    actor.close()
+    _save_steps(tmp_path, run, [5], actor_only=(5,))
     again, _ = _managers(tmp_path, run)  # the same run_name reused by a new launch
     with pytest.raises(RollCkptError, match="earlier launch of this job: each launch needs a new"):
         again.save(5, tiny_state(seed=1))
@@ -333,15 +316,8 @@ def test_driver_state_refuses_values_that_would_not_come_back(tmp_path: Path) ->
 
 def test_retention_removes_whole_steps_and_steps_that_can_no_longer_complete(tmp_path: Path) -> None:
     run = new_run_name()
-    actor, pipe = _managers(tmp_path, run, max_ckpt_to_keep=2)
-    state = tiny_state(seed=1)
-    actor.save(1, state)            # step 1: the pipeline's part never comes
-    for step in (2, 3, 4):
-        actor.save(step, state)
-        pipe.save(step, {"driver": DriverState(step=step)})
-    actor.save(5, state)            # step 5: newer than every whole step, the pipeline may still come
-    actor.close()
-    pipe.close()
+    # step 1: the pipeline's part never comes; step 5: newer than every whole step, it may still come
+    _save_steps(tmp_path, run, [1, 2, 3, 4, 5], actor_only=(1, 5), max_ckpt_to_keep=2)
     present = sorted(p.name for p in (tmp_path / run).iterdir() if p.name.startswith("checkpoint-"))
     assert present == ["checkpoint-3", "checkpoint-4", "checkpoint-5"]
     assert _steps(tmp_path) == [3, 4]
@@ -353,11 +329,7 @@ def test_removing_a_step_uncommits_its_parts_first(tmp_path: Path) -> None:
     from roll_ckpt.retention import remove_checkpoint
 
     run = new_run_name()
-    actor, pipe = _managers(tmp_path, run)
-    actor.save(1, tiny_state(seed=1))
-    pipe.save(1, {"driver": DriverState(step=1)})
-    actor.close()
-    pipe.close()
+    _save_steps(tmp_path, run, [1])
     storage = layout_storage(tmp_path)
     step_dir = str(tmp_path / run / "checkpoint-1")
     real_remove_tree = storage.remove_tree

@@ -22,6 +22,15 @@ _WRITEBACK_EVERY = 32 << 20
 """Bytes after which a file's dirty pages are handed to the disk (without waiting)."""
 
 
+def _write_all(fd: int, data: bytes) -> None:
+    """Write ``data`` to ``fd`` and make it durable."""
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+    os.fsync(fd)
+
+
 def _load_sync_file_range() -> Any:
     """Linux's ``sync_file_range`` (not in :mod:`os`), or ``None`` elsewhere."""
     import sys
@@ -151,11 +160,7 @@ class LocalStorage:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             try:
-                view = memoryview(data)
-                while view:
-                    n = os.write(fd, view)
-                    view = view[n:]
-                os.fsync(fd)
+                _write_all(fd, data)
             finally:
                 os.close(fd)
             try:
@@ -173,11 +178,7 @@ class LocalStorage:
     def _create_in_place(self, path: str, data: bytes) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            view = memoryview(data)
-            while view:
-                n = os.write(fd, view)
-                view = view[n:]
-            os.fsync(fd)
+            _write_all(fd, data)
         except BaseException:
             # A partial file (disk full...) must not stand in for the whole one, nor block a retry.
             os.close(fd)
