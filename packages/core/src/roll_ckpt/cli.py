@@ -4,15 +4,21 @@
 
     roll-ckpt [--quiet] plugins
     roll-ckpt ls DIR                       every checkpoint under DIR, committed or not
-    roll-ckpt verify PATH                  sizes and checksums against the manifest
-    roll-ckpt inspect PATH                 manifest, trainer state, every DCP key
+    roll-ckpt verify PATH [--component C]  sizes and checksums against the manifest
+    roll-ckpt inspect PATH [--component C] manifest, trainer state, every DCP key
     roll-ckpt prune DIR --keep N           keep the newest N committed checkpoints
-    roll-ckpt export PATH --out F.safetensors
+    roll-ckpt export PATH [--component C] --out F.safetensors
     roll-ckpt copy SRC DST                 one checkpoint or a folder of them, between any two backends
     roll-ckpt demo [--config F] [--nproc N] [--output DIR] [--resume|--fresh] [--stop-after N]
 
 DIR and PATH are local paths or fsspec URLs; ``--type`` picks the backend plugin and
 ``--storage-option KEY=VALUE`` passes options to it, as ``checkpoint_config`` would.
+
+Steps made of components (``checkpoint_config.components``, see
+:mod:`roll_ckpt.components`): ``ls`` shows each step's parts (and, for a step that is
+not committed, which are missing); ``verify`` and ``inspect`` take the step's folder
+(every part) or one part (``--component C``, or the part's folder itself); ``export``
+writes one part's tensors (``--component C``).
 
 A user error (a :class:`~roll_ckpt.errors.RollCkptError`, a missing path, a bad
 argument) prints one line ``roll-ckpt: error: ...`` on stderr and exits 2 for usage
@@ -130,6 +136,110 @@ def _require_dir(storage: Any, url: str) -> None:
         raise CheckpointNotFoundError(f"{url}: no such folder")
 
 
+# --------------------------------------------------------------------------- components
+
+def _uncommitted_step(storage: Any, path: str) -> Any:
+    """The :class:`~roll_ckpt.inspection.PartsStatus` of ``path`` when it is the folder of a
+    step made of components that is not committed; ``None`` otherwise."""
+    from .layout import parse_step
+    from .manifest import MANIFEST_NAME
+
+    if parse_step(_basename(path)) is None or not storage.isdir(path) \
+            or storage.exists(storage.join(path, MANIFEST_NAME)):
+        return None
+    from .inspection import parts_status
+
+    status = parts_status(storage, path)
+    return status if status.any else None
+
+
+def _not_committed(status: Any, component: str | None = None) -> str:
+    """Why the step folder of ``status`` is not a checkpoint, and what to do."""
+    path = status.path
+    if status.complete:
+        return (f"{path} is not a committed step: every part is committed ({', '.join(status.committed)}) but "
+                "not the step itself (no manifest.json: the last part's process stopped before writing it); "
+                "the next resume of any component commits it. One part alone: --component NAME")
+    have = ", ".join(status.committed) or "none"
+    if status.missing is None:
+        lacking = "which other parts it needs is unknown (no step beside it is committed)"
+    else:
+        lacking = "missing: " + ", ".join(f"{n} (unfinished)" if n in status.unfinished else n for n in status.missing)
+    asked = f"; --component {component}: that part is not committed" if component else ""
+    hint = f"; check a committed part alone with --component {status.committed[0]}" if status.committed else ""
+    return (f"{path} is not a committed step (parts committed: {have}; {lacking}){asked}: a save that never "
+            f"finished or is still running, never resumed from; use an earlier step{hint}")
+
+
+def _resolve(storage: Any, path: str, component: str | None) -> tuple[str, str]:
+    """The folder a command reads -- ``path``, or its ``component``'s part -- and a note
+    for the user (empty when none).
+
+    A part is checked against the step's manifest (:func:`roll_ckpt.components.open_part`).
+    A step that is not committed is an error naming its missing parts, except that one of
+    its committed parts may be named with ``component`` (with a note saying so).
+    """
+    from .components import components_of, open_part
+    from .verify import read_manifest
+
+    status = _uncommitted_step(storage, path)
+    if status is not None:
+        if component and component in status.committed:
+            return storage.join(path, component), (
+                f"note: step {status.step} is not committed ({status.describe()}); its part '{component}' is "
+                "committed on its own and checked against its own manifest only")
+        raise CheckpointNotFoundError(_not_committed(status, component))
+    manifest = read_manifest(storage, path)
+    if manifest.component is not None and component in (None, manifest.component):
+        faults, note = _part_in_step(storage, path, manifest)  # the folder of one part, given directly
+        if faults:
+            raise CheckpointCorruptError(path, faults)
+        return path, note
+    if component is None:
+        return path, ""
+    parts = components_of(manifest)
+    if parts:
+        if component not in parts:
+            raise CheckpointNotFoundError(f"{path} has no part for component '{component}' (its components: "
+                                          f"{', '.join(sorted(parts))}); name one of them")
+        return open_part(storage, path, manifest, component), ""
+    if manifest.component is not None:
+        raise CheckpointNotFoundError(
+            f"{path} is the part of component '{manifest.component}', not of '{component}'; give the step "
+            f"folder ({_parent(path)}) with --component {component}, or this part without --component")
+    raise CheckpointNotFoundError(f"{path} was saved without components, so it has no part '{component}'; "
+                                  "drop --component")
+
+
+def _part_in_step(storage: Any, path: str, manifest: Any) -> tuple[list[tuple[str, str]], str]:
+    """For the folder of one part: faults if the step it is in committed another manifest
+    for it, and a note when that step is not committed."""
+    from .components import open_part
+    from .layout import parse_step
+    from .manifest import MANIFEST_NAME
+    from .verify import read_manifest
+
+    parent = _parent(path)
+    if manifest.component is None or not parent or parse_step(_basename(parent)) is None:
+        return [], ""
+    status = _uncommitted_step(storage, parent)
+    if status is not None:
+        return [], (f"note: its step {parent} is not committed yet ({status.describe()}); a step counts once "
+                    "every part is committed")
+    if not storage.exists(storage.join(parent, MANIFEST_NAME)):
+        return [], ""
+    try:
+        step = read_manifest(storage, parent)
+        open_part(storage, parent, step, manifest.component)
+    except CheckpointNotFoundError:
+        return [(MANIFEST_NAME, f"step {manifest.step}'s manifest ({parent}/{MANIFEST_NAME}) has no part "
+                                f"'{manifest.component}': this folder is not part of that step")], ""
+    except CheckpointCorruptError as exc:
+        why = "; ".join(f"{name}: {fault}" for name, fault in exc.faults)
+        return [(MANIFEST_NAME, f"is not the part's manifest its step committed ({parent}: {why})")], ""
+    return [], ""
+
+
 # --------------------------------------------------------------------------- plugins
 
 def cmd_plugins(args: argparse.Namespace) -> int:
@@ -175,22 +285,33 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- ls
 
-def _describe(storage: Any, ref: Any) -> dict[str, Any]:
-    """created / size / committed of one checkpoint, read from its manifest when committed."""
+def _describe(storage: Any, ref: Any, expected: Any = None, guess: bool = True) -> dict[str, Any]:
+    """created / size / committed / components of one checkpoint, read from its manifest
+    when committed; for a step of components that is not committed, its parts (``expected``:
+    the components its run's steps have; when ``None`` and ``guess``, found beside it)."""
+    from .components import components_of
+    from .inspection import parts_status
     from .manifest import MANIFEST_NAME, Manifest
     from .verify import list_files
 
     row: dict[str, Any] = {"step": ref.step, "run": ref.run, "path": ref.path, "committed": ref.committed,
-                           "created": "", "bytes": None}
+                           "created": "", "bytes": None, "components": [], "missing_components": []}
     if ref.committed:
         try:
             with storage.open_read(storage.join(ref.path, MANIFEST_NAME)) as f:
                 manifest, _ = Manifest.from_bytes(f.read())
             row["created"] = manifest.created
             row["bytes"] = sum(e.size for e in manifest.files.values())
+            row["components"] = sorted(components_of(manifest))
             return row
         except (OSError, ValueError) as exc:
             row["problem"] = f"unreadable manifest: {exc}"
+    else:
+        status = parts_status(storage, ref.path, expected, guess=guess)
+        if status.any:
+            row.update(components=status.committed, missing_components=status.missing,
+                       unfinished_components=status.unfinished, parts=status.describe(), created=status.created,
+                       parts_complete=status.complete)
     try:
         with storage.open_read(storage.join(ref.path, "trainer_state.json")) as f:
             row["created"] = str(json.loads(f.read().decode()).get("time", ""))
@@ -205,21 +326,32 @@ def _describe(storage: Any, ref: Any) -> dict[str, Any]:
 
 
 def _in_flight(storage: Any, root: str) -> list[str]:
-    """Temporary folders and owner markers of saves that are running or crashed."""
+    """Temporary folders and owner markers of saves that are running or crashed (parts of a
+    step of components are written inside its folder until the step is committed)."""
     from .commit import MARKER_PREFIX
-    from .layout import TMP_PREFIX, run_folders
+    from .layout import TMP_PREFIX, parse_step, run_folders
+    from .manifest import MANIFEST_NAME
+
+    def pending(e: Any) -> bool:
+        return (e.is_dir and e.name.startswith(TMP_PREFIX)) or (not e.is_dir and e.name.startswith(MARKER_PREFIX))
 
     found = []
-    for folder in [root, *(p for _, p in run_folders(storage, root))]:
+    folders = [root, *(p for _, p in run_folders(storage, root))]
+    if parse_step(_basename(root)) is not None:
+        folders = [root]
+    for folder in folders:
         for e in storage.list(folder):
-            if (e.is_dir and e.name.startswith(TMP_PREFIX)) or (not e.is_dir and e.name.startswith(MARKER_PREFIX)):
+            if pending(e):
                 found.append(e.path)
+            elif e.is_dir and parse_step(e.name) is not None and not storage.exists(storage.join(e.path, MANIFEST_NAME)):
+                found.extend(p.path for p in storage.list(e.path) if pending(p))
     return sorted(found)
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
     from .layout import CheckpointRef, parse_step, scan
     from .manifest import MANIFEST_NAME
+    from .verify import read_manifest
 
     storage = _open(args, args.dir)
     root = storage.root
@@ -228,7 +360,23 @@ def cmd_ls(args: argparse.Namespace) -> int:
     step = parse_step(root.rstrip("/").rsplit("/", 1)[-1])
     if not refs and step is not None:  # DIR is itself one checkpoint
         refs = [CheckpointRef(root, step, "", storage.exists(storage.join(root, MANIFEST_NAME)))]
-    rows = [_describe(storage, r) for r in refs]
+    elif not refs and storage.exists(storage.join(root, MANIFEST_NAME)):
+        part = read_manifest(storage, root)
+        if part.component is not None and not args.json:  # one component's part of a step
+            status = _uncommitted_step(storage, _parent(root))
+            where = "its step is not committed: " + status.describe() if status is not None else \
+                "its step is committed" if storage.exists(storage.join(_parent(root), MANIFEST_NAME)) else ""
+            _say(f"{args.dir} is the part of component '{part.component}' of step {part.step}, committed on its own"
+                 + (f"; {where}" if where else "") + f"; `roll-ckpt ls {_parent(_parent(root)) or '.'}` lists the steps")
+            return 0
+    rows = [_describe(storage, r) for r in refs if r.committed]
+    # The components a step needs, per run: those of the run's newest committed step (one
+    # launch writes one run folder, with one config); a run without any looks beside the step.
+    expected = {r["run"]: (r["components"] or None) for r in rows if "problem" not in r}
+    rows += [_describe(storage, r, expected.get(r.run), guess=r.run not in expected)
+             for r in refs if not r.committed]
+    order = {r.path: i for i, r in enumerate(refs)}
+    rows.sort(key=lambda row: order[row["path"]])
     pending = _in_flight(storage, root)
     if args.json:
         print(json.dumps({"dir": args.dir, "checkpoints": rows, "in_flight": pending}, indent=1))
@@ -236,10 +384,15 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if not rows:
         _say(f"no checkpoints under {args.dir}")
     else:
+        header = ["STEP", "RUN", "CREATED", "SIZE", "COMMITTED"]
         table = [[str(r["step"]), r["run"] or ".", _local_time(r["created"]),
                   _human(r["bytes"]), "yes" if r["committed"] else "NO" + (f" ({r['problem']})" if "problem" in r else "")]
                  for r in rows]
-        _say(*_table(["STEP", "RUN", "CREATED", "SIZE", "COMMITTED"], table, right={0, 3}))
+        if any(r["components"] or "parts" in r for r in rows):
+            header.append("COMPONENTS")
+            for line, r in zip(table, rows):
+                line.append(r.get("parts") or ", ".join(r["components"]) or "-")
+        _say(*_table(header, table, right={0, 3}))
         done = [r for r in rows if r["committed"]]
         total = sum(r["bytes"] or 0 for r in rows)
         _say("", f"{len(rows)} checkpoints ({len(done)} committed, {_human(total)}) under {args.dir}")
@@ -247,6 +400,13 @@ def cmd_ls(args: argparse.Namespace) -> int:
             _say(f"newest committed: {done[-1]['path']}")
         if len(done) < len(rows):
             _say("uncommitted folders are saves that never finished; they are never resumed from")
+        if any("parts" in r for r in rows):
+            _say("a step made of components counts once every part is committed; COMPONENTS lists the parts "
+                 "committed, then those missing")
+        for r in rows:
+            if r.get("parts_complete"):
+                _say(f"step {r['step']} ({r['path']}): every part is committed but not the step (its last writer "
+                     "stopped first); the next resume of any component commits it")
     if pending:
         _say("", "saves in flight or left by a crash (`roll-ckpt prune` removes them once their writer is gone):")
         _say(*(f"  {p}" for p in pending))
@@ -261,7 +421,18 @@ def _human(n: int | None) -> str:
 
 # --------------------------------------------------------------------------- verify
 
+def _damaged(path: str, faults: list[tuple[str, str]]) -> tuple[bool, str]:
+    _say(f"DAMAGED  {path}")
+    _say(*(f"  {name}: {fault}" for name, fault in faults))
+    return False, f"checkpoint {path} is damaged ({len(faults)} bad file(s), listed above); " \
+                  "resume from an earlier checkpoint or a backup copy"
+
+
 def _verify_one(storage: Any, path: str) -> tuple[bool, str]:
+    """Verify one checkpoint: a whole one, a step made of components (every file, and each
+    part's manifest), or one part (also against its step's manifest)."""
+    from .components import components_of
+    from .inspection import part_faults
     from .verify import read_manifest, verify
 
     manifest = read_manifest(storage, path)
@@ -270,53 +441,97 @@ def _verify_one(storage: Any, path: str) -> tuple[bool, str]:
         with _progress("verify", total) as progress:
             report = verify(storage, path, on_bytes=progress)
     except CheckpointCorruptError as exc:
-        _say(f"DAMAGED  {path}")
-        _say(*(f"  {name}: {fault}" for name, fault in exc.faults))
-        return False, f"checkpoint {path} is damaged ({len(exc.faults)} bad file(s), listed above); " \
-                      "resume from an earlier checkpoint or a backup copy"
-    _say(f"OK  {path}  step {report.manifest.step}: {report.files} files, {_human(report.bytes)}, "
-         "sizes and checksums match the manifest")
+        return _damaged(path, exc.faults)
+    m = report.manifest
+    faults = part_faults(storage, path, m)
+    extra, note = _part_in_step(storage, path, m)
+    if faults or extra:
+        return _damaged(path, faults + extra)
+    parts = components_of(m)
+    what = f"step {m.step}" + (f", component {m.component}" if m.component else "")
+    tail = f"; {len(parts)} components ({', '.join(sorted(parts))}), each part's manifest matches the step's" \
+        if parts else ""
+    _say(f"OK  {path}  {what}: {report.files} files, {_human(report.bytes)}, "
+         f"sizes and checksums match the manifest{tail}")
+    if note:
+        _say(note)
     return True, ""
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from .layout import scan
+    from .layout import parse_step, scan
 
     storage = _open(args, args.path)
     root = storage.root
+    component = args.component
     if _is_checkpoint_dir(storage, root) or not storage.isdir(root):
-        ok, why = _verify_one(storage, root)
+        try:
+            target, _ = _resolve(storage, root, component)
+        except CheckpointCorruptError as exc:  # the part's manifest is not the one the step committed
+            _, why = _damaged(exc.checkpoint, exc.faults)
+            raise RollCkptError(why) from None
+        # (a committed part of a step that is not: _verify_one notes it, as for a part's folder)
+        ok, why = _verify_one(storage, target)
         if not ok:
             raise RollCkptError(why)
         return 0
+    parent = _parent(root)
+    if parent and parse_step(_basename(parent)) is not None:  # a part's folder without its manifest
+        raise CheckpointNotFoundError(
+            f"{args.path} is not committed (no manifest.json): it is the folder of the part of component "
+            f"'{_basename(root)}' of step {parse_step(_basename(parent))}, from a save that never finished "
+            "or is still running; use an earlier step")
     # A folder of checkpoints (output_dir or a run folder): verify every committed one.
     refs = scan(storage, root)
     if not refs:
         raise CheckpointNotFoundError(f"{args.path} is neither a checkpoint nor a folder of checkpoints")
     bad = []
+    checked = 0
     for ref in refs:
         if not ref.committed:
-            _say(f"SKIP  {ref.path}  not committed (a save that never finished)")
+            status = _uncommitted_step(storage, ref.path)
+            parts = f"; parts: {status.describe()}" if status is not None else ""
+            _say(f"SKIP  {ref.path}  not committed (a save that never finished{parts})")
             continue
-        ok, _ = _verify_one(storage, ref.path)
+        target = ref.path
+        if component:
+            try:
+                target, _ = _resolve(storage, ref.path, component)
+            except CheckpointCorruptError as exc:
+                _damaged(exc.checkpoint, exc.faults)
+                bad.append(ref.path)
+                continue
+            except CheckpointNotFoundError:
+                _say(f"SKIP  {ref.path}  has no part for component '{component}'")
+                continue
+        checked += 1
+        ok, _ = _verify_one(storage, target)
         if not ok:
-            bad.append(ref.path)
+            bad.append(target)
     if bad:
         raise RollCkptError(f"{len(bad)} damaged checkpoint(s) under {args.path}: {', '.join(bad)}")
+    if component and not checked:
+        raise CheckpointNotFoundError(f"no committed step under {args.path} has a part for component "
+                                      f"'{component}'; `roll-ckpt ls {args.path}` shows each step's components")
     return 0
 
 
 # --------------------------------------------------------------------------- inspect
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from . import dcp_io  # noqa: F401  (torch: imported before the progress bar starts its clock)
     from .inspection import format_inspection, inspect_checkpoint
     from .verify import read_manifest
 
     storage = _open(args, args.path)
-    total = sum(e.size for e in read_manifest(storage, storage.root).files.values())
+    target, note = _resolve(storage, storage.root, args.component)
+    manifest = read_manifest(storage, target)
+    if any(name.startswith("dcp/") for name in manifest.files) and not manifest.extra.get("components"):
+        from . import dcp_io  # noqa: F401  (torch: imported before the progress bar starts its clock)
+    total = sum(e.size for e in manifest.files.values())
     with _progress("verify", total) as progress:
-        ins = inspect_checkpoint(storage, storage.root, on_bytes=progress)
+        ins = inspect_checkpoint(storage, target, on_bytes=progress)
+    if note:
+        _say(note, "")
     _say(format_inspection(ins))
     return 0
 
@@ -356,21 +571,27 @@ def cmd_prune(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- export
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from . import dcp_io  # noqa: F401  (torch: imported before the progress bars start their clocks)
-    from .export import export_safetensors
+    from .export import export_safetensors, require_tensors
     from .verify import read_manifest, verify
 
     storage = _open(args, args.path)
-    manifest = read_manifest(storage, storage.root)
+    target, note = _resolve(storage, storage.root, args.component)
+    manifest = read_manifest(storage, target)
+    require_tensors(manifest, target)  # a step of components, a json part: say so before any work
+    from . import dcp_io  # noqa: F401  (torch: imported before the progress bars start their clocks)
+
+    if note:
+        _say(note)
     t0 = time.perf_counter()
     with _progress("verify", sum(e.size for e in manifest.files.values())) as progress:
-        verify(storage, storage.root, on_bytes=progress)
+        verify(storage, target, on_bytes=progress)
     data = sum(e.size for n, e in manifest.files.items() if n.startswith("dcp/"))
     with _progress("export", data) as progress:
-        report = export_safetensors(storage, storage.root, args.out, only=args.only,
+        report = export_safetensors(storage, target, args.out, only=args.only,
                                     strip_prefix=args.strip_prefix, overwrite=args.force,
                                     on_bytes=progress, verified=True)
-    _say(f"exported {report.tensors} tensors ({_human(report.bytes)}) of step {report.step} "
+    part = f" (component {manifest.component})" if manifest.component else ""
+    _say(f"exported {report.tensors} tensors ({_human(report.bytes)}) of step {report.step}{part} "
          f"to {report.out} in {time.perf_counter() - t0:.1f}s")
     if report.skipped:
         _say(f"left out {len(report.skipped)} non-tensor values (safetensors holds tensors only), "
@@ -425,7 +646,9 @@ def cmd_copy(args: argparse.Namespace) -> int:
             raise CheckpointNotFoundError(f"{args.src} is neither a checkpoint nor a folder of checkpoints")
         for ref in refs:
             if not ref.committed:
-                _say(f"SKIP  {ref.path}  not committed (a save that never finished)")
+                status = _uncommitted_step(src, ref.path)
+                parts = f"; parts: {status.describe()}" if status is not None else ""
+                _say(f"SKIP  {ref.path}  not committed (a save that never finished{parts})")
         jobs = []
         for ref in refs:
             if ref.committed:
@@ -496,6 +719,10 @@ def _storage_args(p: argparse.ArgumentParser) -> None:
                    help="option for the backend (checkpoint_config.storage_options), repeatable")
 
 
+def _component_arg(p: argparse.ArgumentParser, text: str) -> None:
+    p.add_argument("--component", metavar="NAME", help=text + " (checkpoint_config.components)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
     from .demo import add_demo_arguments
@@ -516,12 +743,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_ls)
 
     p = sub.add_parser("verify", help="check sizes and checksums against the manifest")
-    p.add_argument("path", metavar="PATH", help="a checkpoint-<step> folder, or a folder of checkpoints")
+    p.add_argument("path", metavar="PATH", help="a checkpoint-<step> folder (or one component's part of it), "
+                                                "or a folder of checkpoints")
+    _component_arg(p, "verify only this component's part of the step (of every step, for a folder)")
     _storage_args(p)
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("inspect", help="verify, then show manifest, trainer state and DCP keys")
-    p.add_argument("path", metavar="PATH", help="a checkpoint-<step> folder")
+    p.add_argument("path", metavar="PATH", help="a checkpoint-<step> folder, or one component's part of it")
+    _component_arg(p, "show this component's part of the step (trainer state, DCP keys or driver state)")
     _storage_args(p)
     p.set_defaults(func=cmd_inspect)
 
@@ -534,7 +764,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_prune)
 
     p = sub.add_parser("export", help="write a checkpoint's tensors, unsharded, to one safetensors file")
-    p.add_argument("path", metavar="PATH", help="a checkpoint-<step> folder")
+    p.add_argument("path", metavar="PATH", help="a checkpoint-<step> folder, or one component's part of it")
+    _component_arg(p, "export this component's part of the step (needed for a step made of components)")
     p.add_argument("--out", required=True, metavar="FILE", help="the .safetensors file to write (local path)")
     p.add_argument("--only", action="append", metavar="KEY",
                    help="export only the tensors under this top-level key (e.g. model), repeatable")

@@ -10,6 +10,10 @@ once).
 The checkpoint is verified against its manifest first; ``.metadata`` is only ever
 unpickled by :func:`roll_ckpt.dcp_io.safe_load_metadata`, and non-tensor entries
 (learning rates, RNG states kept as objects, ...) are never read at all.
+
+A step made of components is exported one part at a time: give the part's folder
+(``checkpoint-<step>/<component>``; ``roll-ckpt export --component`` finds it and checks it
+against the step's manifest). A part saved by the ``json`` strategy holds no tensors.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from .errors import RollCkptError
 from .manifest import Manifest
 from .storage import Storage
 
-__all__ = ["ExportReport", "select_tensor_keys", "load_full_tensors", "export_safetensors", "DCP_DIR"]
+__all__ = ["ExportReport", "select_tensor_keys", "load_full_tensors", "export_safetensors", "require_tensors",
+           "DCP_DIR"]
 
 DCP_DIR = "dcp"
 
@@ -66,6 +71,32 @@ def select_tensor_keys(md: Any, only: Sequence[str] | None = None) -> tuple[list
     return sorted(tensors), sorted(skipped)
 
 
+def require_tensors(manifest: Manifest, path: str) -> None:
+    """Raise a :class:`RollCkptError` saying why the checkpoint at ``path`` has no tensors to
+    export: a step made of components (export one of its parts), a ``json`` part (driver
+    state), or no ``dcp/`` folder at all. Returns when it has a DCP folder."""
+    if any(name.startswith(f"{DCP_DIR}/") for name in manifest.files):
+        return
+    from .components import components_of
+    from .driver_state import STATE_FILE
+
+    parts = components_of(manifest)
+    if parts:
+        names = sorted(parts)
+        dcp = [n for n in names if not isinstance(parts[n], dict) or parts[n].get("strategy") != "json"]
+        held = f"; tensors are in {', '.join(dcp)}" if dcp else "; none of them holds tensors"
+        raise RollCkptError(f"{path} is step {manifest.step} made of components ({', '.join(names)}): export one "
+                            f"part with --component NAME{held}")
+    if f"state/{STATE_FILE}" in manifest.files:
+        who = f"the part of component '{manifest.component}'" if manifest.component else "a checkpoint"
+        raise RollCkptError(f"{path} holds no tensors to export: it is {who} saved as JSON from DriverState "
+                            f"values (strategy json); its values are in {path.rstrip('/')}/state/{STATE_FILE} "
+                            "(JSON, readable by any JSON parser), or run 'roll-ckpt inspect' on it")
+    raise RollCkptError(f"{path}: its manifest lists no {DCP_DIR}/ file (strategy "
+                        f"{manifest.extra.get('strategy')!r}), so there are no tensors to export; "
+                        f"'roll-ckpt verify {path}' checks the folder against it")
+
+
 def load_full_tensors(storage: Storage, path: str, *, only: Sequence[str] | None = None,
                       on_bytes: Callable[[int], None] | None = None,
                       verify_first: bool = True,
@@ -84,8 +115,10 @@ def load_full_tensors(storage: Storage, path: str, *, only: Sequence[str] | None
     from .dcp_io import SafeEmptyLoadPlanner, SafeReader, roll_error_in
     from .verify import read_manifest, verify
 
-    manifest = verify(storage, path, on_bytes=on_verify_bytes).manifest if verify_first \
-        else read_manifest(storage, path)
+    manifest = read_manifest(storage, path)
+    require_tensors(manifest, path)  # before reading any data: a step of components, a json part
+    if verify_first:
+        manifest = verify(storage, path, on_bytes=on_verify_bytes).manifest
     reader = SafeReader(storage, storage.join(path, DCP_DIR), on_bytes, checkpoint=path)
     md = reader.read_metadata()
     keys, skipped = select_tensor_keys(md, only)
@@ -146,6 +179,8 @@ def export_safetensors(storage: Storage, path: str, out: str | os.PathLike[str],
         tensors = {k[cut:]: v for k, v in tensors.items()}
     metadata = {"format": "pt", "step": str(manifest.step), "source": path,
                 "exported_by": "roll-ckpt"}
+    if manifest.component:
+        metadata["component"] = manifest.component
     if only:
         metadata["only"] = ",".join(only)
     _write_safetensors(tensors, out, metadata)
