@@ -253,7 +253,7 @@ def test_resume_refuses_the_wrong_kind_of_checkpoint(tmp_path: Path) -> None:
     plain = CheckpointManager(load_config({"checkpoint_config": {"output_dir": str(tmp_path / "other")}}), quiet=True)
     with pytest.raises(RollCkptError, match="made of components \\(actor, pipeline\\).*component="):
         plain.resume(tiny_state(seed=2), target=str(step_dir))
-    with pytest.raises(RollCkptError, match="component 'actor's part of a step"):
+    with pytest.raises(RollCkptError, match="the part of component 'actor' of a step"):
         plain.resume(tiny_state(seed=2), target=str(step_dir / "actor"))
     plain_path = plain.save(1, tiny_state(seed=2))
     plain.close()
@@ -261,7 +261,7 @@ def test_resume_refuses_the_wrong_kind_of_checkpoint(tmp_path: Path) -> None:
     actor2, pipe2 = _managers(tmp_path, new_run_name() + "-1")
     with pytest.raises(RollCkptError, match="saved without components"):
         actor2.resume(tiny_state(seed=2), target=plain_path)
-    with pytest.raises(RollCkptError, match="'pipeline's part, not 'actor''s"):
+    with pytest.raises(RollCkptError, match="the part of component 'pipeline', not of 'actor'"):
         actor2.resume(tiny_state(seed=2), target=str(step_dir / "pipeline"))
     # a part folder named explicitly is loaded as it is
     target = tiny_state(seed=7)

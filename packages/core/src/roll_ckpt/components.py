@@ -126,8 +126,8 @@ def open_part(storage: Storage, step_path: str, step: Manifest, component: str) 
     if component not in parts:
         held = ", ".join(sorted(parts)) or "no components"
         raise CheckpointNotFoundError(
-            f"{step_path} has no part for component '{component}' (it holds {held}); resume that "
-            "component from a step that has it, or check checkpoint_config.components")
+            f"{step_path} has no part for component '{component}' (it holds {held}); use a step that has "
+            "it, or check the component's name against checkpoint_config.components")
     name = f"{component}/{MANIFEST_NAME}"
     path = storage.join(step_path, component)
     entry = step.files.get(name)

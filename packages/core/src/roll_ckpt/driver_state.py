@@ -15,7 +15,8 @@ file) instead of a DCP folder::
 Values must come back exactly as they were, so only JSON types are accepted: ``str``
 keys; ``str``, ``int``, ``float`` (NaN and infinities included), ``bool``, ``None``, and
 lists and dicts of them. A tuple, set, bytes or NumPy scalar is refused at save, naming
-its key path. With ``rng=True`` (the default) the process's Python ``random`` and NumPy
+its key path. NaN and the infinities are written as Python's ``json`` writes them
+(``NaN``, ``Infinity``): Python reads them back exactly; strict JSON parsers (``jq``) do not. With ``rng=True`` (the default) the process's Python ``random`` and NumPy
 global generator states are saved too, and restored by ``resume``.
 """
 

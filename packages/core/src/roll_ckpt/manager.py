@@ -613,14 +613,14 @@ class CheckpointManager:
         if self.component is None:
             if parts or top.component:
                 what = f"made of components ({', '.join(sorted(parts))})" if parts else \
-                    f"component '{top.component}'s part of a step"
+                    f"the part of component '{top.component}' of a step"
                 raise RollCkptError(f"{path} is {what}; resume it with CheckpointManager(config, component=...) "
                                     "and checkpoint_config.components")
             return path
         if top.component == self.component:
             return path  # the part's own folder, named explicitly
         if top.component is not None:
-            raise RollCkptError(f"{path} is component '{top.component}'s part, not '{self.component}''s; "
+            raise RollCkptError(f"{path} is the part of component '{top.component}', not of '{self.component}'; "
                                 "resume from the step's folder or from this component's part")
         if not parts:
             raise RollCkptError(f"{path} was saved without components; resume it with a manager created "
