@@ -387,3 +387,41 @@ def test_components_on_memory_storage(memory_url: str) -> None:
     assert actor2.resume(target) == 2
     assert_same_state(state_snapshot(target), state_snapshot(state))
     actor2.close()
+
+
+def test_a_run_name_that_already_holds_a_whole_step_is_refused_at_resume(tmp_path: Path) -> None:
+    run = new_run_name()
+    _save_steps(tmp_path, run, [2, 4], actor_only=(4,))  # launch 1: step 2 whole, then the pipeline died
+    actor, pipe = _managers(tmp_path, run, resume_from_checkpoint="latest")  # launch 2 reuses the name
+    for manager, state in ((actor, tiny_state(seed=1)), (pipe, {"driver": DriverState()})):
+        with pytest.raises(RollCkptError, match=f"run_name '{run}' was used by an earlier launch.*step 2"):
+            manager.resume(state)
+        manager.close()
+    # nothing of step 4 was completed with the second launch's parts
+    assert _steps(tmp_path) == [2]
+
+
+def test_driver_state_keeps_insertion_order_and_a_driver_never_imports_torch(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    _, pipe = _managers(tmp_path, new_run_name())
+    pipe.save(1, {"driver": DriverState(zeta=1, alpha={"b": 1, "a": 2})})
+    pipe.close()
+    restored = DriverState()
+    _, pipe2 = _managers(tmp_path, new_run_name() + "-1")
+    step_dir = next(tmp_path.glob("*/checkpoint-1"))
+    pipe2.resume({"driver": restored}, target=str(step_dir / "pipeline"))
+    pipe2.close()
+    assert list(restored) == ["zeta", "alpha"] and list(restored["alpha"]) == ["b", "a"]
+
+    code = ("import sys, roll_ckpt\n"
+            f"cfg = roll_ckpt.load_config({{'checkpoint_config': {{'output_dir': {str(tmp_path / 'd')!r}, "
+            "'components': ['actor', 'pipeline'], 'run_name': roll_ckpt.new_run_name()}})\n"
+            "m = roll_ckpt.CheckpointManager(cfg, component='pipeline', quiet=True)\n"
+            "m.save(1, {'driver': roll_ckpt.DriverState(step=1, rng=False)})\n"
+            "m.close()\n"
+            "print('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

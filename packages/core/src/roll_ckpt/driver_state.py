@@ -146,9 +146,18 @@ class JSONStrategy:
                                     "DriverState values only; save tensors, modules and optimizers "
                                     "with a component of their own")
             body[key] = value.state_dict()
-        data = json.dumps({"format": _FORMAT, "version": 1, "state": body}, sort_keys=True,
-                          allow_nan=True).encode()
+        # Insertion order is kept (no sort_keys): the dicts come back as they were.
+        data = json.dumps({"format": _FORMAT, "version": 1, "state": body}, allow_nan=True).encode()
         return {STATE_FILE: data}
+
+    def estimate(self, sd: dict[str, Any], user: Mapping[str, Any] | None = None) -> Any:
+        """Exact but for the manifest and trainer_state.json (a few KiB, counted generously)."""
+        from .space import SpaceEstimate
+
+        overhead = 16 << 10
+        if user:
+            overhead += len(json.dumps(dict(user), indent=1))
+        return SpaceEstimate(total=len(sd[STATE_FILE]) + overhead, tensor_bytes=0, items=1, files=3)
 
     def stage(self, sd: dict[str, Any], save: "SaveContext") -> dict[str, Any]:
         return sd  # already bytes, nothing shared with the caller

@@ -217,7 +217,11 @@ class CheckpointManager:
                 name = self._claim_run_folder() if self.config.checkpoint_config.timestamp_subdir else ""
             except OSError as exc:
                 name = f"{'!full!' if _disk_full(exc) else '!'}{exc}"
+            except RollCkptError as exc:
+                name = f"!ours!{exc}"
         name = self._strategy.broadcast(name)
+        if name.startswith("!ours!"):
+            raise RollCkptError(name[6:])
         if name.startswith("!full!"):
             raise StorageFullError(f"no space left under checkpoint_config.output_dir "
                                    f"{self.config.checkpoint_config.output_dir}: {name[6:]}; free space "
@@ -234,6 +238,15 @@ class CheckpointManager:
         wanted = self.config.checkpoint_config.run_name
         if wanted:  # shared by the job's components: whoever comes first records it
             path = self.storage.join(self.root, wanted)
+            done = [r.step for r in layout.committed(self.storage, path)] \
+                if self.component and self.storage.isdir(path) else []
+            if done:
+                # No step of a launch is whole before every component has resumed, so a whole
+                # step here was written by an earlier launch: parts of the two would mix.
+                raise RollCkptError(
+                    f"checkpoint_config.run_name '{wanted}' was used by an earlier launch (it holds committed "
+                    f"step {max(done)}); each launch needs a new one, picked once by the driver "
+                    "(roll_ckpt.new_run_name()) and given to every component")
             self.storage.makedirs(path)
             record = dict(commit_mod.owner_record(), created=_utc_now(), exp_name=self.config.exp_name)
             try:
@@ -542,6 +555,8 @@ class CheckpointManager:
         """
         self._check_open()
         strategy = self.bind(state)
+        if self.component:
+            self._ensure_run_dir()  # refuses a run_name an earlier launch used, before anything loads
         candidates = self._agreed_candidates(target, strategy)
         first_error: RollCkptError | None = None
         for i, (storage, path, from_backup) in enumerate(candidates):
@@ -639,13 +654,13 @@ class CheckpointManager:
 
     def _check_space(self, sd: dict[str, Any], ctx: SaveContext, user: dict[str, Any]) -> BaseException | None:
         """The coordinator's check that ``checkpoint-<step>`` fits; the refusal to raise, or ``None``."""
-        from .space import SpaceGuard, committed_sizes, estimate_checkpoint_bytes
+        from .space import SpaceGuard, committed_sizes
 
         if self._space is None:
             self._space = SpaceGuard(self.storage, self.root, self.config.checkpoint_config.output_dir)
         if not self._space.can_tell(self._run_dir or self.root):
             return None  # an object store: nothing to check, nothing to estimate
-        estimate = estimate_checkpoint_bytes(sd, world_size=ctx.world_size, user=user)
+        estimate = self._strategy.estimate(sd, user)
         keep = self.config.checkpoint_config.max_ckpt_to_keep
 
         def retention(k: int) -> list[str]:

@@ -115,7 +115,7 @@ def apply_retention(storage: Storage, output_dir: str, keep: int, protect: set[s
     for ref in _abandoned_steps(storage, refs, protect):
         remove_checkpoint(storage, ref.path)
         removed.append(ref.path)
-    _drop_empty_runs(storage, output_dir)
+    _drop_empty_runs(storage, output_dir, keep_runs=live | {own_run.rstrip("/").rsplit("/", 1)[-1]} if own_run else live)
     return removed
 
 
@@ -134,9 +134,12 @@ def _abandoned_steps(storage: Storage, refs: list[CheckpointRef], protect: set[s
             and committed_parts(storage, r.path) and not live_writers(storage, r.path)]
 
 
-def _drop_empty_runs(storage: Storage, output_dir: str) -> None:
-    from .layout import run_folders
+def _drop_empty_runs(storage: Storage, output_dir: str, keep_runs: set[str] | None = None) -> None:
+    """Remove run folders left empty; with ``keep_runs`` (the live runs), also those that
+    hold nothing but their owner record (a launch that stopped before its first step)."""
+    from .layout import RUN_RECORD, run_folders
 
-    for _, path in run_folders(storage, output_dir):
-        if not storage.list(path):
+    for name, path in run_folders(storage, output_dir):
+        names = [e.name for e in storage.list(path)]
+        if not names or (keep_runs is not None and name not in keep_runs and names == [RUN_RECORD]):
             storage.remove_tree(path)

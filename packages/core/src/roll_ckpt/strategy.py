@@ -176,6 +176,12 @@ class DCPStrategy(Strategy):
                      process_group=self.process_group, no_dist=self._dist is None)
         return writer.file_digests
 
+    def estimate(self, sd: dict[str, Any], user: Mapping[str, Any] | None = None) -> Any:
+        """The :class:`~roll_ckpt.space.SpaceEstimate` of a save of ``sd`` (every process's files)."""
+        from .space import estimate_checkpoint_bytes
+
+        return estimate_checkpoint_bytes(sd, world_size=self.world_size, user=user)
+
     def writer_threads(self, nbytes: int = 0) -> int:
         """Files this process writes at once (DCP's ``thread_count``) for ``nbytes`` of tensors.
 

@@ -8,8 +8,11 @@ from roll_ckpt import StrategyRecord, hookimpl
 
 
 def _holds_dtensors(state: Mapping[str, Any]) -> bool:
-    import torch
+    import sys
 
+    torch = sys.modules.get("torch")
+    if torch is None:  # no module can hold DTensors yet; a driver-only process never imports torch
+        return False
     for obj in state.values():
         if isinstance(obj, torch.nn.Module):
             for p in obj.parameters():
