@@ -425,3 +425,21 @@ def test_driver_state_keeps_insertion_order_and_a_driver_never_imports_torch(tmp
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_retention_drops_run_folders_that_hold_only_a_dead_launchs_record(tmp_path: Path) -> None:
+    import socket
+
+    from roll_ckpt.retention import apply_retention
+
+    dead = tmp_path / "20200101-000000"
+    dead.mkdir()
+    (dead / ".run.json").write_text(json.dumps({"host": socket.gethostname(), "pid": 2 ** 22 + 12345, "started": 0}))
+    alive = tmp_path / "20200101-000001"
+    alive.mkdir()
+    (alive / ".run.json").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getppid(),
+                                                 "started": time.time()}))
+    _save_steps(tmp_path, new_run_name(), [1, 2], max_ckpt_to_keep=1)
+    apply_retention(layout_storage(tmp_path), str(tmp_path), 1)
+    assert not dead.exists()
+    assert alive.exists()  # its owner runs: a launch that has not saved yet
