@@ -88,3 +88,42 @@ def run_python(code_or_args: list[str] | str, *, env: dict[str, str] | None = No
 @pytest.fixture(scope="session")
 def py() -> Callable[..., subprocess.CompletedProcess]:
     return run_python
+
+
+# --------------------------------------------------------------------------- S3 (SeaweedFS)
+
+
+def _s3server() -> Any:
+    """``tests/backend_fs/s3server.py``: starts and stops ``weed mini`` (tests/ is on sys.path)."""
+    from backend_fs import s3server
+
+    return s3server
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One S3 server (SeaweedFS ``weed mini`` on loopback) for the whole session, shared by
+    every test that asks for it; each test works under its own ``s3://<bucket>/<prefix>``.
+    Skipped only when s3fs is missing or the ``weed`` binary cannot run here; always stopped."""
+    pytest.importorskip("s3fs", reason="s3fs is not installed (pip install 'roll-ckpt[s3]')")
+    s3server = _s3server()
+    try:
+        s3server.check_runs(s3server.weed_binary())
+    except s3server.SeaweedUnavailable as exc:
+        pytest.skip(f"no S3 server for these tests: {exc}")
+    data = tmp_path_factory.mktemp("seaweedfs") / "data"
+    with s3server.seaweed(data, bucket="roll-ckpt-test") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def offline_aws() -> Iterator[dict[str, str]]:
+    """No real AWS for a module (and the processes it starts): dummy credentials, no
+    metadata service, a dead default endpoint. Yields the variables it set."""
+    s3server = _s3server()
+    with pytest.MonkeyPatch.context() as mp:
+        for k in s3server.OFFLINE_UNSET:
+            mp.delenv(k, raising=False)
+        for k, v in s3server.OFFLINE_ENV.items():
+            mp.setenv(k, v)
+        yield dict(s3server.OFFLINE_ENV)

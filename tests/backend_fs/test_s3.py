@@ -11,7 +11,7 @@ from __future__ import annotations
 import datetime as _dt
 import threading
 import uuid
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -28,27 +28,8 @@ from roll_ckpt_fs import FsspecStorage, open_storage  # noqa: E402
 from . import s3server  # noqa: E402
 
 
-@pytest.fixture(scope="session")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[s3server.SeaweedServer]:
-    """One ``weed mini`` for the session; skipped only when the binary cannot run here."""
-    try:
-        s3server.check_runs(s3server.weed_binary())
-    except s3server.SeaweedUnavailable as exc:
-        pytest.skip(f"no S3 server for these tests: {exc}")
-    data = tmp_path_factory.mktemp("seaweedfs") / "data"
-    with s3server.seaweed(data, bucket="roll-ckpt-test") as server:
-        yield server
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _offline_aws() -> Iterator[None]:
-    """No real AWS: dummy credentials, no metadata service, a dead default endpoint."""
-    with pytest.MonkeyPatch.context() as mp:
-        for k in s3server.OFFLINE_UNSET:
-            mp.delenv(k, raising=False)
-        for k, v in s3server.OFFLINE_ENV.items():
-            mp.setenv(k, v)
-        yield
+# ``s3`` (one ``weed mini`` for the session) and ``offline_aws`` come from tests/conftest.py.
+pytestmark = pytest.mark.usefixtures("offline_aws")
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -34,27 +34,9 @@ from roll_ckpt_fs import FsspecStorage, open_storage  # noqa: E402
 from ._backup_helpers import COPYING_CHILD, HELPERS_DIR, REPLICATING_CHILD, flip_byte, wait_for  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[s3server.SeaweedServer]:
-    """One ``weed mini`` for this module; skipped only when the binary cannot run here."""
-    try:
-        s3server.check_runs(s3server.weed_binary())
-    except s3server.SeaweedUnavailable as exc:
-        pytest.skip(f"no S3 server for these tests: {exc}")
-    data = tmp_path_factory.mktemp("seaweedfs-backup") / "data"
-    with s3server.seaweed(data, bucket="roll-ckpt-backup") as server:
-        yield server
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _offline_aws() -> Iterator[None]:
-    """No real AWS: dummy credentials, no metadata service, a dead default endpoint (children inherit it)."""
-    with pytest.MonkeyPatch.context() as mp:
-        for k in s3server.OFFLINE_UNSET:
-            mp.delenv(k, raising=False)
-        for k, v in s3server.OFFLINE_ENV.items():
-            mp.setenv(k, v)
-        yield
+# ``s3`` (the session's ``weed mini``) and ``offline_aws`` come from tests/conftest.py; the
+# environment without AWS is inherited by the children these tests start.
+pytestmark = pytest.mark.usefixtures("offline_aws")
 
 
 @pytest.fixture(autouse=True)
