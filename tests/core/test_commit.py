@@ -32,3 +32,34 @@ def test_a_second_live_writer_of_an_in_place_folder_is_refused_and_deletes_nothi
     # once the first is done, a later writer is told the checkpoint exists (not that it is busy)
     with pytest.raises(RollCkptError, match="already exists"):
         commit_mod.begin(storage, commit_mod.plan(storage, final, "cccc"))
+
+
+def test_a_writer_in_another_pid_namespace_is_not_judged_by_its_pid(tmp_path) -> None:
+    """Containers sharing a host name: a pid that is dead here may run there."""
+    import json
+    import os
+    import socket
+    import time
+
+    from roll_ckpt.commit import _pid_namespace, clean_stale, owner_gone
+    from roll_ckpt.testing import dead_pid
+
+    here = {"host": socket.gethostname(), "pid": dead_pid(), "pidns": _pid_namespace(), "started": time.time()}
+    there = dict(here, pidns="pid:[1]:another-container")
+    assert owner_gone(here) and not owner_gone(there)
+    assert owner_gone(dict(there, started=time.time() - 2 * 86400))  # foreign writers expire after a day
+
+    from roll_ckpt_fs.storage import LocalStorage
+
+    step = tmp_path / "20260101-000000" / "checkpoint-4"
+    (step / ".tmp-critic-abc").mkdir(parents=True)
+    (step / ".inflight-critic-abc.json").write_text(json.dumps(dict(there, write_path=str(step / ".tmp-critic-abc"),
+                                                                    final_path=str(step / "critic"))))
+    old = time.time() - 600
+    os.utime(step / ".tmp-critic-abc", (old, old))
+    assert clean_stale(LocalStorage(str(tmp_path)), str(tmp_path)) == []
+    assert (step / ".tmp-critic-abc").is_dir()
+    # the same marker written in this namespace is a dead writer's: its folder goes
+    (step / ".inflight-critic-abc.json").write_text(json.dumps(dict(here, write_path=str(step / ".tmp-critic-abc"),
+                                                                    final_path=str(step / "critic"))))
+    assert clean_stale(LocalStorage(str(tmp_path)), str(tmp_path)) == [str(step / ".tmp-critic-abc")]

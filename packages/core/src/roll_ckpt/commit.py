@@ -13,6 +13,7 @@ its folder; a later start removes the folders of owners that are gone.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -115,9 +116,28 @@ def abort(storage: Storage, pending: PendingCheckpoint) -> None:
     storage.remove(pending.marker_path)
 
 
+@functools.lru_cache(maxsize=1)
+def _pid_namespace() -> str:
+    """This process's PID namespace and boot (Linux): a pid means something only within both.
+
+    Containers that share a host name (host networking) each have their own pids; a
+    component in one must not judge a writer in another dead by its pid.
+    """
+    try:
+        ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        ns = ""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{ns}:{boot}"
+
+
 def owner_record() -> dict:
     """Who is writing: recorded in markers and run folders so others can tell if we are gone."""
-    return {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
+    return {"host": socket.gethostname(), "pid": os.getpid(), "pidns": _pid_namespace(), "started": time.time()}
 
 
 def owner_gone(owner: dict, now: float | None = None) -> bool:
@@ -126,7 +146,8 @@ def owner_gone(owner: dict, now: float | None = None) -> bool:
 
 
 def _stale(owner: dict, now: float) -> bool:
-    if owner.get("host") == socket.gethostname():
+    # A record without "pidns" (older writers, hand-made test markers) is judged by host alone.
+    if owner.get("host") == socket.gethostname() and owner.get("pidns", _pid_namespace()) == _pid_namespace():
         pid = owner.get("pid")
         return not (isinstance(pid, int) and _pid_alive(pid))
     return now - float(owner.get("started", 0)) > STALE_FOREIGN_S
@@ -168,6 +189,8 @@ def _clean_folder(storage: Storage, folder: str, now: float) -> list[str]:
     for e in entries:
         # A temporary folder no live owner claims is left over from a crash; so is a
         # create-only write's temporary file (LocalStorage.write_create), once it is old.
+        if e.path in removed:
+            continue
         if e.is_dir and e.name.startswith(TMP_PREFIX) and e.path not in live_writes:
             if e.mtime is None or now - e.mtime > 5.0:
                 storage.remove_tree(e.path)

@@ -357,9 +357,7 @@ class CheckpointManager:
                 commit_mod.commit(storage, pending, manifest.to_bytes(), [data_dir])
                 total = sum(e.size for e in files.values())
                 self._committed_steps.add(ctx.step)
-                self.plugins.hook.roll_ckpt_on_commit(info=CommitInfo(
-                    path=ctx.path, step=ctx.step, url=storage.url, manifest=json.loads(manifest.to_bytes()),
-                    component=self.component))
+                self._announce(ctx.path, manifest, self.component)
                 if self._commit_step(ctx):  # the whole checkpoint, or the last part of the step
                     self._after_commit(self._step_path(ctx.path), ctx.step)
             else:
@@ -411,11 +409,15 @@ class CheckpointManager:
         step_path = self._step_path(ctx.path)
         if not try_complete(self.storage, step_path, ctx.step, self.config.checkpoint_config.components or ()):
             return False
-        manifest = read_manifest(self.storage, step_path)
-        self.plugins.hook.roll_ckpt_on_commit(info=CommitInfo(
-            path=step_path, step=ctx.step, url=self.storage.url, manifest=json.loads(manifest.to_bytes())))
+        self._announce(step_path, read_manifest(self.storage, step_path))
         log.info("roll-ckpt: step %d committed (every component's part is in %s)", ctx.step, step_path)
         return True
+
+    def _announce(self, path: str, manifest: Manifest, component: str | None = None) -> None:
+        """``roll_ckpt_on_commit`` for a checkpoint, a step or a part just committed here."""
+        self.plugins.hook.roll_ckpt_on_commit(info=CommitInfo(
+            path=path, step=manifest.step, url=self.storage.url, manifest=json.loads(manifest.to_bytes()),
+            component=component))
 
     def _after_commit(self, path: str, step: int) -> None:
         """Retention and replication for the checkpoint just committed at ``path``."""
@@ -535,6 +537,7 @@ class CheckpointManager:
 
                     for path in complete_pending(self.storage, self.root, self.config.checkpoint_config.components or ()):
                         log.info("roll-ckpt: committed %s (its parts were all committed)", path)
+                        self._announce(path, read_manifest(self.storage, path))
                 mine = [(path, from_backup) for _, path, from_backup in self._resume_candidates(target)]
             except RollCkptError as exc:
                 mine = str(exc)

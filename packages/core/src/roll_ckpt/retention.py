@@ -74,7 +74,7 @@ def _live_foreign_runs(storage: Storage, output_dir: str, own_run: str | None) -
     import os
     import socket
 
-    from .commit import owner_gone
+    from .commit import _pid_namespace, owner_gone
     from .layout import RUN_RECORD, run_folders
 
     live = set()
@@ -88,7 +88,8 @@ def _live_foreign_runs(storage: Storage, output_dir: str, own_run: str | None) -
             continue
         if not isinstance(owner, dict) or "pid" not in owner:
             continue
-        mine = owner.get("pid") == os.getpid() and owner.get("host") == socket.gethostname()
+        mine = owner.get("pid") == os.getpid() and owner.get("host") == socket.gethostname() \
+            and owner.get("pidns", _pid_namespace()) == _pid_namespace()
         if mine:  # another manager of this process (two runs in one job): live while it is open
             if _open_in_this_process(path):
                 live.add(name)
