@@ -204,7 +204,7 @@ def test_concurrent_finishers_commit_the_step_exactly_once(tmp_path: Path) -> No
 
         def finish() -> None:
             barrier.wait(10)
-            wins.append(try_complete(storage, str(step_dir), 1, COMPONENTS))
+            wins.append(try_complete(storage, str(step_dir), 1, COMPONENTS) is not None)
 
         threads = [threading.Thread(target=finish) for _ in range(8)]
         for t in threads:
@@ -292,7 +292,7 @@ def test_a_part_of_an_earlier_launch_is_not_overwritten(tmp_path: Path) -> None:
     run = new_run_name()
     _save_steps(tmp_path, run, [5], actor_only=(5,))
     again, _ = _managers(tmp_path, run)  # the same run_name reused by a new launch
-    with pytest.raises(RollCkptError, match="earlier launch of this job: each launch needs a new"):
+    with pytest.raises(RollCkptError, match="already committed: by an earlier launch that used the same"):
         again.save(5, tiny_state(seed=1))
     again.close()
 
@@ -443,3 +443,85 @@ def test_retention_drops_run_folders_that_hold_only_a_dead_launchs_record(tmp_pa
     apply_retention(layout_storage(tmp_path), str(tmp_path), 1)
     assert not dead.exists()
     assert alive.exists()  # its owner runs: a launch that has not saved yet
+
+
+def test_a_failed_step_commit_keeps_the_part_and_the_next_resume_commits_the_step(tmp_path: Path, caplog) -> None:
+    run = new_run_name()
+    actor, pipe = _managers(tmp_path, run, max_ckpt_to_keep=5)
+    state = tiny_state(seed=1)
+    real = pipe.storage.write_create
+    failures = []
+
+    def flaky(path: str, data: bytes) -> None:
+        if path.endswith("checkpoint-10/manifest.json") and not failures:
+            failures.append(path)
+            raise OSError(5, "injected I/O error")
+        real(path, data)
+
+    pipe.storage.write_create = flaky  # type: ignore[method-assign]
+    actor.save(10, state)
+    with caplog.at_level("WARNING", logger="roll_ckpt"):
+        pipe.save(10, {"driver": DriverState(step=10)})  # its part commits; the step's manifest fails
+    assert failures and "the next resume commits the step" in caplog.text
+    assert _steps(tmp_path) == []
+    for manager, value in ((actor, state), (pipe, {"driver": DriverState(step=20)})):
+        manager.save(20, value)
+    actor.close()
+    pipe.close()
+    # retention leaves a step whose parts are all there: only its own manifest is missing
+    assert _steps(tmp_path) == [20] and (tmp_path / run / "checkpoint-10" / "pipeline" / "manifest.json").is_file()
+    actor2, _ = _managers(tmp_path, new_run_name() + "-1", resume_from_checkpoint="latest")
+    assert actor2.resume(tiny_state(seed=2)) == 20
+    assert _steps(tmp_path) == [10, 20]
+    actor2.close()
+
+
+def test_a_damaged_part_of_a_pending_step_does_not_stop_the_resume(tmp_path: Path) -> None:
+    run = new_run_name()
+    _save_steps(tmp_path, run, [10, 20])
+    step20 = tmp_path / run / "checkpoint-20"
+    (step20 / "manifest.json").unlink()
+    (step20 / "actor" / "manifest.json").write_text("{not json")
+    actor2, _ = _managers(tmp_path, new_run_name() + "-1", resume_from_checkpoint="latest")
+    assert actor2.resume(tiny_state(seed=2)) == 10
+    assert not (step20 / "manifest.json").exists()
+    actor2.close()
+
+
+def test_every_component_of_a_launch_resumes_from_the_step_the_first_one_chose(tmp_path: Path) -> None:
+    old = new_run_name()
+    _save_steps(tmp_path, old, [10, 20], actor_only=(20,))  # step 20 waits for the pipeline's part
+    run = new_run_name() + "-1"
+    actor, pipe = _managers(tmp_path, run, resume_from_checkpoint="latest")
+    assert actor.resume(tiny_state(seed=3)) == 10
+    # a straggler of the earlier launch commits its part of step 20 now: the step is whole
+    straggler = CheckpointManager(_config(tmp_path, old), component="pipeline", quiet=True)
+    straggler._run_dir = str(tmp_path / old)  # a process of that launch, still running
+    straggler.save(20, {"driver": DriverState(step=20)})
+    straggler.close()
+    assert 20 in _steps(tmp_path)
+    restored = DriverState()
+    assert pipe.resume({"driver": restored}) == 10 and restored["step"] == 10  # the same step as the actor
+    record = json.loads((tmp_path / run / ".resume.json").read_text())
+    assert record["component"] == "actor" and record["candidates"][0][0].endswith(f"{old}/checkpoint-10")
+    actor.close()
+    pipe.close()
+
+
+def test_driver_state_refuses_subclasses_and_cycles(tmp_path: Path) -> None:
+    import collections
+    import enum
+
+    class Phase(enum.IntEnum):
+        ROLLOUT = 1
+
+    loop: list[Any] = []
+    loop.append(loop)
+    _, pipe = _managers(tmp_path, new_run_name())
+    for bad, where in [(DriverState(r=np.float64(0.5)), "is a float64"),
+                       (DriverState(p=Phase.ROLLOUT), "is a Phase"),
+                       (DriverState(o=collections.OrderedDict(a=1)), "is a OrderedDict"),
+                       (DriverState(l=loop), "contains itself")]:
+        with pytest.raises(RollCkptError, match=where):
+            pipe.save(1, {"driver": bad})
+    pipe.close()

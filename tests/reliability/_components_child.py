@@ -421,7 +421,7 @@ def run_complete(spec: dict[str, Any]) -> int:
         time.sleep(0.001)
     times["go"] = time.time()
     try:
-        won = try_complete(storage, spec["step_path"], int(spec["step"]), spec["expected"])
+        won = try_complete(storage, spec["step_path"], int(spec["step"]), spec["expected"]) is not None
         out: dict[str, Any] = {"won": won}
     except BaseException as exc:  # noqa: BLE001 - reported to the test
         out = {"error": f"{type(exc).__name__}: {exc}"}

@@ -25,6 +25,7 @@ second create still ends up with one consistent manifest.
 
 from __future__ import annotations
 
+import logging
 from typing import Iterable
 
 from .digest import hash_bytes
@@ -32,6 +33,8 @@ from .errors import CheckpointCorruptError, CheckpointNotFoundError
 from .layout import scan
 from .manifest import MANIFEST_NAME, FileEntry, Manifest
 from .storage import Storage
+
+log = logging.getLogger("roll_ckpt")
 
 __all__ = ["COMPONENTS_KEY", "committed_parts", "step_manifest", "try_complete", "complete_pending",
            "components_of", "open_part"]
@@ -86,33 +89,44 @@ def step_manifest(step: int, parts: dict[str, bytes], step_path: str = "") -> Ma
                     extra={COMPONENTS_KEY: summary})
 
 
-def try_complete(storage: Storage, step_path: str, step: int, expected: Iterable[str]) -> bool:
-    """Commit the step when every ``expected`` part is committed; ``True`` if this call did.
+def try_complete(storage: Storage, step_path: str, step: int, expected: Iterable[str]) -> Manifest | None:
+    """Commit the step when every ``expected`` part is committed; its manifest if this call did.
 
-    ``False`` when a part is still missing, or when another process committed the step
+    ``None`` when a part is still missing, or when another process committed the step
     first (the storage refused our create).
     """
     if storage.exists(storage.join(step_path, MANIFEST_NAME)):
-        return False
+        return None
     parts = committed_parts(storage, step_path)
     if not set(expected) <= set(parts):
-        return False
-    data = step_manifest(step, parts, step_path).to_bytes()
+        return None
+    manifest = step_manifest(step, parts, step_path)
     try:
-        storage.write_create(storage.join(step_path, MANIFEST_NAME), data)
+        storage.write_create(storage.join(step_path, MANIFEST_NAME), manifest.to_bytes())
     except FileExistsError:
-        return False
-    return True
+        return None
+    return manifest
 
 
-def complete_pending(storage: Storage, root: str, expected: Iterable[str]) -> list[str]:
+def complete_pending(storage: Storage, root: str, expected: Iterable[str]) -> list[tuple[str, Manifest]]:
     """Commit the steps under ``root`` whose parts are all committed but whose own manifest
-    is missing (the last part's process died between the two); returns their paths."""
+    is missing (the last part's process died between the two); returns ``(path, manifest)``.
+
+    A step with a damaged part is left alone (``roll-ckpt verify`` names the file): it
+    must not keep the other steps from being resumed.
+    """
     expected = tuple(expected)
     done = []
     for ref in scan(storage, root):
-        if not ref.committed and try_complete(storage, ref.path, ref.step, expected):
-            done.append(ref.path)
+        if ref.committed:
+            continue
+        try:
+            manifest = try_complete(storage, ref.path, ref.step, expected)
+        except CheckpointCorruptError as exc:
+            log.warning("roll-ckpt: %s stays uncommitted: %s", ref.path, exc)
+            continue
+        if manifest is not None:
+            done.append((ref.path, manifest))
     return done
 
 

@@ -65,21 +65,27 @@ class DriverState(dict):
             _restore_rng(state["rng"])
 
 
-def _check_json(value: Any, where: str) -> None:
-    if value is None or isinstance(value, (str, bool, int)):
+_SCALARS = (type(None), str, bool, int, float)
+
+
+def _check_json(value: Any, where: str, seen: frozenset[int] = frozenset()) -> None:
+    # Exact types: a subclass (np.float64, an IntEnum, an OrderedDict) would come back as its base.
+    kind = type(value)
+    if kind in _SCALARS:
         return
-    if isinstance(value, float):
-        return
-    if isinstance(value, list):
-        for i, v in enumerate(value):
-            _check_json(v, f"{where}[{i}]")
-        return
-    if isinstance(value, dict):
+    if kind is list or kind is dict:
+        if id(value) in seen:
+            raise RollCkptError(f"{where} contains itself; DriverState holds trees of JSON values")
+        seen = seen | {id(value)}
+        if kind is list:
+            for i, v in enumerate(value):
+                _check_json(v, f"{where}[{i}]", seen)
+            return
         for k, v in value.items():
-            if not isinstance(k, str):
+            if type(k) is not str:
                 raise RollCkptError(f"{where} has the key {k!r} ({type(k).__name__}); DriverState keys are "
                                     "strings (JSON objects), or they would come back as strings")
-            _check_json(v, f"{where}[{k!r}]")
+            _check_json(v, f"{where}[{k!r}]", seen)
         return
     raise RollCkptError(
         f"{where} is a {type(value).__name__}; DriverState holds JSON values only (str, int, float, bool, "

@@ -27,6 +27,9 @@ CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 TMP_PREFIX = ".tmp-"
 RUN_RECORD = ".run.json"
 """Written create-only when a run claims its folder: who owns it (host, pid)."""
+RESUME_RECORD = ".resume.json"
+"""With components: where the launch writing this run folder resumed from (create-only,
+by its first component to resume; the others resume from the same place)."""
 
 
 def checkpoint_name(step: int) -> str:

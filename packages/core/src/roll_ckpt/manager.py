@@ -114,6 +114,19 @@ def _check_component(component: str | None, cc: Any) -> str | None:
     return component
 
 
+def _read_resume_record(storage: Storage, path: str) -> list[tuple[str, bool]] | None:
+    """The resume candidates another component of this launch chose (``None``: none yet)."""
+    try:
+        with storage.open_read(path) as f:
+            body = json.loads(f.read().decode())
+        return [(str(p), bool(b)) for p, b in body["candidates"]]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise RollCkptError(f"{path} is damaged ({exc}): it records where this launch's components resume "
+                            "from; remove it and restart every component") from None
+
+
 class CheckpointManager:
     """Saves and resumes the full training state of one job.
 
@@ -246,7 +259,8 @@ class CheckpointManager:
                 raise RollCkptError(
                     f"checkpoint_config.run_name '{wanted}' was used by an earlier launch (it holds committed "
                     f"step {max(done)}); each launch needs a new one, picked once by the driver "
-                    "(roll_ckpt.new_run_name()) and given to every component")
+                    "(roll_ckpt.new_run_name()) and given to every component. A component that died cannot "
+                    "rejoin a running launch: restart every component together")
             self.storage.makedirs(path)
             record = dict(commit_mod.owner_record(), created=_utc_now(), exp_name=self.config.exp_name)
             try:
@@ -332,13 +346,19 @@ class CheckpointManager:
         storage = self.storage
         pending = commit_mod.plan(storage, ctx.path, f"{self._token}")
         error: BaseException | None = None
+        begun = False
         try:
             if strategy.is_coordinator and refuse is None:
-                if self.component:
-                    self._check_part_free(ctx)
-                commit_mod.begin(storage, pending)
-            # A refused save (no space) fails in DCP's planning step, before any data is
-            # written, and DCP carries the refusal to every rank.
+                try:
+                    if self.component:
+                        self._check_part_free(ctx)
+                    commit_mod.begin(storage, pending)
+                    begun = True
+                except Exception as exc:  # refused like a save that does not fit (below)
+                    refuse = exc
+            # A refused save (no space, a part already there, an unwritable folder) fails in
+            # DCP's planning step, before any data is written, and DCP carries the refusal to
+            # every rank: none is left waiting in a collective for a coordinator that gave up.
             target = storage if refuse is None else self._refusing(refuse)
             data_dir = strategy.data_dir
             with self._progress(f"save step {ctx.step}") as progress:
@@ -366,11 +386,15 @@ class CheckpointManager:
             error = exc
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
-            if strategy.is_coordinator:
-                try:
+            try:
+                if begun:
                     commit_mod.abort(storage, pending)
-                except Exception:
-                    log.warning("roll-ckpt: could not clean up %s", pending.write_path, exc_info=True)
+                elif strategy.is_coordinator and storage.atomic_rename:
+                    # Refused before it began: the other ranks may have made this save's own
+                    # temporary folder in DCP's planning step (in place, it is not ours to remove).
+                    storage.remove_tree(pending.write_path)
+            except Exception:
+                log.warning("roll-ckpt: could not clean up %s", pending.write_path, exc_info=True)
             raise self._save_error(ctx, exc) from exc
         finally:
             ctx.run_finished_callbacks()
@@ -395,9 +419,10 @@ class CheckpointManager:
                                 "to it. Save another step, or delete it with 'roll-ckpt prune'")
         if self.storage.exists(self.storage.join(ctx.path, MANIFEST_NAME)):
             raise RollCkptError(
-                f"{ctx.path} is already committed by an earlier launch of this job: each launch needs a new "
-                "checkpoint_config.run_name (roll_ckpt.new_run_name(), picked once by the driver), or "
-                "parts of two launches would make one step")
+                f"{ctx.path} is already committed: by an earlier launch that used the same "
+                "checkpoint_config.run_name (each launch needs a new one, roll_ckpt.new_run_name(), picked "
+                "once by the driver), or by a second manager for component "
+                f"'{self.component}' in this launch")
 
     def _commit_step(self, ctx: SaveContext) -> bool:
         """True when the step is committed by this process: always without components;
@@ -407,9 +432,16 @@ class CheckpointManager:
         from .components import try_complete
 
         step_path = self._step_path(ctx.path)
-        if not try_complete(self.storage, step_path, ctx.step, self.config.checkpoint_config.components or ()):
+        try:
+            manifest = try_complete(self.storage, step_path, ctx.step, self.config.checkpoint_config.components or ())
+        except Exception as exc:  # this part is committed; the step can be committed later
+            log.warning("roll-ckpt: the part %s is committed, but committing step %d failed (%s: %s); the "
+                        "next resume commits the step once every part is there", ctx.path, ctx.step,
+                        type(exc).__name__, exc)
             return False
-        self._announce(step_path, read_manifest(self.storage, step_path))
+        if manifest is None:
+            return False
+        self._announce(step_path, manifest)
         log.info("roll-ckpt: step %d committed (every component's part is in %s)", ctx.step, step_path)
         return True
 
@@ -434,7 +466,7 @@ class CheckpointManager:
         from .space import wrapped_roll_error
 
         ours = wrapped_roll_error(exc)  # e.g. the space check's refusal, carried by DCP from the coordinator
-        if isinstance(ours, StorageFullError):
+        if ours is not None:
             return ours
         where = f"checkpoint-{ctx.step} under {self.storage.url}"
         if _disk_full(exc):
@@ -524,28 +556,55 @@ class CheckpointManager:
         return [(self.storage, local.path, False), (backup, remote.path, True)]
 
     def _agreed_candidates(self, target: str | None, strategy: Any) -> list[tuple[Storage, str, bool]]:
-        """The coordinator's resume candidates on every rank: ranks that listed the folders
-        themselves could see different steps (another component may commit one meanwhile)."""
+        """Where to resume from: the same on every rank and in every component of a launch.
+
+        Ranks that listed the folders themselves could see different steps (one may be
+        committed meanwhile), so the coordinator decides and broadcasts its choice. With
+        components, the first component to resume records its choice in the run folder
+        (``.resume.json``, create-only) and the others take it: every component of a launch
+        starts from the same step, even if a straggler of an earlier launch commits one
+        while they start.
+        """
         target = self.config.resume_target if target is None else target
         if target != "latest":
             return self._resume_candidates(target)
         mine: list[tuple[str, bool]] | str = []
         if strategy.is_coordinator:
             try:
-                if self.component:
-                    from .components import complete_pending
-
-                    for path in complete_pending(self.storage, self.root, self.config.checkpoint_config.components or ()):
-                        log.info("roll-ckpt: committed %s (its parts were all committed)", path)
-                        self._announce(path, read_manifest(self.storage, path))
-                mine = [(path, from_backup) for _, path, from_backup in self._resume_candidates(target)]
+                mine = self._pick_latest()
             except RollCkptError as exc:
                 mine = str(exc)
+            except Exception as exc:  # sent to every rank: none may stay waiting in the broadcast
+                mine = f"cannot find the checkpoint to resume from under {self.storage.url}: " \
+                       f"{type(exc).__name__}: {exc}"
         agreed = strategy.broadcast(mine)
         if isinstance(agreed, str):
             raise RollCkptError(agreed)
         return [(self.backup_storage if from_backup else self.storage, path, from_backup)  # type: ignore[misc]
                 for path, from_backup in agreed]
+
+    def _pick_latest(self) -> list[tuple[str, bool]]:
+        """The coordinator's ``(path, from_backup)`` candidates for ``latest``."""
+        if not self.component:
+            return [(path, from_backup) for _, path, from_backup in self._resume_candidates("latest")]
+        from .components import complete_pending
+
+        record = self.storage.join(self._ensure_run_dir(), layout.RESUME_RECORD)
+        chosen = _read_resume_record(self.storage, record)
+        if chosen is not None:
+            return chosen
+        for path, manifest in complete_pending(self.storage, self.root, self.config.checkpoint_config.components or ()):
+            log.info("roll-ckpt: committed %s (its parts were all committed)", path)
+            self._announce(path, manifest)
+        mine = [(path, from_backup) for _, path, from_backup in self._resume_candidates("latest")]
+        body = {"candidates": mine, "component": self.component, "time": _utc_now()}
+        try:
+            self.storage.write_create(record, json.dumps(body).encode())
+        except FileExistsError:  # another component chose first
+            chosen = _read_resume_record(self.storage, record)
+            if chosen is not None:
+                return chosen
+        return mine
 
     def resume(self, state: MutableMapping[str, Any], target: str | None = None) -> int:
         """Restore ``state`` from the configured checkpoint; return its step (0: fresh start).

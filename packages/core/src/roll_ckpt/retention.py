@@ -125,22 +125,35 @@ def _abandoned_steps(storage: Storage, refs: list[CheckpointRef], protect: set[s
     is whole and nobody writes to them. Components save their steps in order, one at a
     time, so once a newer step has every part, no part of an older step is still coming."""
     from .commit import live_writers
-    from .components import committed_parts
+    from .components import committed_parts, components_of
+    from .verify import read_manifest
 
-    done = [r.order for r in refs if r.committed]
+    done = [r for r in refs if r.committed]
     if not done:
         return []
-    newest = max(done)
-    return [r for r in refs if not r.committed and r.order < newest and r.path not in protect
-            and committed_parts(storage, r.path) and not live_writers(storage, r.path)]
+    newest = max(done, key=lambda r: r.order)
+    out = []
+    for r in refs:
+        if r.committed or r.order >= newest.order or r.path in protect:
+            continue
+        parts = committed_parts(storage, r.path)
+        if not parts or live_writers(storage, r.path):
+            continue
+        # Every part the whole steps of its run have is there: only the step's own manifest
+        # is missing (its writer failed), and the next resume commits it.
+        whole = [d for d in done if d.run == r.run] or [newest]
+        if set(components_of(read_manifest(storage, max(whole, key=lambda d: d.order).path))) <= set(parts):
+            continue
+        out.append(r)
+    return out
 
 
 def _drop_empty_runs(storage: Storage, output_dir: str, keep_runs: set[str] | None = None) -> None:
     """Remove run folders left empty; with ``keep_runs`` (the live runs), also those that
     hold nothing but their owner record (a launch that stopped before its first step)."""
-    from .layout import RUN_RECORD, run_folders
+    from .layout import RESUME_RECORD, RUN_RECORD, run_folders
 
     for name, path in run_folders(storage, output_dir):
-        names = [e.name for e in storage.list(path)]
-        if not names or (keep_runs is not None and name not in keep_runs and names == [RUN_RECORD]):
+        names = {e.name for e in storage.list(path)}
+        if not names or (keep_runs is not None and name not in keep_runs and names <= {RUN_RECORD, RESUME_RECORD}):
             storage.remove_tree(path)

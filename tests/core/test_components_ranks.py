@@ -1,0 +1,35 @@
+"""A refusal that only the coordinator can see reaches every rank of a component's group."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from roll_ckpt import new_run_name
+
+CHILD = Path(__file__).with_name("_ranks_child.py")
+pytestmark = pytest.mark.timeout(240)
+
+
+def _torchrun(*args: str) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(CHILD), *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", ROLL_CKPT_QUIET="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+def test_a_part_refused_on_the_coordinator_is_refused_on_every_rank(tmp_path: Path) -> None:
+    run = new_run_name()
+    _torchrun(str(tmp_path), run, "first")
+    assert [json.loads((tmp_path / f"first-{r}.json").read_text()).get("saved") for r in (0, 1)] == [True, True]
+    _torchrun(str(tmp_path), run, "second")
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"second-{rank}.json").read_text())
+        assert "already committed" in result.get("error", ""), result
+        assert result["seconds"] < 30, result  # carried by DCP's planning step, not a collective's timeout
+    assert not [p for p in (tmp_path / "ckpt" / run / "checkpoint-2").iterdir() if p.name.startswith((".tmp-", ".inflight-"))]
