@@ -120,10 +120,5 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 def offline_aws() -> Iterator[dict[str, str]]:
     """No real AWS for a module (and the processes it starts): dummy credentials, no
     metadata service, a dead default endpoint. Yields the variables it set."""
-    s3server = _s3server()
-    with pytest.MonkeyPatch.context() as mp:
-        for k in s3server.OFFLINE_UNSET:
-            mp.delenv(k, raising=False)
-        for k, v in s3server.OFFLINE_ENV.items():
-            mp.setenv(k, v)
-        yield dict(s3server.OFFLINE_ENV)
+    with _s3server().offline_aws() as env:
+        yield env

@@ -59,6 +59,21 @@ OFFLINE_UNSET = ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS
                  "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI",
                  "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_ROLE_ARN", "AWS_ENDPOINT_URL_S3")
 
+
+@contextlib.contextmanager
+def offline_aws() -> Iterator[dict[str, str]]:
+    """No real AWS while it is open (for this process and those it starts): dummy
+    credentials, no metadata service, a dead default endpoint. Yields what it set."""
+    import pytest
+
+    with pytest.MonkeyPatch.context() as mp:
+        for k in OFFLINE_UNSET:
+            mp.delenv(k, raising=False)
+        for k, v in OFFLINE_ENV.items():
+            mp.setenv(k, v)
+        yield dict(OFFLINE_ENV)
+
+
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
 

@@ -11,7 +11,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -72,16 +72,9 @@ def s3_unavailable_reason() -> str | None:
     return None
 
 
-@contextlib.contextmanager
-def offline_aws() -> Iterator[dict[str, str]]:
+def offline_aws() -> contextlib.AbstractContextManager[dict[str, str]]:
     """The environment of test_s3.py: dummy AWS credentials, no metadata service, dead default endpoint."""
-    mod = s3server_module()
-    with pytest.MonkeyPatch.context() as mp:
-        for k in mod.OFFLINE_UNSET:
-            mp.delenv(k, raising=False)
-        for k, v in mod.OFFLINE_ENV.items():
-            mp.setenv(k, v)
-        yield dict(mod.OFFLINE_ENV)
+    return s3server_module().offline_aws()
 
 
 def restart_seaweed(server: Any) -> None:
@@ -103,14 +96,15 @@ def restart_seaweed(server: Any) -> None:
 # --------------------------------------------------------------------------- crash workers
 
 class ForkServer:
-    """``_crash_child.py serve``: forks warm training workers on request (see that file)."""
+    """``<child> serve``: forks warm workers on request (``_crash_child.py`` by default, or
+    ``_components_child.py``; see those files)."""
 
-    def __init__(self, env: dict[str, str] | None = None) -> None:
+    def __init__(self, env: dict[str, str] | None = None, child: Path = CHILD) -> None:
         full_env = {k: v for k, v in os.environ.items()
                     if not k.startswith("ROLL_CKPT_") or k == "ROLL_CKPT_QUIET"}
         full_env.update(env or {})
         full_env["PYTHONUNBUFFERED"] = "1"
-        self.proc = subprocess.Popen([sys.executable, str(CHILD), "serve"], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, str(child), "serve"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=full_env)
         hello = self._read(180)
         assert "ready" in hello, hello
@@ -138,6 +132,10 @@ class ForkServer:
     def reap(self, pid: int, timeout: float = 60) -> int:
         """Wait for the worker; its raw wait status."""
         return int(self._ask({"reap": pid}, timeout)["status"])
+
+    def poll(self, pid: int) -> int | None:
+        """The raw wait status of a forked process once it ended (it is reaped), else ``None``."""
+        return self._ask({"poll": pid})["status"]
 
     def close(self) -> None:
         if self.proc.poll() is None:

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import json
 import os
-import selectors
 import signal
 import socket
 import subprocess
@@ -67,6 +66,7 @@ from roll_ckpt.manifest import MANIFEST_NAME, Manifest
 from roll_ckpt.verify import verify
 from roll_ckpt_fs import open_storage
 
+from . import _support
 from ._support import kills_per_mode
 
 HERE = Path(__file__).resolve().parent
@@ -85,49 +85,9 @@ pytestmark = pytest.mark.timeout(300)
 # --------------------------------------------------------------------------- processes
 
 
-class ForkServer:
+def ForkServer(env: dict[str, str]) -> _support.ForkServer:  # noqa: N802 - builds the shared class
     """``_components_child.py serve``: forks warm component processes on request."""
-
-    def __init__(self, env: dict[str, str]) -> None:
-        full_env = {k: v for k, v in os.environ.items()
-                    if not k.startswith("ROLL_CKPT_") or k == "ROLL_CKPT_QUIET"}
-        full_env.update(env, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen([sys.executable, str(CHILD), "serve"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=full_env)
-        hello = self._read(180)
-        assert "ready" in hello, hello
-
-    def _read(self, timeout: float) -> dict[str, Any]:
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
-        if not sel.select(timeout):
-            raise AssertionError(f"the fork server did not answer within {timeout:.0f}s")
-        line = self.proc.stdout.readline()
-        if not line:
-            raise AssertionError(f"the fork server exited ({self.proc.poll()})")
-        return json.loads(line)
-
-    def _ask(self, cmd: dict[str, Any], timeout: float = 60) -> dict[str, Any]:
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self._read(timeout)
-
-    def fork(self, spec: dict[str, Any]) -> int:
-        return int(self._ask({"fork": spec})["pid"])
-
-    def poll(self, pid: int) -> int | None:
-        """The raw wait status of a forked process once it ended (it is reaped), else ``None``."""
-        return self._ask({"poll": pid})["status"]
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write('{"exit": 1}\n')
-                self.proc.stdin.flush()
-                self.proc.wait(timeout=30)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait(timeout=30)
+    return _support.ForkServer(dict(env, OMP_NUM_THREADS="1"), child=CHILD)
 
 
 @dataclass
