@@ -24,6 +24,9 @@ from roll_ckpt.cli import main
 from roll_ckpt.digest import hash_bytes
 from roll_ckpt.manifest import seal
 
+from .test_cli import assert_one_line_error as one_line_error
+from .test_cli import flip_byte
+
 TIMEOUT = 120
 COMPONENTS = ["actor", "pipeline"]
 
@@ -97,19 +100,7 @@ def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, s
 
 
 def assert_one_line_error(rc: int, err: str, *needles: str) -> None:
-    assert rc == 1, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith("roll-ckpt: error: "), err
-    assert "Traceback" not in err
-    for needle in needles:
-        assert needle in lines[0], (needle, err)
-
-
-def flip_byte(path: Path, offset: int = 0) -> None:
-    data = bytearray(path.read_bytes())
-    data[offset] ^= 0xFF
-    path.write_bytes(bytes(data))
+    one_line_error(rc, err, 1, *needles)
 
 
 def reseal(path: Path, **changes: Any) -> None:
