@@ -726,8 +726,22 @@ class SafeReader(FileSystemReader):
         return data
 
     def read_data(self, plan: Any, planner: Any) -> Any:
+        import dataclasses
+
+        from torch.distributed.checkpoint.planner import LoadItemType
+        from torch.futures import Future
+
         try:
-            return self._read_data(plan, planner)
+            # Values (the only pickles: per-process state) before tensors, in one load: a value
+            # weights_only refuses stops it before any live tensor is touched.
+            values = [i for i in plan.items if i.type == LoadItemType.BYTE_IO]
+            tensors = [i for i in plan.items if i.type != LoadItemType.BYTE_IO]
+            for items in (values, tensors):
+                if items:
+                    self._read_data(dataclasses.replace(plan, items=items), planner).wait()
+            fut: Future = Future()
+            fut.set_result(None)
+            return fut
         except pickle.UnpicklingError as exc:  # weights_only refused a value or a tensor: it would run code
             item = getattr(exc, "read_item", None)
             if item is not None:

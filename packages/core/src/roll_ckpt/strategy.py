@@ -238,12 +238,9 @@ class DCPStrategy(Strategy):
         if missing:
             raise RollCkptError(f"the checkpoint at {dcp_path} has no entry for state key(s) "
                                 f"{', '.join(missing)}; it holds {', '.join(sorted(_top_keys(md)))}")
-        # Per-process values first, on their own: they are the only pickled ones, so a
-        # value weights_only refuses stops the load before any live tensor is touched.
-        self._dcp_load({PER_RANK: {src: mine}}, reader, dcp_path)
-        tensors = {k: v for k, v in target.items() if k != PER_RANK}
-        if tensors:
-            self._dcp_load(tensors, reader, dcp_path)
+        # One load; SafeReader reads the per-process values (the only pickled ones) before
+        # any tensor, so a value weights_only refuses stops it before a live tensor is touched.
+        self._dcp_load(target, reader, dcp_path)
         for key, obj in state.items():
             if isinstance(obj, torch.nn.Module):
                 set_model_state_dict(obj, target[key])
