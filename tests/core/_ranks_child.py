@@ -1,12 +1,11 @@
 """One rank of a 2-rank gloo group (started by torchrun) for test_components_ranks.py.
 
-    _ranks_child.py OUT RUN_NAME first|second|third
+    _ranks_child.py OUT RUN_NAME first|second
 
-``first`` saves step 2 of component ``actor`` (the pipeline never does). ``second`` and
-``third`` are launches that reuse the run name: their save of step 2 is refused on rank 0
-(the run folder's claimant is gone; or, its record lost, the part is already committed)
-and must be refused on every rank, quickly, not after a collective times out. Each rank
-writes ``OUT/<mode>-<rank>.json``.
+``first`` saves step 2 of component ``actor`` (the pipeline never does). ``second`` is a
+launch that reuses the run name: its save of step 2 is refused on rank 0 (the part is
+already committed) and must be refused on every rank, quickly, not after a collective
+times out. Each rank writes ``OUT/<mode>-<rank>.json``.
 """
 
 from __future__ import annotations

@@ -27,19 +27,9 @@ def test_a_part_refused_on_the_coordinator_is_refused_on_every_rank(tmp_path: Pa
     run = new_run_name()
     _torchrun(str(tmp_path), run, "first")
     assert [json.loads((tmp_path / f"first-{r}.json").read_text()).get("saved") for r in (0, 1)] == [True, True]
-    # a second launch reusing the name: its run folder's claimant is gone (refused in the
-    # coordinator's claim, told to every rank)
     _torchrun(str(tmp_path), run, "second")
     for rank in (0, 1):
         result = json.loads((tmp_path / f"second-{rank}.json").read_text())
-        assert "claimed by a process that is gone" in result.get("error", ""), result
-        assert result["seconds"] < 30, result
-    # the same with the claim record lost: the coordinator refuses at begin, the others are
-    # already in DCP's planning step
-    (tmp_path / "ckpt" / run / ".run.json").unlink()
-    _torchrun(str(tmp_path), run, "third")
-    for rank in (0, 1):
-        result = json.loads((tmp_path / f"third-{rank}.json").read_text())
         assert "already committed" in result.get("error", ""), result
         assert result["seconds"] < 30, result  # carried by DCP's planning step, not a collective's timeout
     assert not [p for p in (tmp_path / "ckpt" / run / "checkpoint-2").iterdir() if p.name.startswith((".tmp-", ".inflight-"))]

@@ -266,7 +266,7 @@ class CheckpointManager:
             try:
                 self.storage.write_create(self.storage.join(path, layout.RUN_RECORD), json.dumps(record).encode())
             except FileExistsError:
-                self._check_claimant(wanted, path)
+                pass
             return wanted
         now = datetime.now()
         for attempt in range(100):
@@ -280,25 +280,6 @@ class CheckpointManager:
             except FileExistsError:
                 continue
         raise StorageError(f"could not create a run folder under {self.root}")
-
-    def _check_claimant(self, wanted: str, path: str) -> None:
-        """With components: refuse a run folder whose claimant is gone. The first component of
-        a launch to start claims it and lives as long as the launch, so a claimant that is
-        gone belongs to an earlier launch (the pid check holds on one host, in one PID
-        namespace; elsewhere a claimant is trusted for a day)."""
-        if not self.component:
-            return
-        try:
-            with self.storage.open_read(self.storage.join(path, layout.RUN_RECORD)) as f:
-                owner = json.loads(f.read().decode())
-        except (OSError, ValueError):
-            return
-        if isinstance(owner, dict) and "pid" in owner and commit_mod.owner_gone(owner):
-            raise RollCkptError(
-                f"checkpoint_config.run_name '{wanted}' was claimed by a process that is gone (host "
-                f"{owner.get('host')}, pid {owner.get('pid')}): an earlier launch; each launch needs a new "
-                "one, picked once by the driver (roll_ckpt.new_run_name()) and given to every component. "
-                "A component that died cannot rejoin a running launch: restart every component together")
 
     @property
     def run_dir(self) -> str | None:
