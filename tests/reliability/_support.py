@@ -72,6 +72,30 @@ def s3_unavailable_reason() -> str | None:
     return None
 
 
+def resume_untouched(ckpt: Path) -> tuple[BaseException | None, bool]:
+    """Resume a fresh state from the checkpoint folder ``ckpt``: the error it raised (or
+    ``None``), and whether the state is still exactly as it was before."""
+    from roll_ckpt import CheckpointManager, load_config
+    from roll_ckpt.testing import assert_same_state, state_snapshot, tiny_state
+
+    state = tiny_state(seed=7)
+    before = state_snapshot(state)
+    cfg = load_config({"checkpoint_config": {"type": "file_system", "output_dir": str(ckpt.parent),
+                                             "timestamp_subdir": False},
+                       "resume_from_checkpoint": str(ckpt)})
+    err = None
+    with CheckpointManager.from_config(cfg, quiet=True) as m:
+        try:
+            m.resume(state)
+        except BaseException as exc:  # noqa: BLE001 - the caller checks it
+            err = exc
+    try:
+        assert_same_state(state_snapshot(state), before)
+        return err, True
+    except AssertionError:
+        return err, False
+
+
 def offline_aws() -> contextlib.AbstractContextManager[dict[str, str]]:
     """The environment of test_s3.py: dummy AWS credentials, no metadata service, dead default endpoint."""
     return s3server_module().offline_aws()

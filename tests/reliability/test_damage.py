@@ -15,9 +15,11 @@ import pytest
 
 from roll_ckpt import CheckpointCorruptError, CheckpointManager, CheckpointNotFoundError, load_config
 from roll_ckpt.cli import main as cli
-from roll_ckpt.testing import assert_same_state, state_snapshot, tiny_state
+from roll_ckpt.testing import tiny_state
 from roll_ckpt.verify import verify
 from roll_ckpt_fs import LocalStorage
+
+from ._support import resume_untouched as _resume
 
 KINDS = ["distcp", "metadata", "trainer_state", "manifest"]
 FAULTS = ["truncated", "flipped", "deleted", "extra"]
@@ -73,25 +75,6 @@ def damage(ckpt: Path, kind: str, fault: str) -> tuple[str, tuple[str, ...]]:
     i = _flip_offset(data, kind)
     target.write_bytes(data[:i] + bytes([data[i] ^ 0x01]) + data[i + 1:])
     return rel, ("checksum mismatch",)
-
-
-def _resume(ckpt: Path) -> tuple[BaseException | None, bool]:
-    state = tiny_state(seed=7)
-    before = state_snapshot(state)
-    cfg = load_config({"checkpoint_config": {"type": "file_system", "output_dir": str(ckpt.parent),
-                                             "timestamp_subdir": False},
-                       "resume_from_checkpoint": str(ckpt)})
-    err = None
-    with CheckpointManager.from_config(cfg, quiet=True) as m:
-        try:
-            m.resume(state)
-        except Exception as exc:  # noqa: BLE001 - checked by the caller
-            err = exc
-    try:
-        assert_same_state(state_snapshot(state), before)
-        return err, True
-    except AssertionError:
-        return err, False
 
 
 @pytest.mark.parametrize("fault", FAULTS)

@@ -31,6 +31,8 @@ from roll_ckpt.testing import assert_same_state, state_snapshot, tiny_state
 from roll_ckpt.verify import verify
 from roll_ckpt_fs import LocalStorage
 
+from ._support import resume_untouched as _resume
+
 SIGNING = "ROLL_CKPT_SIGNING_KEY"
 
 
@@ -90,25 +92,6 @@ def exploits_work(tmp_path_factory: pytest.TempPathFactory) -> None:
         if not marker.exists():
             missing.append(name)
     assert not missing, f"payloads that do not run code: {missing}"
-
-
-def _resume(ckpt: Path) -> tuple[BaseException | None, bool]:
-    state = tiny_state(seed=7)
-    before = state_snapshot(state)
-    cfg = load_config({"checkpoint_config": {"type": "file_system", "output_dir": str(ckpt.parent),
-                                             "timestamp_subdir": False},
-                       "resume_from_checkpoint": str(ckpt)})
-    err = None
-    with CheckpointManager.from_config(cfg, quiet=True) as m:
-        try:
-            m.resume(state)
-        except BaseException as exc:  # noqa: BLE001 - the caller checks it
-            err = exc
-    try:
-        assert_same_state(state_snapshot(state), before)
-        return err, True
-    except AssertionError:
-        return err, False
 
 
 def _rewrite_manifest(ckpt: Path, **files: bytes) -> None:

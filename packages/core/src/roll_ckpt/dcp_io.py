@@ -274,12 +274,11 @@ def safe_load_metadata(data: bytes, where: str = METADATA_NAME) -> Metadata:
     return md
 
 
-class _MemoryReader(io.RawIOBase):
-    """A seekable read-only stream over bytes already in memory (``readinto``: one copy)."""
+class _WindowReader(io.RawIOBase):
+    """A seekable read-only stream over ``length`` bytes; subclasses say where they come from."""
 
-    def __init__(self, data: memoryview) -> None:
-        self._data = data
-        self._pos = 0
+    def __init__(self, length: int) -> None:
+        self._len, self._pos = length, 0
 
     def readable(self) -> bool:
         return True
@@ -291,7 +290,7 @@ class _MemoryReader(io.RawIOBase):
         return self._pos
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._data)}[whence]
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._len}[whence]
         self._pos = max(0, base + offset)
         return self._pos
 
@@ -299,10 +298,26 @@ class _MemoryReader(io.RawIOBase):
         dst = memoryview(b)
         if dst.format != "B" or dst.ndim != 1:
             dst = dst.cast("B")
-        n = max(0, min(len(dst), len(self._data) - self._pos))
-        dst[:n] = self._data[self._pos:self._pos + n]
+        n = max(0, min(len(dst), self._len - self._pos))
+        if n:
+            n = self._fill(dst[:n], self._pos)
         self._pos += n
         return n
+
+    def _fill(self, dst: memoryview, pos: int) -> int:
+        raise NotImplementedError
+
+
+class _MemoryReader(_WindowReader):
+    """Over bytes already in memory (``readinto``: one copy)."""
+
+    def __init__(self, data: memoryview) -> None:
+        super().__init__(len(data))
+        self._data = data
+
+    def _fill(self, dst: memoryview, pos: int) -> int:
+        dst[:] = self._data[pos:pos + len(dst)]
+        return len(dst)
 
 
 _CHECK_STREAMS = 1
@@ -331,35 +346,15 @@ def _pread_into(fd: int, dst: memoryview, offset: int) -> None:
         done += n
 
 
-class _FdReader(io.RawIOBase):
-    """A seekable read-only stream over ``length`` bytes of an open file from ``base`` (pread)."""
+class _FdReader(_WindowReader):
+    """Over ``length`` bytes of an open file from ``base`` (pread)."""
 
     def __init__(self, fd: int, base: int, length: int) -> None:
-        self._fd, self._base, self._len, self._pos = fd, base, length, 0
+        super().__init__(length)
+        self._fd, self._base = fd, base
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._len}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, b: Any) -> int:
-        dst = memoryview(b)
-        if dst.format != "B" or dst.ndim != 1:
-            dst = dst.cast("B")
-        n = max(0, min(len(dst), self._len - self._pos))
-        if n:
-            n = os.preadv(self._fd, [dst[:n]], self._base + self._pos)
-        self._pos += n
-        return n
+    def _fill(self, dst: memoryview, pos: int) -> int:
+        return os.preadv(self._fd, [dst], self._base + pos)
 
 
 class _Verified:
