@@ -7,9 +7,9 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-PACKAGES := -e packages/core -e packages/backend-fs -e packages/strategy-fsdp2 \
-            -e tests/plugins/example_backend -e ".[all,dev]"
-SOURCES := pyproject.toml packages/*/pyproject.toml tests/plugins/example_backend/pyproject.toml
+PACKAGES := -e packages/core -e packages/backend-fs -e packages/strategy-fsdp2 -e packages/demo \
+            -e ".[all,dev]"
+SOURCES := pyproject.toml packages/*/pyproject.toml
 
 .PHONY: venv demo test test-reliability bench bench-check wheels clean
 
@@ -46,9 +46,9 @@ bench: venv
 bench-check: venv
 	$(PY) bench/run.py --check $(BENCH_ARGS)
 
-# Pure-Python wheels of the four distributions (carried to a GPU machine by scripts/gpu_check.sh).
+# Pure-Python wheels of the five distributions (carried to a GPU machine by scripts/gpu_check.sh).
 wheels: venv
-	rm -rf dist && $(PIP) wheel -q --no-deps -w dist . packages/core packages/backend-fs packages/strategy-fsdp2
+	rm -rf dist && $(PIP) wheel -q --no-deps -w dist . packages/core packages/backend-fs packages/strategy-fsdp2 packages/demo
 
 clean:
 	rm -rf $(VENV) output .pytest_cache

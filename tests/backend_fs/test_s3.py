@@ -215,11 +215,11 @@ def _train(state: dict[str, Any], step: int) -> None:
 
 
 def test_full_cycle_over_s3(s3: s3server.SeaweedServer, monkeypatch: pytest.MonkeyPatch) -> None:
-    import roll_ckpt.manager as manager_mod
+    import roll_ckpt.runs as runs_mod
 
     # Both runs claim their run folder within the same "second": the second claim must be
     # refused create-only by the server and fall back to "<stamp>-1".
-    monkeypatch.setattr(manager_mod, "datetime", _FrozenNow)
+    monkeypatch.setattr(runs_mod, "datetime", _FrozenNow)
     prefix = f"run-{uuid.uuid4().hex[:10]}"
     url = f"s3://{s3.bucket}/{prefix}"
 

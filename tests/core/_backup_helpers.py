@@ -98,13 +98,19 @@ REPLICATING_CHILD = r'''
 import json, os, sys, time
 sys.path.insert(0, os.environ["HELPERS_DIR"])
 from _backup_helpers import SlowWrites
+import roll_ckpt.manager as manager
 import roll_ckpt.transfer as transfer
 from roll_ckpt import CheckpointManager, load_config
 from roll_ckpt.testing import tiny_state
 
 transfer.CHUNK_BYTES = 4096
-m = CheckpointManager.from_config(load_config(json.loads(sys.argv[1])), quiet=True)
-m.backup_storage = SlowWrites(m.backup_storage, delay=0.1, flag=sys.argv[2])
+cfg = load_config(json.loads(sys.argv[1]))
+real_open = manager.open_storage
+def slow_open(plugins, type_, url, options):  # the backup is written slowly
+    storage = real_open(plugins, type_, url, options)
+    return SlowWrites(storage, delay=0.1, flag=sys.argv[2]) if url == cfg.checkpoint_config.backup.output_dir else storage
+manager.open_storage = slow_open
+m = CheckpointManager.from_config(cfg, quiet=True)
 m.save(1, tiny_state(1))
 print("saved", flush=True)
 time.sleep(120)
@@ -115,16 +121,16 @@ COPYING_CHILD = r'''
 import os, sys
 sys.path.insert(0, os.environ["HELPERS_DIR"])
 from _backup_helpers import SlowWrites
-import roll_ckpt.manager as manager
+import roll_ckpt.job as job
 import roll_ckpt.transfer as transfer
 from roll_ckpt import cli
 
 transfer.CHUNK_BYTES = 4096
-real_open = manager.open_storage
+real_open = job.open_storage
 def slow_open(plugins, type_, url, options):
     storage = real_open(plugins, type_, url, options)
     return SlowWrites(storage, 0.1, os.environ["COPY_FLAG"]) if url == os.environ["SLOW_URL"] else storage
-manager.open_storage = slow_open
+job.open_storage = slow_open
 sys.exit(cli.main(sys.argv[1:]))
 '''
 

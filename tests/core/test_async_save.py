@@ -78,7 +78,7 @@ def test_save_returns_before_commit_and_snapshot_is_taken_at_save(tmp_path: Path
     path = m.save(3, state)
     # the background write has started and is held before writing any DCP data
     assert ctl["entered"].wait(30)
-    assert m._inflight is not None and not m._inflight.done()
+    assert m.save_in_flight
     assert _committed(m) == [] and not Path(path).exists()
     # the loop goes on at once: parameters, optimizer, scheduler and counter change
     for _ in range(2):
@@ -140,7 +140,7 @@ def test_final_save_is_committed_when_it_returns(tmp_path: Path) -> None:
     state = tiny_state()
     m.save(4, state)            # async, in flight
     path = m.save(5, state, final=True)
-    assert m._inflight is None
+    assert not m.save_in_flight
     assert _committed(m) == [4, 5] and Path(path, "manifest.json").is_file()
     assert m.last_save.step == 5 and not m.last_save.is_async
     m.close()

@@ -1,12 +1,24 @@
-"""The commit protocol's guard for folders written in place (object stores)."""
+"""The commit protocol: one class per protocol, chosen by the backend; the guard for folders
+written in place (object stores); owner records across PID namespaces."""
 
 from __future__ import annotations
 
 import pytest
 
 from roll_ckpt import RollCkptError
-from roll_ckpt import commit as commit_mod
+from roll_ckpt.commit import ManifestLast, RenameIntoPlace, pending_checkpoint
 from roll_ckpt.manifest import MANIFEST_NAME
+
+
+def test_the_backend_chooses_the_protocol(tmp_path, memory_url: str) -> None:
+    from roll_ckpt_fs.storage import FsspecStorage, LocalStorage
+
+    disk, store = LocalStorage(str(tmp_path)), FsspecStorage(memory_url, {})
+    on_disk = pending_checkpoint(disk, disk.join(disk.root, "checkpoint-1"), "tok1")
+    in_store = pending_checkpoint(store, store.join(store.root, "checkpoint-1"), "tok1")
+    assert type(on_disk) is RenameIntoPlace and on_disk.write_path.endswith("/.tmp-checkpoint-1-tok1")
+    assert type(in_store) is ManifestLast and in_store.write_path == in_store.final_path
+    assert on_disk.marker_path.endswith("/.inflight-checkpoint-1-tok1.json")
 
 
 def test_a_second_live_writer_of_an_in_place_folder_is_refused_and_deletes_nothing(memory_url: str) -> None:
@@ -15,23 +27,23 @@ def test_a_second_live_writer_of_an_in_place_folder_is_refused_and_deletes_nothi
     storage = FsspecStorage(memory_url, {})
     assert not storage.atomic_rename
     final = storage.join(storage.root, "run", "checkpoint-3")
-    first = commit_mod.plan(storage, final, "aaaa")
-    commit_mod.begin(storage, first)
+    first = pending_checkpoint(storage, final, "aaaa")
+    first.begin()
     with storage.open_write(storage.join(first.write_path, "data")) as f:
         f.write(b"first writer's bytes")
 
-    second = commit_mod.plan(storage, final, "bbbb")
+    second = pending_checkpoint(storage, final, "bbbb")
     with pytest.raises(RollCkptError, match="being written by another process"):
-        commit_mod.begin(storage, second)
+        second.begin()
     assert not storage.exists(second.marker_path)
     with storage.open_read(storage.join(final, "data")) as f:  # the first writer's files are intact
         assert f.read() == b"first writer's bytes"
 
-    commit_mod.commit(storage, first, b"{}", [])
+    first.commit(b"{}")
     assert storage.exists(storage.join(final, MANIFEST_NAME))
     # once the first is done, a later writer is told the checkpoint exists (not that it is busy)
     with pytest.raises(RollCkptError, match="already exists"):
-        commit_mod.begin(storage, commit_mod.plan(storage, final, "cccc"))
+        pending_checkpoint(storage, final, "cccc").begin()
 
 
 def test_a_writer_in_another_pid_namespace_is_not_judged_by_its_pid(tmp_path) -> None:
@@ -41,7 +53,7 @@ def test_a_writer_in_another_pid_namespace_is_not_judged_by_its_pid(tmp_path) ->
     import socket
     import time
 
-    from roll_ckpt.commit import _pid_namespace, clean_stale, owner_gone
+    from roll_ckpt.owners import _pid_namespace, clean_stale, owner_gone
     from roll_ckpt.testing import dead_pid
 
     here = {"host": socket.gethostname(), "pid": dead_pid(), "pidns": _pid_namespace(), "started": time.time()}

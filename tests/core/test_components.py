@@ -350,7 +350,7 @@ def test_removing_a_step_uncommits_its_parts_first(tmp_path: Path) -> None:
 
 
 def test_local_write_create_is_whole_or_absent_and_leaves_nothing_behind(tmp_path: Path) -> None:
-    from roll_ckpt.commit import clean_stale
+    from roll_ckpt.owners import clean_stale
 
     storage = layout_storage(tmp_path)
     target = tmp_path / "run" / "checkpoint-1" / "manifest.json"
@@ -496,7 +496,7 @@ def test_every_component_of_a_launch_resumes_from_the_step_the_first_one_chose(t
     assert actor.resume(tiny_state(seed=3)) == 10
     # a straggler of the earlier launch commits its part of step 20 now: the step is whole
     straggler = CheckpointManager(_config(tmp_path, old), component="pipeline", quiet=True)
-    straggler._run_dir = str(tmp_path / old)  # a process of that launch, still running
+    straggler._job.run_dir = str(tmp_path / old)  # a process of that launch, still running
     straggler.save(20, {"driver": DriverState(step=20)})
     straggler.close()
     assert 20 in _steps(tmp_path)

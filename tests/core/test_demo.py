@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from roll_ckpt.cli import main
-from roll_ckpt.demo import DEFAULT_CONFIG
+from roll_ckpt_demo.launch import DEFAULT_CONFIG
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT = 120
@@ -163,7 +163,7 @@ def test_two_processes_fsdp2_stop_and_resume(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
     from roll_ckpt import layout
-    from roll_ckpt.demo import _policy
+    from roll_ckpt_demo.job import _policy
     from roll_ckpt_fs.storage import LocalStorage
 
     storage = LocalStorage(str(crash_dir / "checkpoints" / "rlvr-demo"))

@@ -225,7 +225,8 @@ def test_retention_zero_keeps_all(ckpt_config, tmp_path: Path) -> None:
 
 CRASH_SCRIPT = textwrap.dedent("""
     import os, sys
-    from roll_ckpt import CheckpointManager, load_config, commit
+    from roll_ckpt import CheckpointManager, load_config
+    from roll_ckpt.commit import PendingCheckpoint
     from roll_ckpt.testing import tiny_state
     cfg = load_config({"checkpoint_config": {"type": "file_system", "output_dir": sys.argv[1]}})
     m = CheckpointManager.from_config(cfg, quiet=True)
@@ -234,7 +235,7 @@ CRASH_SCRIPT = textwrap.dedent("""
     def die(*a, **k):  # everything is written; the process dies before the commit
         print("dying", flush=True)
         os._exit(3)
-    commit.commit = die
+    PendingCheckpoint.commit = die
     m.save(2, s)
 """)
 

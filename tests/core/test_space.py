@@ -121,7 +121,7 @@ def test_an_async_save_that_cannot_fit_is_refused_by_save_itself(tmpfs) -> None:
     m.wait()
     with pytest.raises(StorageFullError, match="no space left for checkpoint-2"):
         m.save(2, _linear(1536))  # refused before staging: nothing runs in the background
-    assert m._inflight is None
+    assert not m.save_in_flight
     m.save(3, _linear(128))
     m.close()
     assert [r.step for r in layout.committed(m.storage, m.root)] == [1, 3]

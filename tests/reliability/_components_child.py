@@ -509,7 +509,7 @@ def serve() -> int:
     import torch.distributed.fsdp  # noqa: F401
 
     import roll_ckpt.components  # noqa: F401
-    import roll_ckpt.dcp_io  # noqa: F401
+    import roll_ckpt.dcp_read, roll_ckpt.dcp_write  # noqa: F401,E401
     import roll_ckpt_fs  # noqa: F401
     import roll_ckpt_fsdp2  # noqa: F401
     try:

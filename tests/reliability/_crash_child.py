@@ -49,7 +49,7 @@ import torch
 import torch.distributed.checkpoint  # noqa: F401
 import torch.distributed.checkpoint.state_dict  # noqa: F401
 from roll_ckpt import CheckpointManager, load_config
-import roll_ckpt.dcp_io  # noqa: F401
+import roll_ckpt.dcp_read, roll_ckpt.dcp_write  # noqa: F401,E401
 import roll_ckpt_fs  # noqa: F401
 import xxhash
 
@@ -163,7 +163,7 @@ def worker(spec: dict[str, Any]) -> int:
     if switch is not None:
         # Claim the run folder (and clean leftovers) first, so that operation N is the same
         # point of the save protocol in every worker: the random kills cover the start-up.
-        manager._ensure_run_dir()
+        manager._job.ensure_run_dir()
         switch.armed = True
     reported = start
     last_step = start + int(spec["saves"]) if "saves" in spec else int(spec.get("max_steps", 100_000))

@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 
 from roll_ckpt import layout
-from roll_ckpt.commit import MARKER_PREFIX
+from roll_ckpt.owners import MARKER_PREFIX
 from roll_ckpt.layout import TMP_PREFIX
 from roll_ckpt.manifest import MANIFEST_NAME
-from roll_ckpt.storage import Storage
+from roll_ckpt.contracts import Storage
 from roll_ckpt.verify import list_files, verify
 
 HERE = Path(__file__).resolve().parent

@@ -59,7 +59,7 @@ from typing import Any, Iterator
 import pytest
 
 from roll_ckpt import CheckpointManager, DriverState, layout, load_config, new_run_name
-from roll_ckpt.commit import MARKER_PREFIX
+from roll_ckpt.owners import MARKER_PREFIX
 from roll_ckpt.components import complete_pending, components_of, try_complete
 from roll_ckpt.layout import TMP_PREFIX
 from roll_ckpt.manifest import MANIFEST_NAME, Manifest

@@ -33,14 +33,13 @@ def result(out: Path, name: str) -> dict:
 
 def load_full(path: Path) -> dict[str, object]:
     """Every value of a DCP folder as full tensors, read on one process."""
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    from roll_ckpt.dcp_io import SafeEmptyLoadPlanner, SafeReader
+    from roll_ckpt.dcp_read import SafeReader
+    from roll_ckpt.torch_compat import load_state_dict_no_dist
+    from roll_ckpt.unpickle import SafeEmptyLoadPlanner
     from roll_ckpt_fs import LocalStorage
 
     sd: dict[str, object] = {}
-    _load_state_dict(sd, storage_reader=SafeReader(LocalStorage(str(path)), str(path)),
-                     planner=SafeEmptyLoadPlanner(), no_dist=True)
+    load_state_dict_no_dist(sd, SafeReader(LocalStorage(str(path)), str(path)), SafeEmptyLoadPlanner())
     return sd
 
 

@@ -12,7 +12,7 @@ import time
 from typing import Any, BinaryIO, Mapping
 
 from roll_ckpt import StorageError
-from roll_ckpt.storage import Entry
+from roll_ckpt.contracts import Entry
 
 __all__ = ["LocalStorage", "FsspecStorage", "open_storage"]
 

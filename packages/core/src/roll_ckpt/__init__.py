@@ -13,12 +13,11 @@ from .config import BackupConfig, CheckpointConfig, Config, StrategyConfig, load
 from .errors import (BackupError, CheckpointCorruptError, CheckpointNotFoundError, ConfigError, PluginError,
                      RollCkptError, SaveError, StorageError, StorageFullError, UnknownPluginError,
                      UnsafeCheckpointError)
+from .contracts import (BackendRecord, CommandRecord, CommitInfo, ConfigKeyRecord, Entry, SaveContext,
+                        StagingPolicy, StagingPolicyRecord, Storage, Strategy, StrategyRecord)
 from .driver_state import DriverState
 from .hookspecs import hookimpl, hookspec
 from .layout import new_run_name
-from .records import BackendRecord, StagingPolicyRecord, StrategyRecord
-from .savectx import CommitInfo, SaveContext
-from .storage import Entry, Storage
 
 if TYPE_CHECKING:
     from .manager import CheckpointManager, SaveStats
@@ -39,6 +38,10 @@ __all__ = [
     "BackendRecord",
     "StrategyRecord",
     "StagingPolicyRecord",
+    "ConfigKeyRecord",
+    "CommandRecord",
+    "Strategy",
+    "StagingPolicy",
     "SaveContext",
     "CommitInfo",
     "Storage",

@@ -1,20 +1,24 @@
-"""Core's own hook implementations: the ``dcp`` and ``json`` strategies and regular staging."""
+"""Core's own hook implementations: the ``dcp`` and ``json`` strategies and the regular copy."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from .contracts import StagingPolicyRecord, Strategy, StrategyRecord
 from .hookspecs import hookimpl
-from .records import StagingPolicyRecord, StrategyRecord
+from .staging import RegularCopy
+
+FALLBACK = -(2 ** 31)
+"""The regular copy's priority: every plugin's policy is asked before it."""
 
 
-def _make_dcp(config: Any, plugins: Any) -> Any:
+def _make_dcp(config: Any, plugins: Any) -> Strategy:
     from .strategy import DCPStrategy
 
     return DCPStrategy(config, plugins)
 
 
-def _make_json(config: Any, plugins: Any) -> Any:
+def _make_json(config: Any, plugins: Any) -> Strategy:
     from .driver_state import JSONStrategy
 
     return JSONStrategy(config, plugins)
@@ -26,10 +30,14 @@ def _holds_driver_state(state: Any) -> bool:
     return holds_driver_state(state)
 
 
+def _always(state: Any) -> bool:
+    return True
+
+
 @hookimpl
 def roll_ckpt_strategies() -> list[StrategyRecord]:
     return [StrategyRecord(
-        name="dcp", factory=_make_dcp, applies=lambda state: True, priority=0,
+        name="dcp", factory=_make_dcp, applies=_always, priority=0,
         description="torch.distributed.checkpoint for one process or replicated modules",
     ), StrategyRecord(
         name="json", factory=_make_json, applies=_holds_driver_state, priority=20,
@@ -39,13 +47,4 @@ def roll_ckpt_strategies() -> list[StrategyRecord]:
 
 @hookimpl
 def roll_ckpt_staging_policies() -> list[StagingPolicyRecord]:
-    return [StagingPolicyRecord(
-        name="regular", description="copy into CPU staging buffers reused across saves (pinned on GPU machines)")]
-
-
-@hookimpl(trylast=True)
-def roll_ckpt_stage(name: str, tensor: Any, save: Any) -> Any:
-    strategy = save.strategy
-    staged, nbytes = strategy.pool.stage(name, tensor)
-    save.note_staged(name, "regular", nbytes)
-    return staged
+    return [StagingPolicyRecord(RegularCopy(), priority=FALLBACK)]

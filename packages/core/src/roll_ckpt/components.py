@@ -25,19 +25,20 @@ second create still ends up with one consistent manifest.
 
 from __future__ import annotations
 
+import json
 import logging
-from typing import Iterable
+from typing import Any, Iterable
 
+from .contracts import Storage
 from .digest import hash_bytes
-from .errors import CheckpointCorruptError, CheckpointNotFoundError
-from .layout import scan
+from .errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError, RollCkptError
+from .layout import parent, scan
 from .manifest import MANIFEST_NAME, FileEntry, Manifest
-from .storage import Storage
 
 log = logging.getLogger("roll_ckpt")
 
 __all__ = ["COMPONENTS_KEY", "committed_parts", "step_manifest", "try_complete", "complete_pending",
-           "components_of", "open_part"]
+           "components_of", "open_part", "check_component", "check_part_free", "read_resume_record"]
 
 COMPONENTS_KEY = "components"
 """``manifest.extra[COMPONENTS_KEY]`` of a step: ``{component: {"step", "world_size", "strategy"}}``."""
@@ -155,3 +156,54 @@ def open_part(storage: Storage, step_path: str, step: Manifest, component: str) 
         raise CheckpointCorruptError(step_path, [(name, "is not the part's manifest the step committed "
                                                         "(checksum mismatch)")])
     return path
+
+
+def check_component(component: str | None, cc: Any) -> str | None:
+    """``component`` when ``checkpoint_config`` (``cc``) allows a manager for it, else a ConfigError."""
+    names = cc.components or ()
+    if component is None:
+        if names:
+            raise ConfigError("checkpoint_config.components", "lists the parts of each step, so every manager "
+                              "saves one of them", list(names),
+                              "CheckpointManager(config, component=<one of them>)")
+        return None
+    if not names:
+        raise ConfigError("checkpoint_config.components", f"is not set, but a manager was created for "
+                          f"component '{component}'", None,
+                          f"the list of every component that saves a step, e.g. [{component}, ...]")
+    if component not in names:
+        raise ConfigError("checkpoint_config.components", f"does not list component '{component}'",
+                          list(names), "one of the listed names")
+    if not cc.run_name:
+        raise ConfigError("checkpoint_config.run_name", "is needed with components: every component of one "
+                          "launch must write the same run folder", None,
+                          "a name the driver picks once per launch (roll_ckpt.new_run_name()) and gives to "
+                          "every component, e.g. run_name: ${env:ROLL_CKPT_RUN_NAME}")
+    return component
+
+
+def check_part_free(storage: Storage, part_path: str, step: int, component: str) -> None:
+    """Refuse to write the part at ``part_path`` when it, or its step, is committed already."""
+    step_path = parent(part_path)
+    if storage.exists(storage.join(step_path, MANIFEST_NAME)):
+        raise RollCkptError(f"step {step} is already committed at {step_path}; a part cannot be added "
+                            "to it. Save another step, or delete it with 'roll-ckpt prune'")
+    if storage.exists(storage.join(part_path, MANIFEST_NAME)):
+        raise RollCkptError(
+            f"{part_path} is already committed: by an earlier launch that used the same "
+            "checkpoint_config.run_name (each launch needs a new one, roll_ckpt.new_run_name(), picked "
+            "once by the driver), or by a second manager for component "
+            f"'{component}' in this launch")
+
+
+def read_resume_record(storage: Storage, path: str) -> list[tuple[str, bool]] | None:
+    """The resume candidates another component of this launch chose (``None``: none yet)."""
+    try:
+        with storage.open_read(path) as f:
+            body = json.loads(f.read().decode())
+        return [(str(p), bool(b)) for p, b in body["candidates"]]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise RollCkptError(f"{path} is damaged ({exc}): it records where this launch's components resume "
+                            "from; remove it and restart every component") from None

@@ -2,7 +2,9 @@
 
 A training config holds many keys roll-ckpt does not own (model, data, rollout...);
 those are kept in :attr:`Config.extra` untouched. Keys inside ``checkpoint_config`` are
-ours alone, so an unknown one there is an error that names it.
+ours alone, so an unknown one there is an error that names it. Plugins own keys of their
+own (``roll_ckpt_config_keys``: fsdp2's offload store): core validates them with the
+plugin's record and keeps them in :attr:`Config.options`, never interpreting them.
 """
 
 from __future__ import annotations
@@ -17,11 +19,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .errors import ConfigError
+from .interpolation import interpolate, key_path
 from .layout import RUN_RE
 
-__all__ = ["Config", "CheckpointConfig", "BackupConfig", "StrategyConfig", "load_config"]
-
-OFFLOAD_BACKENDS = ("local", "local_dedup")
+__all__ = ["Config", "CheckpointConfig", "BackupConfig", "StrategyConfig", "load_config", "read_yaml"]
 
 
 @dataclass(frozen=True)
@@ -101,10 +102,17 @@ class Config:
     save_steps: int = 0
     """Save every N steps; 0 disables periodic saves (final and manual saves still happen)."""
     strategy_config: StrategyConfig = field(default_factory=StrategyConfig)
-    offload_backend: str = "local"
-    """FSDP2 offload store: ``local`` (flat buffers per dtype) or ``local_dedup``."""
+    options: Mapping[str, Any] = field(default_factory=dict)
+    """The keys plugins own (``roll_ckpt_config_keys``), validated by them, by key; each is
+    also an attribute (``config.<key>``)."""
     extra: Mapping[str, Any] = field(default_factory=dict)
     """Every other top-level key of the file, interpolated but not interpreted."""
+
+    def __getattr__(self, name: str) -> Any:
+        options = self.__dict__.get("options") or {}
+        if name in options:
+            return options[name]
+        raise AttributeError(f"'Config' object has no attribute {name!r}")
 
     @property
     def resume_target(self) -> str | None:
@@ -119,70 +127,8 @@ class Config:
 
 # --------------------------------------------------------------------------- loading
 
-_INTERP = re.compile(r"\$\{([^${}]+)\}")
-
-
-def _key_path(where: str, key: Any) -> str:
-    """``where.key``, the key quoted when it would not show (empty, blank or padded)."""
-    name = str(key)
-    if not name.strip() or name != name.strip():
-        name = repr(key)
-    return f"{where}.{name}" if where else name
-
-
-def _lookup(root: Mapping[str, Any], dotted: str) -> Any:
-    node: Any = root
-    for part in dotted.split("."):
-        if isinstance(node, Mapping) and part in node:
-            node = node[part]
-        else:
-            raise KeyError(dotted)
-    return node
-
-
-def _interpolate(root: dict[str, Any]) -> dict[str, Any]:
-    """Resolve ``${key.path}`` and ``${env:VAR}`` / ``${env:VAR,default}`` everywhere."""
-
-    def resolve_str(s: str, where: str, stack: tuple[str, ...]) -> Any:
-        def one(expr: str) -> Any:
-            expr = expr.strip()
-            if expr.startswith("env:"):
-                name, _, default = expr[4:].partition(",")
-                val = os.environ.get(name.strip())
-                if val is None:
-                    if default:
-                        return default.strip()
-                    raise ConfigError(where, f"environment variable '{name.strip()}' is not set", s,
-                                      "set it, or give a default: ${env:VAR,default}")
-                return val
-            if expr in stack:
-                raise ConfigError(where, "interpolation refers to itself", s,
-                                  " -> ".join(stack + (expr,)))
-            try:
-                target = _lookup(root, expr)
-            except KeyError:
-                raise ConfigError(where, f"interpolation '${{{expr}}}' names no key", s,
-                                  "a top-level or dotted key of this config, or ${env:VAR}") from None
-            return resolve(target, expr, stack + (expr,))
-
-        whole = _INTERP.fullmatch(s)
-        if whole:  # keep the type of a lone reference: ${max_steps} stays an int
-            return one(whole.group(1))
-        return _INTERP.sub(lambda m: str(one(m.group(1))), s)
-
-    def resolve(v: Any, where: str, stack: tuple[str, ...]) -> Any:
-        if isinstance(v, str) and "${" in v:
-            return resolve_str(v, where, stack)
-        if isinstance(v, Mapping):
-            return {k: resolve(x, _key_path(where, k), stack) for k, x in v.items()}
-        if isinstance(v, list):
-            return [resolve(x, f"{where}[{i}]", stack) for i, x in enumerate(v)]
-        return v
-
-    return resolve(root, "", ())
-
-
-def _read_file(path: Path) -> dict[str, Any]:
+def read_yaml(path: Path) -> dict[str, Any]:
+    """The mapping a YAML config file holds, or a ConfigError saying why it cannot be read."""
     import yaml
 
     try:
@@ -206,20 +152,27 @@ def _read_file(path: Path) -> dict[str, Any]:
     return data
 
 
-def load_config(source: str | os.PathLike[str] | Mapping[str, Any]) -> Config:
-    """Read (a YAML path) or take (a mapping), interpolate and validate a config."""
+def load_config(source: str | os.PathLike[str] | Mapping[str, Any], *, plugins: Any = None) -> Config:
+    """Read (a YAML path) or take (a mapping), interpolate and validate a config.
+
+    ``plugins`` (default: the process's plugin manager) provides the keys plugins own.
+    """
     if isinstance(source, Mapping):
         raw = dict(source)
     elif isinstance(source, (str, os.PathLike)):
-        raw = _read_file(Path(source))
+        raw = read_yaml(Path(source))
     else:
         raise ConfigError("<config>", "must be a path to a YAML file or a mapping",
                           type(source).__name__)
     for k in raw:
         if not isinstance(k, str):
-            raise ConfigError(_key_path("", k), "top-level keys must be strings", k)
+            raise ConfigError(key_path("", k), "top-level keys must be strings", k)
+    if plugins is None:
+        from .plugins import get_plugins
+
+        plugins = get_plugins()
     try:
-        return _build(_interpolate(raw))
+        return _build(interpolate(raw), plugins.config_keys())
     except RecursionError:
         raise ConfigError("<config>", "is nested too deeply, or its ${...} references chain too far") from None
 
@@ -264,7 +217,7 @@ def _options(key: str, value: Any) -> dict[str, Any]:
     _expect(key, value, Mapping, "a mapping of options")
     for k in value:
         if not isinstance(k, str):
-            raise ConfigError(_key_path(key, k), "option names must be strings", k)
+            raise ConfigError(key_path(key, k), "option names must be strings", k)
     return dict(value)
 
 
@@ -273,7 +226,7 @@ def _reject_unknown(section: str, given: Mapping[str, Any], known: list[str]) ->
         if k not in known:
             close = difflib.get_close_matches(str(k), known, n=1)
             hint = f"did you mean '{close[0]}'? " if close else ""
-            raise ConfigError(_key_path(section, k), f"unknown key; {hint}known keys are {', '.join(known)}")
+            raise ConfigError(key_path(section, k), f"unknown key; {hint}known keys are {', '.join(known)}")
 
 
 def _field_names(cls: type) -> list[str]:
@@ -365,7 +318,7 @@ def _checkpoint(value: Any, default_root: str) -> CheckpointConfig:
     )
 
 
-def _strategy(value: Any) -> StrategyConfig:
+def _strategy(value: Any, owned: Mapping[str, Any]) -> StrategyConfig:
     key = "strategy_config"
     if value is None:
         value = {}
@@ -375,8 +328,30 @@ def _strategy(value: Any) -> StrategyConfig:
     name = value.get("strategy_name")
     if name is not None:
         name = _string(f"{key}.strategy_name", name)
-    extra = {k: v for k, v in value.items() if k not in ("async_save_ckpt", "strategy_name")}
+    extra = {k: v for k, v in value.items() if k not in ("async_save_ckpt", "strategy_name") and k not in owned}
     return StrategyConfig(async_save_ckpt=asv, strategy_name=name, extra=extra)
+
+
+def _plugin_options(raw: Mapping[str, Any], keys: Mapping[str, Any]) -> tuple[dict[str, Any], set[str], set[str]]:
+    """The values of the keys plugins own (validated by them); and which top-level and
+    ``strategy_config`` keys those were."""
+    options: dict[str, Any] = {}
+    top: set[str] = set()
+    in_strategy: set[str] = set()
+    strategy = raw.get("strategy_config")
+    strategy = strategy if isinstance(strategy, Mapping) else {}
+    for record in keys.values():
+        where, _, name = record.key.rpartition(".")
+        if where not in ("", "strategy_config"):
+            raise ConfigError(record.key, f"plugin {record.distribution} declares a key roll-ckpt cannot place "
+                              "(a top-level key or one inside strategy_config)")
+        section = strategy if where else raw
+        (in_strategy if where else top).add(name)
+        if name in section:
+            options[name] = record.validate(record.key, section[name])
+        else:
+            options.setdefault(name, record.default)
+    return options, top, in_strategy
 
 
 def _resume(value: Any) -> bool | str:
@@ -397,19 +372,16 @@ def _resume(value: Any) -> bool | str:
     raise ConfigError(key, "has the wrong type", value, allowed)
 
 
-def _build(raw: dict[str, Any]) -> Config:
+def _build(raw: dict[str, Any], plugin_keys: Mapping[str, Any]) -> Config:
+    options, top, in_strategy = _plugin_options(raw, plugin_keys)
     known = {"exp_name", "seed", "output_dir", "checkpoint_config", "resume_from_checkpoint",
-             "max_steps", "save_steps", "strategy_config", "offload_backend"}
+             "max_steps", "save_steps", "strategy_config"} | top
     exp_name = raw.get("exp_name", "roll-ckpt")
     if not isinstance(exp_name, (str, int)) or isinstance(exp_name, bool):
         raise ConfigError("exp_name", "has the wrong type", exp_name, "a string")
     output_dir = _location("output_dir", raw.get("output_dir", "./output"))
     seed = raw.get("seed", 42)
     _expect("seed", seed, int, "an integer")
-    offload = raw.get("offload_backend", "local")
-    if offload not in OFFLOAD_BACKENDS:
-        raise ConfigError("offload_backend", "is not a known offload store", offload,
-                          ", ".join(OFFLOAD_BACKENDS))
     default_root = f"{output_dir.rstrip('/')}/checkpoints/{exp_name}"
     return Config(
         checkpoint_config=_checkpoint(raw.get("checkpoint_config"), default_root),
@@ -419,7 +391,7 @@ def _build(raw: dict[str, Any]) -> Config:
         resume_from_checkpoint=_resume(raw.get("resume_from_checkpoint", False)),
         max_steps=_count("max_steps", raw.get("max_steps", 0)),
         save_steps=_count("save_steps", raw.get("save_steps", 0)),
-        strategy_config=_strategy(raw.get("strategy_config")),
-        offload_backend=offload,
+        strategy_config=_strategy(raw.get("strategy_config"), in_strategy),
+        options=options,
         extra={k: v for k, v in raw.items() if k not in known},
     )

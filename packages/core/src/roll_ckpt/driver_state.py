@@ -23,17 +23,12 @@ global generator states are saved too, and restored by ``resume``.
 from __future__ import annotations
 
 import json
-import random
-from typing import TYPE_CHECKING, Any, Mapping, MutableMapping
+from typing import Any, Mapping, MutableMapping
 
+from .contracts import SpaceEstimate, Storage
 from .digest import hash_bytes
 from .errors import CheckpointCorruptError, CheckpointNotFoundError, RollCkptError
-
-if TYPE_CHECKING:
-    from .config import Config
-    from .plugins import Plugins
-    from .savectx import SaveContext
-    from .storage import Storage
+from .rng import plain_rng_state, restore_plain_rng_state
 
 __all__ = ["DriverState", "JSONStrategy", "STATE_FILE"]
 
@@ -52,7 +47,7 @@ class DriverState(dict):
         _check_json(dict(self), "DriverState")
         out: dict[str, Any] = {"values": json.loads(json.dumps(dict(self)))}
         if self.rng:
-            out["rng"] = _capture_rng()
+            out["rng"] = plain_rng_state()
         return out
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -62,7 +57,7 @@ class DriverState(dict):
         self.clear()
         self.update(values)
         if self.rng and state.get("rng") is not None:
-            _restore_rng(state["rng"])
+            restore_plain_rng_state(state["rng"])
 
 
 _SCALARS = (type(None), str, bool, int, float)
@@ -93,30 +88,6 @@ def _check_json(value: Any, where: str, seen: frozenset[int] = frozenset()) -> N
         "to a list, a NumPy number with .item()) or keep it in a module/optimizer state instead")
 
 
-def _capture_rng() -> dict[str, Any]:
-    version, internal, gauss = random.getstate()
-    out: dict[str, Any] = {"python": [version, list(internal), gauss]}
-    try:
-        import numpy as np
-    except ImportError:
-        return out
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    if kind == "MT19937":
-        out["numpy"] = [kind, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)]
-    return out
-
-
-def _restore_rng(state: Mapping[str, Any]) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    saved = state.get("numpy")
-    if saved is not None:
-        import numpy as np
-
-        kind, keys, pos, has_gauss, cached = saved
-        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-
-
 def holds_driver_state(state: Mapping[str, Any]) -> bool:
     return bool(state) and all(isinstance(v, DriverState) for v in state.values())
 
@@ -124,7 +95,7 @@ def holds_driver_state(state: Mapping[str, Any]) -> bool:
 class JSONStrategy:
     """One process, driver states only: ``state/state.json``, written and read without pickle.
 
-    It has the interface of :class:`roll_ckpt.strategy.Strategy` without importing torch.
+    A :class:`roll_ckpt.contracts.Strategy` that never imports torch.
     """
 
     name = "json"
@@ -133,15 +104,11 @@ class JSONStrategy:
     world_size = 1
     is_coordinator = True
 
-    def __init__(self, config: "Config", plugins: "Plugins") -> None:
+    def __init__(self, config: Any, plugins: Any = None) -> None:
         self.config = config
-        self.plugins = plugins
 
     def broadcast(self, obj: Any) -> Any:
         return obj
-
-    def barrier(self) -> None:
-        pass
 
     def state_dict(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """The bytes of ``state.json``: a snapshot taken now, so the caller may go on right away."""
@@ -156,19 +123,14 @@ class JSONStrategy:
         data = json.dumps({"format": _FORMAT, "version": 1, "state": body}, allow_nan=True).encode()
         return {STATE_FILE: data}
 
-    def estimate(self, sd: dict[str, Any], user: Mapping[str, Any] | None = None) -> Any:
+    def estimate(self, sd: dict[str, Any], user: Mapping[str, Any] | None = None) -> SpaceEstimate:
         """Exact but for the manifest and trainer_state.json (a few KiB, counted generously)."""
-        from .space import SpaceEstimate
-
         overhead = 16 << 10
         if user:
             overhead += len(json.dumps(dict(user), indent=1))
         return SpaceEstimate(total=len(sd[STATE_FILE]) + overhead, tensor_bytes=0, items=1, files=3)
 
-    def stage(self, sd: dict[str, Any], save: "SaveContext") -> dict[str, Any]:
-        return sd  # already bytes, nothing shared with the caller
-
-    def write(self, sd: dict[str, Any], storage: "Storage", path: str,
+    def write(self, sd: dict[str, Any], storage: Storage, path: str,
               on_bytes: Any = None) -> dict[str, tuple[int, str]]:
         data = sd[STATE_FILE]
         storage.makedirs(path)
@@ -178,7 +140,7 @@ class JSONStrategy:
             on_bytes(len(data))
         return {STATE_FILE: hash_bytes(data)}
 
-    def load(self, state: MutableMapping[str, Any], storage: "Storage", path: str, on_bytes: Any = None, *,
+    def load(self, state: MutableMapping[str, Any], storage: Storage, path: str, on_bytes: Any = None, *,
              files: Mapping[str, Any] | None = None, checkpoint: str | None = None) -> None:
         where = checkpoint or path
         name = f"{self.data_dir}/{STATE_FILE}"

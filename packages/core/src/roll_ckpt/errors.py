@@ -7,10 +7,13 @@ CLI prints ``str(error)`` on one line and exits non-zero; anything that is not a
 
 from __future__ import annotations
 
+import errno
 from typing import Any
 
 __all__ = [
     "carried",
+    "carried_roll_error",
+    "disk_full",
     "RollCkptError",
     "ConfigError",
     "PluginError",
@@ -46,8 +49,34 @@ def carried(exc: BaseException):
                 stack.extend(per_rank.values())
 
 
+def carried_roll_error(exc: BaseException, *, include_self: bool = True) -> "RollCkptError | None":
+    """The first roll-ckpt error ``exc`` is or carries (a refusal DCP brought from another rank)."""
+    return next((e for e in carried(exc) if isinstance(e, RollCkptError) and (include_self or e is not exc)), None)
+
+
+def disk_full(exc: BaseException) -> bool:
+    """True when ``exc`` (or what it carries) says the storage ran out of space or quota."""
+    return any((isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT))
+               or "No space left on device" in str(e) for e in carried(exc))
+
+
+def _rebuild(cls: type, args: tuple, state: dict) -> BaseException:
+    error = cls.__new__(cls)
+    BaseException.__init__(error, *args)
+    error.__dict__.update(state)
+    return error
+
+
 class RollCkptError(Exception):
-    """Base class of every error roll-ckpt raises on purpose."""
+    """Base class of every error roll-ckpt raises on purpose.
+
+    Every subclass pickles as itself, whatever its constructor takes: errors cross
+    processes (one rank's refusal is raised on every rank, DCP carries a rank's error to
+    the coordinator), and each process raises the same type with the same message.
+    """
+
+    def __reduce__(self) -> Any:
+        return (_rebuild, (type(self), self.args, dict(self.__dict__)))
 
 
 class ConfigError(RollCkptError, ValueError):
@@ -98,10 +127,6 @@ class CheckpointCorruptError(RollCkptError):
             "Resume from an earlier checkpoint or from a backup copy."
         )
 
-    def __reduce__(self) -> Any:
-        # DCP carries a rank's error to the others pickled: rebuild it from its parts.
-        return (type(self), (self.checkpoint, self.faults))
-
 
 class UnsafeCheckpointError(CheckpointCorruptError):
     """A checkpoint file asks to run code or to reach outside its folder."""
@@ -121,6 +146,3 @@ class BackupError(RollCkptError):
     def __init__(self, message: str, failed: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.failed = dict(failed or {})
-
-    def __reduce__(self) -> Any:
-        return (type(self), (str(self), self.failed))

@@ -8,7 +8,7 @@ FSDP2 ranks exports on a laptop (memory permitting: every exported tensor is hel
 once).
 
 The checkpoint is verified against its manifest first; ``.metadata`` is only ever
-unpickled by :func:`roll_ckpt.dcp_io.safe_load_metadata`, and non-tensor entries
+unpickled by :func:`roll_ckpt.unpickle.safe_load_metadata`, and non-tensor entries
 (learning rates, RNG states kept as objects, ...) are never read at all.
 
 A step made of components is exported one part at a time: give the part's folder
@@ -23,13 +23,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from .errors import RollCkptError
+from .layout import DCP_DIR
 from .manifest import Manifest
-from .storage import Storage
+from .contracts import Storage
 
 __all__ = ["ExportReport", "select_tensor_keys", "load_full_tensors", "export_safetensors", "require_tensors",
-           "DCP_DIR"]
-
-DCP_DIR = "dcp"
+]
 
 
 @dataclass(frozen=True)
@@ -109,10 +108,10 @@ def load_full_tensors(storage: Storage, path: str, *, only: Sequence[str] | None
     """
     import warnings
 
-    from torch.distributed.checkpoint._traverse import get_element
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    from .dcp_io import SafeEmptyLoadPlanner, SafeReader, roll_error_in
+    from .dcp_read import SafeReader
+    from .errors import carried_roll_error
+    from .torch_compat import get_element, load_state_dict_no_dist
+    from .unpickle import SafeEmptyLoadPlanner
     from .verify import read_manifest, verify
 
     manifest = read_manifest(storage, path)
@@ -128,10 +127,9 @@ def load_full_tensors(storage: Storage, path: str, *, only: Sequence[str] | None
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             try:
-                _load_state_dict(sd, storage_reader=reader, planner=SafeEmptyLoadPlanner(keys=set(keys)),
-                                 no_dist=True)
+                load_state_dict_no_dist(sd, reader, SafeEmptyLoadPlanner(keys=set(keys)))
             except BaseException as exc:  # DCP wraps errors in a CheckpointException
-                ours = roll_error_in(exc)
+                ours = carried_roll_error(exc)
                 if ours is None:
                     raise
                 raise ours from None

@@ -6,8 +6,9 @@ through the entry-point group ``roll_ckpt``::
     [project.entry-points.roll_ckpt]
     my_backend = "my_package.plugin"
 
-and implements hooks with :data:`roll_ckpt.hookimpl`. Registration hooks return typed
-records (:mod:`roll_ckpt.records`); lifecycle hooks let a plugin take part in a save.
+and implements hooks with :data:`roll_ckpt.hookimpl`. Registration hooks return typed,
+frozen records (:mod:`roll_ckpt.contracts`); two plugins registering the same name is an
+error naming both distributions. Lifecycle hooks let a plugin take part in a save.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
-    from .records import BackendRecord, StagingPolicyRecord, StrategyRecord
-    from .savectx import CommitInfo, SaveContext
+    from .contracts import (BackendRecord, CommandRecord, CommitInfo, ConfigKeyRecord, SaveContext,
+                            StagingPolicyRecord, StrategyRecord)
 
 __all__ = ["hookspec", "hookimpl", "PROJECT"]
 
@@ -34,8 +35,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 def roll_ckpt_backends() -> list[BackendRecord]:
     """Return the storage backends this plugin provides.
 
-    ``checkpoint_config.type`` selects one by :attr:`BackendRecord.name`. Two plugins
-    returning the same name is an error that names both distributions.
+    ``checkpoint_config.type`` selects one by :attr:`BackendRecord.name`.
     """
 
 
@@ -46,37 +46,37 @@ def roll_ckpt_strategies() -> list[StrategyRecord]:
 
 @hookspec
 def roll_ckpt_staging_policies() -> list[StagingPolicyRecord]:
-    """Return the staging policies this plugin implements in :func:`roll_ckpt_stage`.
+    """Return the staging policies this plugin provides, each a
+    :class:`~roll_ckpt.contracts.StagingPolicy` object in a record.
 
-    The records are informational (``roll-ckpt plugins`` lists them); the decision is
-    made per tensor by :func:`roll_ckpt_stage`.
+    For every tensor of a save, the policies are asked highest priority first whether
+    they claim it; the first claim wins and core's ``regular`` copy (lowest priority)
+    takes the rest. The same objects do the work and are listed by ``roll-ckpt plugins``.
     """
+
+
+@hookspec
+def roll_ckpt_config_keys() -> list[ConfigKeyRecord]:
+    """Return the config keys this plugin owns (fsdp2: its offload store).
+
+    Core validates each with the record's ``validate`` and keeps the value in
+    :attr:`roll_ckpt.Config.options`; core never interprets them.
+    """
+
+
+@hookspec
+def roll_ckpt_commands() -> list[CommandRecord]:
+    """Return ``roll-ckpt`` sub-commands this plugin adds (``demo``)."""
 
 
 # ------------------------------------------------------------------ lifecycle
 
 
-@hookspec(firstresult=True)
-def roll_ckpt_stage(name: str, tensor: Any, save: SaveContext) -> Any | None:
-    """Capture one tensor of an asynchronous save; return what DCP should write.
-
-    Called for every tensor of the state dict before ``save`` returns. The first
-    non-``None`` result wins. Return the tensor itself (or an alias of its memory) only
-    when the memory stays unmodified until the write has finished — register the
-    release with :meth:`SaveContext.on_finished`. Core's fallback, which runs last,
-    copies the tensor into a CPU staging buffer reused across saves.
-
-    :param name: the flattened key (``model.layer.weight``).
-    :param tensor: a ``torch.Tensor`` (or ``DTensor``) of the live state.
-    :param save: the save in progress.
-    """
-
-
 @hookspec
 def roll_ckpt_save(save: SaveContext) -> None:
-    """A save starts: the state dict is built, nothing is written yet.
+    """A save starts: nothing is built or written yet.
 
-    Runs on every rank, in the caller's thread, before staging.
+    Runs on every rank, in the caller's thread, before the state dict is built.
     """
 
 

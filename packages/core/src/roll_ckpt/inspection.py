@@ -2,7 +2,7 @@
 
 The checkpoint is verified first (sizes and checksums), because DCP's ``.metadata`` is
 a pickle: it is read only once it matches the manifest, and then only through
-:func:`roll_ckpt.dcp_io.safe_load_metadata`, which admits DCP's own classes. No tensor
+:func:`roll_ckpt.unpickle.safe_load_metadata`, which admits DCP's own classes. No tensor
 data is read.
 
 A step made of components (see :mod:`roll_ckpt.components`) is described part by part
@@ -20,25 +20,15 @@ from typing import Any, Callable
 
 from .errors import CheckpointCorruptError
 from .manifest import MANIFEST_NAME, Manifest
-from .storage import Storage
+from .contracts import Storage
+from .layout import DCP_DIR, TRAINER_STATE, basename
+from .layout import parent as layout_parent
+from .units import human_bytes
 
 __all__ = ["KeyInfo", "PartInfo", "PartsStatus", "Inspection", "inspect_checkpoint", "format_inspection",
-           "human_bytes", "parts_of", "part_faults", "parts_status", "expected_components", "read_driver_state"]
+           "parts_of", "part_faults", "parts_status", "expected_components", "read_driver_state"]
 
-DCP_DIR = "dcp"
-TRAINER_STATE = "trainer_state.json"
 DRIVER_STATE = "state/state.json"
-
-
-def human_bytes(n: int | float | None) -> str:
-    if n is None:
-        return "-"
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} PiB"  # pragma: no cover
 
 
 @dataclass(frozen=True)
@@ -202,21 +192,13 @@ def part_faults(storage: Storage, path: str, manifest: Manifest) -> list[tuple[s
     return faults
 
 
-def _parent(path: str) -> str:
-    return path.rstrip("/").rsplit("/", 1)[0] if "/" in path.rstrip("/") else ""
-
-
-def _base(path: str) -> str:
-    return path.rstrip("/").rsplit("/", 1)[-1]
-
-
 def expected_components(storage: Storage, step_path: str) -> list[str] | None:
     """The components a step in ``step_path``'s folder is made of, as the newest committed
     step beside it records them (one launch writes one run folder, with one config);
     ``None`` when no step beside it is committed, or it has no components."""
     from .layout import parse_step
 
-    parent = _parent(step_path)
+    parent = layout_parent(step_path) if "/" in step_path.rstrip("/") else ""
     if not parent:
         return None
     try:
@@ -243,7 +225,7 @@ def parts_status(storage: Storage, step_path: str, expected: list[str] | None = 
     ``expected`` is the list of components a step needs; by default (``guess``) it is read
     from the newest committed step beside it (:func:`expected_components`).
     """
-    from .commit import MARKER_PREFIX
+    from .owners import MARKER_PREFIX
     from .components import committed_parts
     from .layout import TMP_PREFIX, parse_step
 
@@ -270,7 +252,7 @@ def parts_status(storage: Storage, step_path: str, expected: list[str] | None = 
     unfinished -= set(committed)
     unfinished.discard("")
     missing = None if expected is None else sorted(set(expected) - set(committed))
-    return PartsStatus(step_path, parse_step(_base(step_path)), committed, sorted(unfinished), missing, created)
+    return PartsStatus(step_path, parse_step(basename(step_path)), committed, sorted(unfinished), missing, created)
 
 
 def read_driver_state(storage: Storage, path: str) -> dict[str, Any]:
@@ -330,7 +312,7 @@ def inspect_checkpoint(storage: Storage, path: str, *,
 def _dcp_keys(storage: Storage, path: str) -> list[KeyInfo]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from .dcp_io import METADATA_NAME, safe_load_metadata
+    from .unpickle import METADATA_NAME, safe_load_metadata
 
     md_path = storage.join(path, DCP_DIR, METADATA_NAME)
     with storage.open_read(md_path) as f:

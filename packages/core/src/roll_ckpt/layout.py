@@ -16,20 +16,35 @@ import re
 from dataclasses import dataclass
 from datetime import datetime
 
+from .contracts import Storage
 from .manifest import MANIFEST_NAME
-from .storage import Storage
 
 __all__ = ["CheckpointRef", "scan", "committed", "latest", "checkpoint_name", "run_name",
-           "new_run_name", "parse_step", "RUN_RE"]
+           "new_run_name", "parse_step", "parent", "basename", "RUN_RE", "DCP_DIR", "TRAINER_STATE"]
 
 RUN_RE = re.compile(r"^(\d{8}-\d{6})(?:-(\d+))?$")
 CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 TMP_PREFIX = ".tmp-"
+DCP_DIR = "dcp"
+"""A checkpoint's DCP folder (the ``dcp`` and ``fsdp2`` strategies write there)."""
+TRAINER_STATE = "trainer_state.json"
+"""Step, time, world size, strategy, user values: written beside every checkpoint's data."""
 RUN_RECORD = ".run.json"
 """Written create-only when a run claims its folder: who owns it (host, pid)."""
 RESUME_RECORD = ".resume.json"
 """With components: where the launch writing this run folder resumed from (create-only,
 by its first component to resume; the others resume from the same place)."""
+
+
+def parent(path: str) -> str:
+    """The folder holding ``path`` (paths of every backend use ``/``)."""
+    p = path.rstrip("/\\")
+    return p[: len(p) - len(basename(p))].rstrip("/\\") or ("/" if p.startswith("/") else "")
+
+
+def basename(path: str) -> str:
+    """The last part of ``path``."""
+    return path.rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1]
 
 
 def checkpoint_name(step: int) -> str:

@@ -27,8 +27,9 @@ from typing import Any, Iterable, TypeVar
 import pluggy
 
 from . import hookspecs
+from .contracts import (BackendRecord, CommandRecord, ConfigKeyRecord, StagingPolicy, StagingPolicyRecord,
+                        StrategyRecord)
 from .errors import PluginError, UnknownPluginError
-from .records import BackendRecord, StagingPolicyRecord, StrategyRecord
 
 __all__ = ["Plugins", "BrokenPlugin", "get_plugins", "KNOWN_EXTRAS"]
 
@@ -41,7 +42,12 @@ KNOWN_EXTRAS = {
     "fsdp2": 'pip install "roll-ckpt[fsdp2]"',
 }
 
-R = TypeVar("R", BackendRecord, StrategyRecord, StagingPolicyRecord)
+R = TypeVar("R", BackendRecord, StrategyRecord, StagingPolicyRecord, ConfigKeyRecord, CommandRecord)
+
+
+_KIND_NAMES: dict[type, str] = {BackendRecord: "backend", StrategyRecord: "strategy",
+                                StagingPolicyRecord: "staging policy", ConfigKeyRecord: "config key",
+                                CommandRecord: "command"}
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,7 @@ class Plugins:
         self.pm.add_hookspecs(hookspecs)
         self.broken: list[BrokenPlugin] = []
         self._dist_of: dict[str, str] = {}
+        self._records: dict[str, dict[str, Any]] = {}
         from . import _builtin
 
         self.pm.register(_builtin, name="core")
@@ -111,6 +118,7 @@ class Plugins:
         """Register a plugin object by hand (tests, embedded use)."""
         self.pm.register(plugin, name=name)
         self._dist_of[name] = distribution or name
+        self._records.clear()
 
     def distributions(self) -> list[str]:
         """The distributions of every registered plugin."""
@@ -122,6 +130,14 @@ class Plugins:
     # ------------------------------------------------------------------ records
 
     def _collect(self, hook_name: str, kind: type[R]) -> dict[str, R]:
+        """Every record a registration hook returns, by name; collected once (until a plugin is
+        registered by hand), so the objects records hold are the same for every caller."""
+        cached = self._records.get(hook_name)
+        if cached is None:
+            cached = self._records[hook_name] = self._gather(hook_name, kind)
+        return dict(cached)
+
+    def _gather(self, hook_name: str, kind: type[R]) -> dict[str, R]:
         found: dict[str, R] = {}
         for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
             dist = self.distribution_of(impl.plugin_name)
@@ -140,7 +156,7 @@ class Plugins:
                 other = found.get(rec.name)
                 if other is not None and other.distribution != dist:
                     raise PluginError(
-                        f"two plugins provide the {kind.__name__.removesuffix('Record').lower()} "
+                        f"two plugins provide the {_KIND_NAMES.get(kind, kind.__name__)} "
                         f"'{rec.name}': {other.distribution} and {dist}. Uninstall one, or block it "
                         f"with ROLL_CKPT_BLOCKED_PLUGINS={dist}"
                     )
@@ -160,6 +176,18 @@ class Plugins:
 
     def staging_policies(self) -> dict[str, StagingPolicyRecord]:
         return self._collect("roll_ckpt_staging_policies", StagingPolicyRecord)
+
+    def staging_order(self) -> list[StagingPolicy]:
+        """The staging policies in the order a save asks them (highest priority first;
+        core's ``regular`` copy, the lowest, last)."""
+        records = sorted(self.staging_policies().values(), key=lambda r: -r.priority)
+        return [r.policy for r in records]
+
+    def config_keys(self) -> dict[str, ConfigKeyRecord]:
+        return self._collect("roll_ckpt_config_keys", ConfigKeyRecord)
+
+    def commands(self) -> dict[str, CommandRecord]:
+        return self._collect("roll_ckpt_commands", CommandRecord)
 
     def backend(self, name: str) -> BackendRecord:
         return self._pick("backend", "checkpoint_config.type", name, self.backends())

@@ -40,14 +40,14 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from . import commit as commit_mod
 from .config import BackupConfig
 from .errors import (BackupError, CheckpointCorruptError, CheckpointNotFoundError, RollCkptError,
                      StorageError, UnsafeCheckpointError)
-from .layout import committed, parse_step
+from .layout import basename, committed, parse_step
 from .manifest import MANIFEST_NAME
+from .owners import clean_stale
 from .retention import _drop_empty_runs, _live_foreign_runs, remove_checkpoint
-from .storage import Storage
+from .contracts import Storage
 from .transfer import CopyInterrupted, committed_manifest, copy_checkpoint, relative_path, same_checkpoint
 
 __all__ = ["Replicator", "BackupStatus", "ReplicaStatus", "replica_path", "replica_url", "BACKOFF_S",
@@ -173,7 +173,7 @@ class Replicator:
             if old is not None and old.state in (QUEUED, COPYING, COMMITTED):
                 return
             if step is None:
-                step = parse_step(path.rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1]) or 0
+                step = parse_step(basename(path)) or 0
             self._items[path] = ReplicaStatus(path, replica_path(self.local, self.local_root, self.replica, path),
                                               step, QUEUED)
             self._queue.append(path)
@@ -279,7 +279,7 @@ class Replicator:
 
     def _catch_up(self) -> None:
         try:
-            commit_mod.clean_stale(self.replica, self.replica.root)
+            clean_stale(self.replica, self.replica.root)
         except OSError as exc:
             log.info("roll-ckpt: could not clean up interrupted copies at %s: %s", self.replica.url, exc)
         for ref in self._local_refs():

@@ -13,9 +13,10 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from .layout import CheckpointRef, scan
+from .contracts import Storage
+from .layout import CheckpointRef, basename, parent, scan
 from .manifest import MANIFEST_NAME
-from .storage import Storage
+from .owners import MARKER_PREFIX, is_mine, live_writers, owner_gone, write_marker
 
 __all__ = ["plan_retention", "remove_checkpoint", "apply_retention", "note_open_run"]
 
@@ -47,18 +48,13 @@ def remove_checkpoint(storage: Storage, path: str) -> None:
     """Un-commit, then remove the checkpoint at ``path``.
 
     An owner marker (as a save leaves one) claims the folder meanwhile: if this process
-    dies halfway, the next start (``commit.clean_stale``) finds the marker of a writer that
+    dies halfway, the next start (``owners.clean_stale``) finds the marker of a writer that
     is gone and removes the rest of the folder, which no longer has a manifest.
     """
-    import json
     import uuid
 
-    from .commit import MARKER_PREFIX, owner_record
-
-    parent, name = path.rstrip("/").rsplit("/", 1)
-    marker = storage.join(parent, f"{MARKER_PREFIX}{name}-remove-{uuid.uuid4().hex[:12]}.json")
-    with storage.open_write(marker) as f:
-        f.write(json.dumps(dict(owner_record(), write_path=path, final_path=path)).encode())
+    marker = storage.join(parent(path), f"{MARKER_PREFIX}{basename(path)}-remove-{uuid.uuid4().hex[:12]}.json")
+    write_marker(storage, marker, path, path)
     storage.remove(storage.join(path, MANIFEST_NAME))
     for e in storage.list(path):  # a step's parts too: complete_pending must not commit it again
         if e.is_dir:
@@ -71,10 +67,7 @@ def remove_checkpoint(storage: Storage, path: str) -> None:
 def _live_foreign_runs(storage: Storage, output_dir: str, own_run: str | None) -> set[str]:
     """Run folders whose owner process still runs: another job's checkpoints are its own."""
     import json
-    import os
-    import socket
 
-    from .commit import _pid_namespace, owner_gone
     from .layout import RUN_RECORD, run_folders
 
     live = set()
@@ -88,9 +81,7 @@ def _live_foreign_runs(storage: Storage, output_dir: str, own_run: str | None) -
             continue
         if not isinstance(owner, dict) or "pid" not in owner:
             continue
-        mine = owner.get("pid") == os.getpid() and owner.get("host") == socket.gethostname() \
-            and owner.get("pidns", _pid_namespace()) == _pid_namespace()
-        if mine:  # another manager of this process (two runs in one job): live while it is open
+        if is_mine(owner):  # another manager of this process (two runs in one job): live while it is open
             if _open_in_this_process(path):
                 live.add(name)
         elif not owner_gone(owner):
@@ -116,7 +107,7 @@ def apply_retention(storage: Storage, output_dir: str, keep: int, protect: set[s
     for ref in _abandoned_steps(storage, refs, protect):
         remove_checkpoint(storage, ref.path)
         removed.append(ref.path)
-    _drop_empty_runs(storage, output_dir, keep_runs=live | {own_run.rstrip("/").rsplit("/", 1)[-1]} if own_run else live)
+    _drop_empty_runs(storage, output_dir, keep_runs=live | {basename(own_run)} if own_run else live)
     return removed
 
 
@@ -124,7 +115,6 @@ def _abandoned_steps(storage: Storage, refs: list[CheckpointRef], protect: set[s
     """Steps with components that will never be committed: some parts are, but a newer step
     is whole and nobody writes to them. Components save their steps in order, one at a
     time, so once a newer step has every part, no part of an older step is still coming."""
-    from .commit import live_writers
     from .components import committed_parts, components_of
     from .verify import read_manifest
 

@@ -1,8 +1,10 @@
-"""Per-process random number generator state, as plain tensors.
+"""Per-process random number generator state: Python's ``random``, NumPy's global
+generator, torch's CPU generator and, when present, every CUDA device's generator.
 
-Stored as tensors (not pickled Python objects) so it loads with ``weights_only=True``
-and shows up in any DCP tool. Covers Python's ``random``, NumPy's global generator,
-torch's CPU generator and, when present, every CUDA device's generator.
+:func:`plain_rng_state` is the Python and NumPy part as JSON values (a driver process,
+which never imports torch, saves it as JSON). :func:`capture_rng` adds torch's and keeps
+everything as plain tensors, so it loads with ``weights_only=True`` and shows in any DCP
+tool.
 """
 
 from __future__ import annotations
@@ -11,21 +13,39 @@ import random
 from typing import Any
 
 import numpy as np
-import torch
 
-__all__ = ["capture_rng", "restore_rng"]
+__all__ = ["plain_rng_state", "restore_plain_rng_state", "capture_rng", "restore_rng"]
 
 
-def capture_rng() -> dict[str, torch.Tensor]:
+def plain_rng_state() -> dict[str, list]:
+    """``{"python": [version, internal, gauss], "numpy": [kind, keys, pos, has_gauss, cached]}``."""
     version, internal, gauss = random.getstate()
-    np_state = np.random.get_state()
-    if not isinstance(np_state, tuple) or np_state[0] != "MT19937":
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    if kind != "MT19937":
         raise RuntimeError("numpy's global generator is not MT19937; cannot capture it")
-    _, keys, pos, has_gauss, cached = np_state
+    return {"python": [version, list(internal), gauss],
+            "numpy": [kind, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)]}
+
+
+def restore_plain_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    saved = state.get("numpy")
+    if saved is not None:
+        kind, keys, pos, has_gauss, cached = saved
+        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def capture_rng() -> dict[str, Any]:
+    import torch
+
+    plain = plain_rng_state()
+    version, internal, gauss = plain["python"]
+    _, keys, pos, has_gauss, cached = plain["numpy"]
     out = {
         "python": torch.tensor([version, *internal, 0 if gauss is None else 1], dtype=torch.int64),
         "python_gauss": torch.tensor([0.0 if gauss is None else gauss], dtype=torch.float64),
-        "numpy": torch.tensor([*np.asarray(keys, dtype=np.int64).tolist(), pos, has_gauss], dtype=torch.int64),
+        "numpy": torch.tensor([*keys, pos, has_gauss], dtype=torch.int64),
         "numpy_gauss": torch.tensor([cached], dtype=torch.float64),
         "torch": torch.get_rng_state(),
     }
@@ -35,12 +55,14 @@ def capture_rng() -> dict[str, torch.Tensor]:
 
 
 def restore_rng(state: dict[str, Any]) -> None:
+    import torch
+
     py = state["python"].tolist()
-    gauss = float(state["python_gauss"][0]) if py[-1] else None
-    random.setstate((py[0], tuple(py[1:-1]), gauss))
     npv = state["numpy"].tolist()
-    np.random.set_state(("MT19937", np.array(npv[:624], dtype=np.uint32), npv[624], npv[625],
-                         float(state["numpy_gauss"][0])))
+    restore_plain_rng_state({
+        "python": [py[0], py[1:-1], float(state["python_gauss"][0]) if py[-1] else None],
+        "numpy": ["MT19937", npv[:624], npv[624], npv[625], float(state["numpy_gauss"][0])],
+    })
     torch.set_rng_state(state["torch"].to(torch.uint8).cpu())
     cuda = state.get("cuda")
     if cuda is not None and torch.cuda.is_available():

@@ -30,14 +30,13 @@ from __future__ import annotations
 import json
 import logging
 import pickle
-from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from .errors import RollCkptError, StorageFullError, carried
-from .storage import Storage
+from .contracts import SpaceEstimate, Storage
+from .errors import StorageFullError
+from .units import human_bytes
 
-__all__ = ["SpaceEstimate", "estimate_checkpoint_bytes", "SpaceGuard", "RefusingStorage",
-           "wrapped_roll_error", "committed_sizes", "human_bytes"]
+__all__ = ["estimate_checkpoint_bytes", "SpaceGuard", "RefusingStorage", "committed_sizes"]
 
 log = logging.getLogger("roll_ckpt")
 
@@ -50,17 +49,6 @@ _SLACK_PER_FILE = 4096
 """File systems allocate whole blocks: a little room per file on top of the estimate."""
 
 _TENSOR_FRAMING: int | None = None
-
-
-def human_bytes(n: int | float | None) -> str:
-    if n is None:
-        return "-"
-    x = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(x) < 1024 or unit == "TiB":
-            return f"{int(x)} B" if unit == "B" else f"{x:.1f} {unit}"
-        x /= 1024
-    return f"{x:.1f} PiB"  # pragma: no cover
 
 
 class _CountingSink:
@@ -124,18 +112,6 @@ def _tensor_framing() -> int:
         # One element, so the data record and its alignment padding are counted too.
         _TENSOR_FRAMING = _saved_size(torch.zeros(1, dtype=torch.float32)) - 4
     return _TENSOR_FRAMING
-
-
-@dataclass(frozen=True)
-class SpaceEstimate:
-    """The estimated size of one checkpoint (all processes' files together)."""
-
-    total: int
-    tensor_bytes: int
-    """The tensors' own bytes (exact)."""
-    items: int
-    """Items DCP writes (tensors and other values) across all processes."""
-    files: int
 
 
 def _is_dtensor(t: Any) -> bool:
@@ -242,11 +218,6 @@ class RefusingStorage:
         raise self._error
 
     makedirs = open_write = write_create = rename_dir = rename_file = _refuse
-
-
-def wrapped_roll_error(exc: BaseException) -> RollCkptError | None:
-    """The roll-ckpt error a DCP ``CheckpointException`` carries from some process, if any."""
-    return next((e for e in carried(exc) if e is not exc and isinstance(e, RollCkptError)), None)
 
 
 class SpaceGuard:

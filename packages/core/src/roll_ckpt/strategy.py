@@ -19,58 +19,43 @@ On load, an object that finds no entry for its own rank (the job grew) takes ran
 
 from __future__ import annotations
 
-import time
 import warnings
-from typing import TYPE_CHECKING, Any, Mapping, MutableMapping
+from typing import Any, Mapping, MutableMapping
 
 import torch
 
-from .errors import RollCkptError
+from .contracts import SpaceEstimate, Storage
+from .errors import RollCkptError, carried_roll_error
 from .rng import capture_rng, restore_rng
-from .staging import StagingPool
+from .torch_compat import local_tensor, set_element
 
-if TYPE_CHECKING:
-    from .config import Config
-    from .plugins import Plugins
-    from .savectx import SaveContext
-    from .storage import Storage
-
-__all__ = ["Strategy", "DCPStrategy", "PER_RANK", "RNG_KEY"]
+__all__ = ["DCPStrategy", "PER_RANK", "RNG_KEY"]
 
 PER_RANK = "per_rank"
 RNG_KEY = "__rng__"
-
-
-class Strategy:
-    """What the manager needs from a strategy (see :class:`DCPStrategy`)."""
-
-    name: str
-    rank: int
-    world_size: int
-    data_dir: str = "dcp"
-    """The checkpoint's folder this strategy writes its files into."""
-
-    @property
-    def is_coordinator(self) -> bool:
-        return self.rank == 0
 
 
 def _is_stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
-class DCPStrategy(Strategy):
-    name = "dcp"
+class DCPStrategy:
+    """The :class:`~roll_ckpt.contracts.Strategy` ``dcp``: DCP on the default process group."""
 
-    def __init__(self, config: "Config", plugins: "Plugins") -> None:
+    name = "dcp"
+    data_dir = "dcp"
+
+    def __init__(self, config: Any, plugins: Any = None) -> None:
         self.config = config
-        self.plugins = plugins
-        self.pool = StagingPool()
         import torch.distributed as dist
 
         self._dist = dist if dist.is_available() and dist.is_initialized() else None
         self.rank = self._dist.get_rank() if self._dist else 0
         self.world_size = self._dist.get_world_size() if self._dist else 1
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == 0
 
     # ------------------------------------------------------------ process group
 
@@ -135,38 +120,15 @@ class DCPStrategy(Strategy):
         out[PER_RANK] = {str(self.rank): mine}
         return out
 
-    # ------------------------------------------------------------ staging
-
-    def stage(self, sd: dict[str, Any], save: "SaveContext") -> dict[str, Any]:
-        """Capture ``sd`` so the caller may change its tensors right away."""
-        t0 = time.perf_counter()
-        hook = self.plugins.hook.roll_ckpt_stage
-
-        def walk(node: Any, prefix: str) -> Any:
-            if isinstance(node, torch.Tensor):
-                return hook(name=prefix, tensor=node, save=save)
-            if isinstance(node, Mapping):
-                return {k: walk(v, f"{prefix}.{k}" if prefix else str(k)) for k, v in node.items()}
-            if isinstance(node, list):
-                return [walk(v, f"{prefix}.{i}") for i, v in enumerate(node)]
-            if isinstance(node, tuple):
-                return tuple(walk(v, f"{prefix}.{i}") for i, v in enumerate(node))
-            return _freeze(node)
-
-        staged = walk(sd, "")
-        self.pool.synchronize()
-        save.blocked_s += time.perf_counter() - t0
-        return staged
-
     # ------------------------------------------------------------ write / read
 
-    def write(self, sd: dict[str, Any], storage: "Storage", dcp_path: str,
+    def write(self, sd: dict[str, Any], storage: Storage, dcp_path: str,
               on_bytes: Any = None) -> dict[str, tuple[int, str]]:
         """Write ``sd`` as a standard DCP folder; returns per-file (size, checksum) on the coordinator."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import DefaultSavePlanner
 
-        from .dcp_io import DigestingWriter
+        from .dcp_write import DigestingWriter
 
         writer = DigestingWriter(storage, dcp_path, thread_count=self.writer_threads(_local_bytes(sd)),
                                  on_bytes=on_bytes)
@@ -176,8 +138,8 @@ class DCPStrategy(Strategy):
                      process_group=self.process_group, no_dist=self._dist is None)
         return writer.file_digests
 
-    def estimate(self, sd: dict[str, Any], user: Mapping[str, Any] | None = None) -> Any:
-        """The :class:`~roll_ckpt.space.SpaceEstimate` of a save of ``sd`` (every process's files)."""
+    def estimate(self, sd: dict[str, Any], user: Mapping[str, Any] | None = None) -> SpaceEstimate:
+        """The size of a save of ``sd`` (every process's files)."""
         from .space import estimate_checkpoint_bytes
 
         return estimate_checkpoint_bytes(sd, world_size=self.world_size, user=user)
@@ -191,7 +153,7 @@ class DCPStrategy(Strategy):
         """
         return 2 if nbytes >= 64 << 20 else 1
 
-    def load(self, state: MutableMapping[str, Any], storage: "Storage", dcp_path: str,
+    def load(self, state: MutableMapping[str, Any], storage: Storage, dcp_path: str,
              on_bytes: Any = None, *, files: Mapping[str, Any] | None = None,
              checkpoint: str | None = None) -> None:
         """Load the DCP folder at ``dcp_path`` into ``state`` in place.
@@ -204,7 +166,7 @@ class DCPStrategy(Strategy):
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
 
-        from .dcp_io import SafeReader
+        from .dcp_read import SafeReader
 
         reader = SafeReader(storage, dcp_path, on_bytes, files=files, checkpoint=checkpoint)
         try:
@@ -268,7 +230,7 @@ class DCPStrategy(Strategy):
     def _dcp_load(self, target: dict[str, Any], reader: Any, dcp_path: str) -> None:
         import torch.distributed.checkpoint as dcp
 
-        from .dcp_io import SafeLoadPlanner, roll_error_in
+        from .unpickle import SafeLoadPlanner
 
         reader.reset(dcp_path)
         planner = SafeLoadPlanner()
@@ -280,7 +242,7 @@ class DCPStrategy(Strategy):
                 dcp.load(target, storage_reader=reader, planner=planner,
                          process_group=self.process_group, no_dist=self._dist is None)
             except BaseException as exc:  # DCP wraps every rank's error in a CheckpointException
-                found = roll_error_in(exc)
+                found = carried_roll_error(exc)
                 if found is None:
                     raise
                 raise found from None
@@ -297,13 +259,13 @@ class DCPStrategy(Strategy):
         raise RollCkptError("the checkpoint holds no per-process state (RNG, scheduler...)")
 
     def close(self) -> None:
-        self.pool.clear()
+        pass
 
 
 def _local_bytes(node: Any) -> int:
     """Bytes of the tensors (local shards of DTensors) this process would write for ``node``."""
     if isinstance(node, torch.Tensor):
-        t = getattr(node, "_local_tensor", node)
+        t = local_tensor(node)
         return t.numel() * t.element_size()
     if isinstance(node, Mapping):
         return sum(_local_bytes(v) for v in node.values())
@@ -327,13 +289,6 @@ def _unbox(value: Any) -> Any:
     return value[0] if isinstance(value, tuple) and len(value) == 1 else value
 
 
-def _freeze(value: Any) -> Any:
-    """Non-tensor leaves are pickled by DCP when written: copy mutable ones now."""
-    import copy
-
-    return copy.deepcopy(value) if isinstance(value, (dict, list, set, bytearray)) else value
-
-
 def _top_keys(md: Any) -> set[str]:
     return {path[0] for path in md.planner_data.values() if path}
 
@@ -344,7 +299,6 @@ def _has_prefix(md: Any, key: str) -> bool:
 
 def _placeholders(md: Any, prefix: tuple[str, ...]) -> dict[str, Any]:
     """Rebuild the nested structure saved under ``prefix`` with empty tensors to load into."""
-    from torch.distributed.checkpoint._traverse import set_element
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     root: dict[str, Any] = {}

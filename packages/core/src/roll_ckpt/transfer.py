@@ -17,7 +17,7 @@
 
 An interrupted copy (an error, ``stop``, Ctrl-C) removes what it wrote; a killed one
 leaves an uncommitted folder and an owner marker that the next copy or save there
-removes (:func:`roll_ckpt.commit.clean_stale`). Nothing partial ever looks committed, so
+removes (:func:`roll_ckpt.owners.clean_stale`). Nothing partial ever looks committed, so
 a copy can simply be run again.
 """
 
@@ -30,12 +30,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from . import commit as commit_mod
+from .commit import pending_checkpoint
 from .digest import Hasher
 from .errors import CheckpointCorruptError, CheckpointNotFoundError, RollCkptError
 from .layout import CheckpointRef, scan
 from .manifest import MANIFEST_NAME, Manifest
-from .storage import Storage
+from .contracts import Storage
 from .verify import list_files, read_manifest
 
 __all__ = ["copy_checkpoint", "copy_checkpoints", "CopyReport", "CopyInterrupted", "CHUNK_BYTES",
@@ -201,10 +201,10 @@ def copy_checkpoint(src: Storage, src_path: str, dst: Storage, dst_path: str,
                               time.perf_counter() - t0, skipped=True)
         raise RollCkptError(f"a different checkpoint is already committed at {dst_path}; remove it "
                             "first (roll-ckpt prune) or copy to another destination")
-    pending = commit_mod.plan(dst, dst_path, token or uuid.uuid4().hex[:12])
+    pending = pending_checkpoint(dst, dst_path, token or uuid.uuid4().hex[:12])
     begun = False
     try:
-        commit_mod.begin(dst, pending)
+        pending.begin()
         begun = True
         folders: set[str] = set()
         for name, ent in sorted(manifest.files.items()):
@@ -221,18 +221,18 @@ def copy_checkpoint(src: Storage, src_path: str, dst: Storage, dst_path: str,
         if _stopped(stop):
             raise CopyInterrupted(f"copy to {dst_path} stopped")
         try:
-            commit_mod.commit(dst, pending, data, sorted(folders, key=lambda p: -p.count("/")))
+            pending.commit(data)
         except FileExistsError:
             # Another copy committed the same path first: fine if it is this very checkpoint.
             if same_checkpoint(committed_manifest(dst, dst_path), data):
-                commit_mod.abort(dst, pending)
+                pending.abort()
                 return CopyReport(src_path, dst_path, manifest.step, len(manifest.files), total,
                                   time.perf_counter() - t0, skipped=True)
             raise
     except BaseException:
         if begun:
             try:
-                commit_mod.abort(dst, pending)
+                pending.abort()
             except Exception:  # the original error matters more; leftovers are cleaned later
                 log.warning("roll-ckpt: could not clean up the interrupted copy at %s", pending.write_path,
                             exc_info=True)

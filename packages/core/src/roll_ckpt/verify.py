@@ -10,7 +10,7 @@ from .commit import require_committed
 from .digest import hash_stream
 from .errors import CheckpointCorruptError, UnsafeCheckpointError
 from .manifest import MANIFEST_NAME, Manifest, UnsafeManifestError
-from .storage import Storage
+from .contracts import Storage
 
 __all__ = ["verify", "read_manifest", "list_files", "VerifyReport"]
 
@@ -70,7 +70,7 @@ def verify(storage: Storage, path: str, *, checksums: bool = True,
     Raises :class:`CheckpointCorruptError` naming every file that is missing, of the
     wrong size, with the wrong checksum, or not listed. Links are refused. Files for
     which ``defer(name)`` is true get every check but the checksum: the caller checks
-    that while it reads them (``resume`` does, through :class:`~roll_ckpt.dcp_io.SafeReader`).
+    that while it reads them (``resume`` does, through :class:`~roll_ckpt.dcp_read.SafeReader`).
     """
     manifest = read_manifest(storage, path)
     present = list_files(storage, path)

@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from roll_ckpt.torch_compat import local_tensor, rewrap_dtensor, set_local_tensor
+
 from .alias import exact_alias
 
 __all__ = ["OffloadStore", "Slot"]
@@ -66,7 +68,7 @@ class Slot:
 
 def _release(slot: Slot) -> None:
     """Free the live local tensor's memory; the store now holds the only copy."""
-    local = slot.dtensor._local_tensor
+    local = local_tensor(slot.dtensor)
     slot.device = local.device
     storage = local.untyped_storage()
     if storage.resizable():
@@ -74,7 +76,7 @@ def _release(slot: Slot) -> None:
         slot.replaced = False
     else:
         # e.g. optimizer states DCP loaded into memory it does not own: swap the tensor.
-        slot.dtensor._local_tensor = local.new_empty(0)
+        set_local_tensor(slot.dtensor, local.new_empty(0))
         slot.replaced = True
 
 
@@ -82,10 +84,10 @@ def _restore(slot: Slot) -> torch.Tensor:
     """Give the live local tensor its memory back (uninitialised) and return it."""
     if slot.replaced:
         local = torch.empty(slot.local_shape, dtype=slot.dtype, device=slot.device)
-        slot.dtensor._local_tensor = local
+        set_local_tensor(slot.dtensor, local)
         slot.replaced = False
         return local
-    local = slot.dtensor._local_tensor
+    local = local_tensor(slot.dtensor)
     local.untyped_storage().resize_(slot.storage_nbytes)
     return local
 
@@ -164,7 +166,7 @@ class OffloadStore:
         sizes: dict[torch.dtype, int] = {}
         slots: dict[str, Slot] = {}
         for name, t in tensors:
-            local = t._local_tensor
+            local = local_tensor(t)
             segments, segment, group = 1, 0, None
             numel = local.numel()
             if self.kind == "local_dedup":
@@ -195,13 +197,13 @@ class OffloadStore:
         self.wait_released()  # a checkpoint may still be writing from these buffers
         tensors = list(self._tensors(state, optimizer))
         same = set(self.slots) == {n for n, _ in tensors} and all(
-            self.slots[n].dtensor is t and self.slots[n].local_shape == t._local_tensor.shape for n, t in tensors)
+            self.slots[n].dtensor is t and self.slots[n].local_shape == local_tensor(t).shape for n, t in tensors)
         if not same:
             self._layout(tensors)
         moved = 0
         with torch.no_grad():
             for slot in self.slots.values():
-                local = slot.dtensor._local_tensor
+                local = local_tensor(slot.dtensor)
                 flat = local.reshape(-1)
                 if slot.segments > 1:
                     start = slot.segment * slot.numel
@@ -256,10 +258,7 @@ class OffloadStore:
         new slots. Nothing writes through it.
         """
         if slot.alias is None:
-            alias = exact_alias(self._slice(slot)).view(slot.local_shape)
-            t = slot.dtensor
-            slot.alias = DTensor.from_local(alias, t.device_mesh, t.placements, run_check=False,
-                                            shape=t.shape, stride=t.stride())
+            slot.alias = rewrap_dtensor(slot.dtensor, exact_alias(self._slice(slot)).view(slot.local_shape))
         return slot.alias
 
     def nbytes(self) -> int:

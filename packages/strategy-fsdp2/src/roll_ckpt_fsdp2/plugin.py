@@ -1,10 +1,15 @@
-"""Entry point ``fsdp2``: registers the FSDP2 strategy without importing torch.distributed."""
+"""Entry point ``fsdp2``: registers the FSDP2 strategy, its staging policies and its config
+key without importing torch.distributed."""
 
 from __future__ import annotations
 
 from typing import Any, Mapping
 
-from roll_ckpt import StrategyRecord, hookimpl
+from roll_ckpt import ConfigError, ConfigKeyRecord, StagingPolicyRecord, StrategyRecord, hookimpl
+
+from .policies import LocalDedup, ZeroCopy
+
+OFFLOAD_BACKENDS = ("local", "local_dedup")
 
 
 def _holds_dtensors(state: Mapping[str, Any]) -> bool:
@@ -26,6 +31,12 @@ def _factory(config: Any, plugins: Any) -> Any:
     return FSDP2Strategy(config, plugins)
 
 
+def _offload_backend(key: str, value: Any) -> str:
+    if value not in OFFLOAD_BACKENDS:
+        raise ConfigError(key, "is not a known offload store", value, ", ".join(OFFLOAD_BACKENDS))
+    return value
+
+
 @hookimpl
 def roll_ckpt_strategies() -> list[StrategyRecord]:
     return [StrategyRecord(
@@ -36,20 +47,13 @@ def roll_ckpt_strategies() -> list[StrategyRecord]:
 
 
 @hookimpl
-def roll_ckpt_staging_policies() -> list[Any]:
-    from roll_ckpt import StagingPolicyRecord
-
-    return [StagingPolicyRecord(
-        name="zero_copy",
-        description="tensors resident in the 'local' offload store are written from its flat "
-                    "buffers through exact-size aliases: no copy, no clone")]
+def roll_ckpt_staging_policies() -> list[StagingPolicyRecord]:
+    return [StagingPolicyRecord(ZeroCopy(), priority=10), StagingPolicyRecord(LocalDedup(), priority=10)]
 
 
 @hookimpl
-def roll_ckpt_stage(name: str, tensor: Any, save: Any) -> Any:
-    strategy = save.strategy
-    is_zero_copy = getattr(strategy, "is_zero_copy", None)
-    if is_zero_copy is None or not is_zero_copy(tensor):
-        return None
-    save.note_staged(name, "zero_copy", 0)
-    return tensor
+def roll_ckpt_config_keys() -> list[ConfigKeyRecord]:
+    return [ConfigKeyRecord(
+        key="offload_backend", default="local", validate=_offload_backend,
+        description="FSDP2 offload store: 'local' (one flat CPU buffer per dtype) or 'local_dedup' "
+                    "(one segment per rank of tensors replicated over a mesh dimension)")]

@@ -1,0 +1,7 @@
+"""``python -m roll_ckpt.cli``."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

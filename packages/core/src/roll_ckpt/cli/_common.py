@@ -1,0 +1,246 @@
+"""What the ``roll-ckpt`` commands share: output, argument types, opening a storage, and
+resolving a path (a checkpoint, a step made of components, or one part of it)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Sequence
+
+from ..errors import CheckpointCorruptError, CheckpointNotFoundError
+from ..layout import basename
+from ..layout import parent as parent_dir
+from ..units import human_bytes
+
+__all__ = ["UsageError", "say", "parse_option", "keep_count", "open_storage_arg", "progress_bar", "local_time",
+           "format_table", "is_checkpoint_dir", "require_dir", "uncommitted_step", "not_committed", "resolve",
+           "part_in_step", "side_storage", "storage_args", "component_arg", "human_bytes", "basename", "parent_dir", "in_flight"]
+
+
+class UsageError(Exception):
+    """A bad command line (exit status 2)."""
+
+
+def say(*lines: str) -> None:
+    for line in lines:
+        print(line, flush=True)
+
+
+def parse_option(text: str) -> tuple[str, Any]:
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, e.g. endpoint_url=http://127.0.0.1:9000, got {text!r}")
+    import yaml
+
+    try:  # true/false/numbers like YAML does; anything else stays a string
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    if not isinstance(value, (str, int, float, bool)) or value is None:
+        value = raw
+    return key.strip(), value
+
+
+def keep_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: keep at least 1 (the newest committed checkpoint is never removed)")
+    return value
+
+
+def open_storage_arg(args: argparse.Namespace, url: str) -> Any:
+    """The storage for ``url``, rooted there (``storage.root`` is ``url`` as a backend path)."""
+    from ..job import open_storage
+    from ..plugins import get_plugins
+
+    options = dict(args.storage_option or [])
+    return open_storage(get_plugins(), args.type, url, options)
+
+
+def progress_bar(desc: str, total: int | None = None) -> Any:
+    from ..progress import Progress
+
+    return Progress(desc, total)
+
+
+def local_time(iso: str) -> str:
+    from datetime import datetime
+
+    try:
+        return datetime.fromisoformat(iso).astimezone().strftime("%Y-%m-%d %H:%M:%S")
+    except (TypeError, ValueError):
+        return iso or "-"
+
+
+def format_table(header: Sequence[str], rows: list[Sequence[str]], right: set[int] = frozenset()) -> list[str]:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+
+    def fmt(row: Sequence[str]) -> str:
+        cells = [str(c).rjust(w) if i in right else str(c).ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        return "  ".join(cells).rstrip()
+
+    return [fmt(header), *(fmt(r) for r in rows)]
+
+
+def is_checkpoint_dir(storage: Any, path: str) -> bool:
+    from ..layout import parse_step
+    from ..manifest import MANIFEST_NAME
+
+    name = path.rstrip("/").rsplit("/", 1)[-1]
+    return parse_step(name) is not None or storage.exists(storage.join(path, MANIFEST_NAME))
+
+
+def require_dir(storage: Any, url: str) -> None:
+    if not storage.isdir(storage.root):
+        raise CheckpointNotFoundError(f"{url}: no such folder")
+
+
+
+def uncommitted_step(storage: Any, path: str) -> Any:
+    """The :class:`~roll_ckpt.inspection.PartsStatus` of ``path`` when it is the folder of a
+    step made of components that is not committed; ``None`` otherwise."""
+    from ..layout import parse_step
+    from ..manifest import MANIFEST_NAME
+
+    if parse_step(basename(path)) is None or not storage.isdir(path) \
+            or storage.exists(storage.join(path, MANIFEST_NAME)):
+        return None
+    from ..inspection import parts_status
+
+    status = parts_status(storage, path)
+    return status if status.any else None
+
+
+def not_committed(status: Any, component: str | None = None) -> str:
+    """Why the step folder of ``status`` is not a checkpoint, and what to do."""
+    path = status.path
+    if status.complete:
+        return (f"{path} is not a committed step: every part is committed ({', '.join(status.committed)}) but "
+                "not the step itself (no manifest.json: the last part's process stopped before writing it); "
+                "the next resume of any component commits it. One part alone: --component NAME")
+    have = ", ".join(status.committed) or "none"
+    if status.missing is None:
+        lacking = "which other parts it needs is unknown (no step beside it is committed)"
+    else:
+        lacking = "missing: " + ", ".join(f"{n} (unfinished)" if n in status.unfinished else n for n in status.missing)
+    asked = f"; --component {component}: that part is not committed" if component else ""
+    hint = f"; check a committed part alone with --component {status.committed[0]}" if status.committed else ""
+    return (f"{path} is not a committed step (parts committed: {have}; {lacking}){asked}: a save that never "
+            f"finished or is still running, never resumed from; use an earlier step{hint}")
+
+
+def resolve(storage: Any, path: str, component: str | None) -> tuple[str, str]:
+    """The folder a command reads -- ``path``, or its ``component``'s part -- and a note
+    for the user (empty when none).
+
+    A part is checked against the step's manifest (:func:`roll_ckpt.components.open_part`).
+    A step that is not committed is an error naming its missing parts, except that one of
+    its committed parts may be named with ``component`` (with a note saying so).
+    """
+    from ..components import components_of, open_part
+    from ..verify import read_manifest
+
+    status = uncommitted_step(storage, path)
+    if status is not None:
+        if component and component in status.committed:
+            return storage.join(path, component), (
+                f"note: step {status.step} is not committed ({status.describe()}); its part '{component}' is "
+                "committed on its own and checked against its own manifest only")
+        raise CheckpointNotFoundError(not_committed(status, component))
+    manifest = read_manifest(storage, path)
+    if manifest.component is not None and component in (None, manifest.component):
+        faults, note = part_in_step(storage, path, manifest)  # the folder of one part, given directly
+        if faults:
+            raise CheckpointCorruptError(path, faults)
+        return path, note
+    if component is None:
+        return path, ""
+    parts = components_of(manifest)
+    if parts:
+        if component not in parts:
+            raise CheckpointNotFoundError(f"{path} has no part for component '{component}' (its components: "
+                                          f"{', '.join(sorted(parts))}); name one of them")
+        return open_part(storage, path, manifest, component), ""
+    if manifest.component is not None:
+        raise CheckpointNotFoundError(
+            f"{path} is the part of component '{manifest.component}', not of '{component}'; give the step "
+            f"folder ({parent_dir(path)}) with --component {component}, or this part without --component")
+    raise CheckpointNotFoundError(f"{path} was saved without components, so it has no part '{component}'; "
+                                  "drop --component")
+
+
+def part_in_step(storage: Any, path: str, manifest: Any) -> tuple[list[tuple[str, str]], str]:
+    """For the folder of one part: faults if the step it is in committed another manifest
+    for it, and a note when that step is not committed."""
+    from ..components import open_part
+    from ..layout import parse_step
+    from ..manifest import MANIFEST_NAME
+    from ..verify import read_manifest
+
+    parent = parent_dir(path)
+    if manifest.component is None or not parent or parse_step(basename(parent)) is None:
+        return [], ""
+    status = uncommitted_step(storage, parent)
+    if status is not None:
+        return [], (f"note: its step {parent} is not committed yet ({status.describe()}); a step counts once "
+                    "every part is committed")
+    if not storage.exists(storage.join(parent, MANIFEST_NAME)):
+        return [], ""
+    try:
+        step = read_manifest(storage, parent)
+        open_part(storage, parent, step, manifest.component)
+    except CheckpointNotFoundError:
+        return [(MANIFEST_NAME, f"step {manifest.step}'s manifest ({parent}/{MANIFEST_NAME}) has no part "
+                                f"'{manifest.component}': this folder is not part of that step")], ""
+    except CheckpointCorruptError as exc:
+        why = "; ".join(f"{name}: {fault}" for name, fault in exc.faults)
+        return [(MANIFEST_NAME, f"is not the part's manifest its step committed ({parent}: {why})")], ""
+    return [], ""
+
+
+def side_storage(args: argparse.Namespace, url: str, side: str) -> Any:
+    """The storage for one side of ``copy``: ``--type``/``--storage-option``, then ``--src-*``/``--dst-*``."""
+    from ..job import open_storage
+    from ..plugins import get_plugins
+
+    type_ = getattr(args, f"{side}_type") or args.type
+    options = dict(args.storage_option or [])
+    options.update(dict(getattr(args, f"{side}_storage_option") or []))
+    return open_storage(get_plugins(), type_, url, options)
+
+
+def storage_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--type", default="file_system", metavar="NAME",
+                   help="backend plugin (checkpoint_config.type); `roll-ckpt plugins` lists them "
+                        "(default: file_system)")
+    p.add_argument("--storage-option", action="append", metavar="KEY=VALUE", type=parse_option,
+                   help="option for the backend (checkpoint_config.storage_options), repeatable")
+
+
+def component_arg(p: argparse.ArgumentParser, text: str) -> None:
+    p.add_argument("--component", metavar="NAME", help=text + " (checkpoint_config.components)")
+
+
+def in_flight(storage: Any, root: str) -> list[str]:
+    """Temporary folders and owner markers of saves that are running or crashed (parts of a
+    step of components are written inside its folder until the step is committed)."""
+    from ..commit import MARKER_PREFIX
+    from ..layout import TMP_PREFIX, parse_step, run_folders
+    from ..manifest import MANIFEST_NAME
+
+    def pending(e: Any) -> bool:
+        return (e.is_dir and e.name.startswith(TMP_PREFIX)) or (not e.is_dir and e.name.startswith(MARKER_PREFIX))
+
+    found = []
+    folders = [root, *(p for _, p in run_folders(storage, root))]
+    if parse_step(basename(root)) is not None:
+        folders = [root]
+    for folder in folders:
+        for e in storage.list(folder):
+            if pending(e):
+                found.append(e.path)
+            elif e.is_dir and parse_step(e.name) is not None and not storage.exists(storage.join(e.path, MANIFEST_NAME)):
+                found.extend(p.path for p in storage.list(e.path) if pending(p))
+    return sorted(found)

@@ -1,0 +1,349 @@
+"""Every contract between core and its plugins, in one module that imports no implementation.
+
+* :class:`Storage` (with :class:`Entry`) — what a backend does; ``roll_ckpt.testing``
+  holds the conformance suite every backend passes.
+* :class:`Strategy` — how a training state becomes a checkpoint and back (``dcp``,
+  ``json``, ``fsdp2``...).
+* :class:`StagingPolicy` — how a save captures one kind of tensor (a named class with its
+  own ``stage``/``release``); the first policy that claims a tensor captures it, core's
+  regular copy last.
+* The records the registration hooks return (:class:`BackendRecord`,
+  :class:`StrategyRecord`, :class:`StagingPolicyRecord`, :class:`ConfigKeyRecord`,
+  :class:`CommandRecord`), and the objects lifecycle hooks receive
+  (:class:`SaveContext`, :class:`CommitInfo`, :class:`SpaceEstimate`).
+
+A record's ``factory`` is called only when the thing is used, so registering a plugin
+stays cheap (no torch.distributed import, no connection to a store).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO, Callable, Mapping, MutableMapping, Protocol, Sequence, runtime_checkable
+
+__all__ = [
+    "Entry", "Storage", "Strategy", "StagingPolicy", "SaveContext", "CommitInfo", "SpaceEstimate",
+    "BackendRecord", "StrategyRecord", "StagingPolicyRecord", "ConfigKeyRecord", "CommandRecord",
+]
+
+
+# --------------------------------------------------------------------------- storage
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One item of a folder listing."""
+
+    name: str
+    path: str
+    is_dir: bool
+    size: int = 0
+    mtime: float | None = None
+
+
+@runtime_checkable
+class Storage(Protocol):
+    """What a backend must do. Paths are strings in the backend's own namespace, made
+    with :meth:`join`; a backend decides what they look like."""
+
+    url: str
+    """The root the backend was created for, as the user wrote it (for messages)."""
+
+    root: str
+    """That root as a path of this backend (what :meth:`join` builds on)."""
+
+    atomic_rename: bool
+    """The backend's choice of commit protocol (:mod:`roll_ckpt.commit`).
+
+    True (POSIX disks): :meth:`rename_dir` atomically publishes a folder, so a checkpoint
+    is written into a temporary sibling and renamed into place. False (object stores): it
+    is written in place and committed by writing its manifest last with :meth:`write_create`.
+    """
+
+    def join(self, *parts: str) -> str:
+        """Join path parts with the backend's separator."""
+
+    def exists(self, path: str) -> bool: ...
+
+    def isdir(self, path: str) -> bool: ...
+
+    def list(self, path: str) -> list[Entry]:
+        """The direct children of ``path``; an empty list when it does not exist."""
+
+    def makedirs(self, path: str) -> None:
+        """Create ``path`` and its parents; no error when it exists."""
+
+    def open_read(self, path: str) -> BinaryIO:
+        """A seekable binary reader. ``FileNotFoundError`` when missing."""
+
+    def open_write(self, path: str) -> BinaryIO:
+        """A binary writer, replacing any file there. The data is durable once ``close()`` returns."""
+
+    def write_create(self, path: str, data: bytes) -> None:
+        """Write ``data`` durably only if ``path`` does not exist, else ``FileExistsError``.
+
+        This is the commit point on stores without atomic rename, so it must be
+        create-only on the server side where the store offers that.
+        """
+
+    def rename_dir(self, src: str, dst: str) -> None:
+        """Atomically rename a folder; ``FileExistsError`` if ``dst`` exists. Durable on return.
+
+        Only called when :attr:`atomic_rename` is true.
+        """
+
+    def rename_file(self, src: str, dst: str) -> None:
+        """Rename one file inside an uncommitted folder (need not be atomic)."""
+
+    def sync_dir(self, path: str) -> None:
+        """Make the folder's entries durable (fsync on POSIX; nothing on object stores)."""
+
+    def remove(self, path: str) -> None:
+        """Remove one file; no error when it is missing."""
+
+    def remove_tree(self, path: str) -> None:
+        """Remove a folder and everything below it; no error when it is missing."""
+
+    def free_bytes(self, path: str) -> int | None:
+        """Free space where ``path`` lives, or ``None`` when the store cannot tell."""
+
+
+# --------------------------------------------------------------------------- a save in progress
+
+
+@dataclass(frozen=True)
+class SpaceEstimate:
+    """The estimated size of one checkpoint (all processes' files together)."""
+
+    total: int
+    tensor_bytes: int
+    """The tensors' own bytes (exact)."""
+    items: int
+    """Items written (tensors and other values) across all processes."""
+    files: int
+
+
+@dataclass
+class SaveContext:
+    """One save in progress, shared by the save pipeline, the strategy and the plugins."""
+
+    step: int
+    path: str
+    """The committed path the checkpoint will have."""
+    is_async: bool
+    """True when the write goes on after ``save`` returns: staging must capture the tensors."""
+    rank: int = 0
+    world_size: int = 1
+    staging: dict[str, str] = field(default_factory=dict)
+    """Per tensor name, the policy that staged it (``zero_copy``, ``regular``...); async saves only."""
+    bytes_copied: int = 0
+    """Bytes copied while staging (0 for zero-copy tensors)."""
+    blocked_s: float = 0.0
+    """Seconds the caller was blocked by this save."""
+    strategy: Any = None
+    """The :class:`Strategy` doing the save."""
+    reuse: MutableMapping[str, Any] = field(default_factory=dict)
+    """What staging policies keep from one save to the next, by policy name (staging
+    buffers...); owned by the manager, emptied when it closes."""
+    _finished: list[Callable[[], None]] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def on_finished(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` once the write has finished (or failed): release staged memory."""
+        with self._lock:
+            self._finished.append(callback)
+
+    def run_finished_callbacks(self) -> None:
+        with self._lock:
+            callbacks, self._finished = self._finished, []
+        for cb in callbacks:
+            cb()
+
+    def note_staged(self, name: str, policy: str, nbytes_copied: int) -> None:
+        self.staging[name] = policy
+        self.bytes_copied += nbytes_copied
+
+
+@dataclass(frozen=True)
+class CommitInfo:
+    """A committed checkpoint, as announced to ``roll_ckpt_on_commit``."""
+
+    path: str
+    step: int
+    url: str
+    manifest: dict[str, Any]
+    component: str | None = None
+    """The component whose part was committed; ``None`` for a whole checkpoint or step."""
+
+
+# --------------------------------------------------------------------------- strategies and staging
+
+
+@runtime_checkable
+class Strategy(Protocol):
+    """Turns a training state into the files of a checkpoint and back.
+
+    Built by a :class:`StrategyRecord`'s factory once per manager, from the state of the
+    first ``resume``/``save``. Every process of the job holds one; the manager calls these
+    methods, in this order for a save: :meth:`state_dict`, (:meth:`estimate` on the
+    coordinator), staging (core, through the staging policies), :meth:`write`.
+    """
+
+    name: str
+    rank: int
+    world_size: int
+    data_dir: str
+    """The checkpoint's folder this strategy writes its files into (``dcp``, ``state``)."""
+
+    @property
+    def is_coordinator(self) -> bool:
+        """True on the one process that commits (rank 0 of the checkpoint group)."""
+
+    def broadcast(self, obj: Any) -> Any:
+        """The coordinator's ``obj`` on every process (picklable; exceptions included)."""
+
+    def state_dict(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """The live, nested state dict of ``state``: nothing copied yet."""
+
+    def estimate(self, sd: dict[str, Any], user: Mapping[str, Any] | None = None) -> SpaceEstimate:
+        """The size of a checkpoint of ``sd`` (every process's files together)."""
+
+    def write(self, sd: dict[str, Any], storage: Storage, path: str,
+              on_bytes: Callable[[int], None] | None = None) -> dict[str, tuple[int, str]]:
+        """Write the staged ``sd`` into ``path``; on the coordinator, every file of every
+        process (relative to ``path``) as ``(size, checksum)``."""
+
+    def load(self, state: MutableMapping[str, Any], storage: Storage, path: str,
+             on_bytes: Callable[[int], None] | None = None, *,
+             files: Mapping[str, Any] | None = None, checkpoint: str | None = None) -> None:
+        """Load the folder ``path`` into ``state`` in place, checking each file against
+        ``files`` (the manifest's entries, relative to ``path``) before any of it is used."""
+
+    def close(self) -> None:
+        """Release what the strategy holds (process groups stay: they belong to the job)."""
+
+
+@runtime_checkable
+class StagingPolicy(Protocol):
+    """How a save captures one kind of tensor, so the loop may change the live tensor at once.
+
+    The save pipeline (:func:`roll_ckpt.staging.stage_state_dict`) asks the policies in
+    order whether they claim each tensor; the first that does stages it, core's regular
+    copy last. Adding a way of staging (pinned shared memory, GPU-direct, a memory
+    budget) is one class like this and one hookimpl returning it.
+
+    A policy object is shared by every manager of the process: what it keeps between
+    saves goes into ``save.reuse[self.name]``.
+    """
+
+    name: str
+    """Shown in ``SaveStats.policies`` and by ``roll-ckpt plugins``."""
+    description: str
+
+    def claims(self, name: str, tensor: Any, save: SaveContext) -> bool:
+        """True when this policy stages ``tensor`` (its flattened key is ``name``)."""
+
+    def stage(self, items: Sequence[tuple[str, Any]], save: SaveContext) -> list[Any]:
+        """What the write reads for each claimed ``(name, tensor)``, in order.
+
+        With ``save.is_async`` the result must stay unmodified until :meth:`release`;
+        otherwise the write happens before ``save`` returns and no copy is needed. Call
+        ``save.note_staged`` for each item an asynchronous save captured.
+        """
+
+    def release(self, save: SaveContext) -> None:
+        """The write of ``save`` has finished or failed: what was staged may be reused."""
+
+
+# --------------------------------------------------------------------------- registration records
+
+
+@dataclass(frozen=True)
+class BackendRecord:
+    """A storage backend, selected by ``checkpoint_config.type``."""
+
+    name: str
+    """The value of ``checkpoint_config.type`` that selects this backend."""
+    factory: Callable[[str, Mapping[str, Any]], Storage]
+    """``factory(url, storage_options)`` returns a :class:`Storage`."""
+    install_hint: str = ""
+    """What to ``pip install`` when this backend is missing (shown in errors)."""
+    description: str = ""
+    distribution: str = ""
+    """Filled in by the plugin manager: the distribution that registered the record."""
+
+
+def _applies_never(state: Mapping[str, Any]) -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class StrategyRecord:
+    """A way of turning a training state into a checkpoint (single process, FSDP2...)."""
+
+    name: str
+    factory: Callable[..., Strategy]
+    """``factory(config, plugins)`` returns a :class:`Strategy` (``config``: a
+    :class:`roll_ckpt.Config`; ``plugins``: the plugin manager, for hooks)."""
+    applies: Callable[[Mapping[str, Any]], bool] = field(default=_applies_never)
+    """True when this strategy must handle ``state`` (e.g. it holds DTensors)."""
+    priority: int = 0
+    """Among strategies that apply, the highest priority wins."""
+    install_hint: str = ""
+    description: str = ""
+    distribution: str = ""
+
+
+@dataclass(frozen=True)
+class StagingPolicyRecord:
+    """A :class:`StagingPolicy` a plugin provides; its name and description are the policy's."""
+
+    policy: StagingPolicy
+    """The object that does the work (``roll-ckpt plugins`` lists it too)."""
+    priority: int = 0
+    """Policies are asked highest first; core's regular copy is always asked last."""
+    distribution: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.policy.name
+
+    @property
+    def description(self) -> str:
+        return self.policy.description
+
+
+@dataclass(frozen=True)
+class ConfigKeyRecord:
+    """A config key a plugin owns: core validates it with :attr:`validate` and keeps the
+    result in :attr:`roll_ckpt.Config.options`; core itself never interprets it."""
+
+    key: str
+    """Top-level key (``my_key``) or one inside ``strategy_config``
+    (``strategy_config.<key>``), where a ROLL worker section may also set it."""
+    default: Any
+    validate: Callable[[str, Any], Any]
+    """``validate(key_path, value)`` returns the value to keep or raises
+    :class:`roll_ckpt.ConfigError` naming ``key_path``, the value and what is allowed."""
+    description: str = ""
+    distribution: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.key
+
+
+@dataclass(frozen=True)
+class CommandRecord:
+    """A ``roll-ckpt`` sub-command a plugin adds (``roll-ckpt demo`` is one)."""
+
+    name: str
+    help: str
+    add_arguments: Callable[[Any], None]
+    """``add_arguments(parser)``: an ``argparse`` sub-parser to fill."""
+    run: Callable[[Any], int]
+    """``run(args)`` returns the exit status; a :class:`roll_ckpt.RollCkptError` it raises
+    is printed on one line."""
+    description: str = ""
+    distribution: str = ""

@@ -1,0 +1,144 @@
+"""DCP's standard on-disk format, written by roll-ckpt's own writer with per-file checksums.
+
+:class:`DigestingWriter` is a DCP ``StorageWriter``: DCP plans the save and writes
+``.metadata`` as always, and the folder stays what plain ``dcp.load`` reads. The data
+files are written by this module's loop instead of DCP's: the same layout (one
+``__<rank>_<n>.distcp`` per writer thread, byte values first, then tensors, each
+``torch.save``-framed), but each file is hashed while written, and the tensors skip
+torch's CRC-32 (the manifest's xxh3-128 covers every byte). Each rank's checksums ride
+back to the coordinator inside DCP's own gather of write results (no extra collective)
+and are taken out again before ``.metadata`` is written.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+from .contracts import Storage
+from .dcp_fs import StorageFileSystem
+from .torch_compat import save_tensor_without_crc, storage_info, storage_prefix
+from .unpickle import METADATA_NAME
+
+__all__ = ["DigestingWriter"]
+
+_DIGEST_FQN = "__roll_ckpt_file_digests__"
+
+
+def _item_bytes(item: Any) -> int:
+    data = item.tensor_data
+    n = data.properties.dtype.itemsize
+    for s in data.size:
+        n *= s
+    return n
+
+
+def _buckets(items: list[Any], n: int) -> list[list[Any]]:
+    """Items split over ``n`` files: byte values round-robin, tensors largest first into the
+    lightest file (DCP's own split)."""
+    buckets: list[list[Any]] = [[] for _ in range(n)]
+    sizes = [0] * n
+    values = [i for i in items if i.type == WriteItemType.BYTE_IO]
+    tensors = sorted((i for i in items if i.type != WriteItemType.BYTE_IO), key=_item_bytes, reverse=True)
+    for k, item in enumerate(values):
+        buckets[k % n].append(item)
+    for item in tensors:
+        k = sizes.index(min(sizes))
+        buckets[k].append(item)
+        sizes[k] += _item_bytes(item)
+    return [b for b in buckets if b] or [[]]
+
+
+def _write_file(fs: StorageFileSystem, path: str, name: str, items: list[Any], planner: Any) -> list[WriteResult]:
+    results = []
+    with fs.create_stream(path, "wb") as stream:
+        for item in sorted(items, key=lambda i: i.type != WriteItemType.BYTE_IO):  # values first
+            offset = stream.tell()
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                stream.write(data.getbuffer())
+            else:
+                tensor = data.detach()
+                if tensor.device.type != "cpu":
+                    tensor = tensor.cpu()
+                if tensor.untyped_storage().nbytes() != tensor.nbytes:
+                    tensor = tensor.clone()  # a view: torch.save would write the whole storage
+                save_tensor_without_crc(tensor, stream)
+            length = stream.tell() - offset
+            results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                       storage_data=storage_info(name, offset, length)))
+    return results
+
+
+class DigestingWriter(FileSystemWriter):
+    """DCP's writer interface on a backend, with per-file checksums for the manifest.
+
+    After ``dcp.save`` returns on the coordinator, :attr:`file_digests` maps each file
+    name (relative to the DCP folder, ``.metadata`` included) to ``(size, checksum)``.
+    """
+
+    def __init__(self, storage: Storage, path: str, *, thread_count: int = 1,
+                 on_bytes: Callable[[int], None] | None = None) -> None:
+        # sync_files=False: durability comes from the backend's close(), never from the
+        # system-wide os.sync() DCP falls back to for streams without a file descriptor.
+        super().__init__(path, single_file_per_rank=True, sync_files=False,
+                         thread_count=thread_count, overwrite=True)
+        self.fs = StorageFileSystem(storage, on_bytes)
+        self.path = str(path)
+        self.file_digests: dict[str, tuple[int, str]] = {}
+
+    def _relative(self) -> dict[str, tuple[int, str]]:
+        root = self.path.rstrip("/") + "/"
+        return {k[len(root):] if k.startswith(root) else k: v for k, v in self.fs.digests.items()}
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        from torch.futures import Future
+
+        prefix = storage_prefix(plan)
+        files = [(self.fs.concat_path(self.path, f"{prefix}{k}.distcp"), f"{prefix}{k}.distcp", bucket)
+                 for k, bucket in enumerate(_buckets(list(plan.items), max(1, self.thread_count)))]
+        results: list[list[WriteResult]] = [[] for _ in files]
+        errors: list[BaseException] = []
+
+        def run(k: int) -> None:
+            try:
+                results[k] = _write_file(self.fs, *files[k], planner)
+            except BaseException as exc:  # raised below, once every thread is done
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(k,), name="roll-ckpt-write") for k in range(1, len(files))]
+        for t in threads:
+            t.start()
+        run(0)
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        flat = [r for rs in results for r in rs]
+        if len(flat) != len(plan.items):
+            raise RuntimeError(f"the writer returned {len(flat)} results for {len(plan.items)} items")
+        # Checksums travel with DCP's own gather of write results.
+        flat.append(WriteResult(index=MetadataIndex(_DIGEST_FQN), size_in_bytes=0, storage_data=self._relative()))
+        out: Future = Future()
+        out.set_result(flat)
+        return out
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        digests: dict[str, tuple[int, str]] = {}
+        clean = []
+        for rank_results in results:
+            keep = []
+            for wr in rank_results:
+                if wr.index.fqn == _DIGEST_FQN:
+                    digests.update(wr.storage_data)
+                else:
+                    keep.append(wr)
+            clean.append(keep)
+        super().finish(metadata, clean)
+        digests.update({k: v for k, v in self._relative().items() if k == METADATA_NAME})
+        self.file_digests = digests

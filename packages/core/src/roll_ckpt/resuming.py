@@ -1,0 +1,218 @@
+"""Resume: which checkpoint, agreed by every process (and every component), verified, loaded.
+
+::
+
+    Resumer.resume
+        agreed_candidates        coordinator lists, every rank takes its choice
+        resume_from              coordinator verifies the manifest and small files; the
+                                 strategy loads, checking each data file as it reads it
+
+``"latest"`` is the newest committed checkpoint under ``output_dir`` (run, then step)
+and, with ``checkpoint_config.backup``, at the backup location; when both hold it, the
+local copy goes first and the replica is tried when the local copy is damaged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, MutableMapping
+
+from . import layout
+from .collective import decide
+from .components import complete_pending, components_of, open_part, read_resume_record
+from .contracts import Storage, Strategy
+from .errors import RollCkptError
+from .job import Job, open_storage
+from .layout import TRAINER_STATE
+from .manifest import Manifest
+from .runs import utc_now
+from .verify import read_manifest, verify
+
+__all__ = ["Resumer"]
+
+log = logging.getLogger("roll_ckpt")
+
+Candidate = tuple[Storage, str, bool]
+"""``(storage, path, from_backup)``."""
+
+
+class Resumer:
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.trainer_state: dict[str, Any] = {}
+        self.resumed_from_backup = False
+
+    # ------------------------------------------------------------------ where from
+
+    def candidates(self, target: str | None) -> list[Candidate]:
+        """What to try in turn (this process's view): the newest checkpoint, local copy first."""
+        job = self.job
+        target = job.config.resume_target if target is None else target
+        if target is None:
+            return []
+        if target != "latest":
+            cc = job.config.checkpoint_config
+            storage = open_storage(job.plugins, cc.type, target, cc.storage_options)
+            return [(storage, storage.root, False)]
+        local = layout.latest(job.storage, job.root)
+        remote = None
+        backup = job.backup.replica if job.backup is not None else None
+        if backup is not None:
+            try:
+                remote = layout.latest(backup, backup.root)
+            except Exception as exc:  # an unreachable backup must not stop a local resume
+                log.warning("roll-ckpt: cannot list the backup at %s (%s); only local checkpoints are "
+                            "considered", backup.url, exc)
+        if local is None and remote is None:
+            where = job.storage.url + (f" nor at the backup {backup.url}" if backup is not None else "")
+            log.info("roll-ckpt: no committed checkpoint under %s; starting fresh", where)
+            return []
+        if remote is None or (local is not None and local.order > remote.order):
+            return [(job.storage, local.path, False)]
+        if local is None or remote.order > local.order:
+            return [(backup, remote.path, True)]
+        return [(job.storage, local.path, False), (backup, remote.path, True)]
+
+    def agreed_candidates(self, target: str | None, strategy: Strategy) -> list[Candidate]:
+        """Where to resume from: the same on every rank and in every component of a launch.
+
+        Ranks that listed the folders themselves could see different steps (one may be
+        committed meanwhile), so the coordinator decides and broadcasts its choice. With
+        components, the first component to resume records its choice in the run folder
+        (``.resume.json``, create-only) and the others take it: every component of a launch
+        starts from the same step, even if a straggler of an earlier launch commits one
+        while they start.
+        """
+        job = self.job
+        target = job.config.resume_target if target is None else target
+        if target != "latest":
+            return self.candidates(target)
+        agreed = decide(strategy, self._pick_latest,
+                        where=f"cannot find the checkpoint to resume from under {job.storage.url}")
+        backup = job.backup.replica if job.backup is not None else None
+        return [(backup if from_backup else job.storage, path, from_backup)  # type: ignore[misc]
+                for path, from_backup in agreed]
+
+    def _pick_latest(self) -> list[tuple[str, bool]]:
+        """The coordinator's ``(path, from_backup)`` candidates for ``latest``."""
+        job = self.job
+        if not job.component:
+            return [(path, from_backup) for _, path, from_backup in self.candidates("latest")]
+        record = job.storage.join(job.ensure_run_dir(), layout.RESUME_RECORD)
+        chosen = read_resume_record(job.storage, record)
+        if chosen is not None:
+            return chosen
+        for path, manifest in complete_pending(job.storage, job.root, job.config.checkpoint_config.components or ()):
+            log.info("roll-ckpt: committed %s (its parts were all committed)", path)
+            job.announce(path, manifest)
+        mine = [(path, from_backup) for _, path, from_backup in self.candidates("latest")]
+        body = {"candidates": mine, "component": job.component, "time": utc_now()}
+        try:
+            job.storage.write_create(record, json.dumps(body).encode())
+        except FileExistsError:  # another component chose first
+            chosen = read_resume_record(job.storage, record)
+            if chosen is not None:
+                return chosen
+        return mine
+
+    # ------------------------------------------------------------------ loading
+
+    def resume(self, state: MutableMapping[str, Any], target: str | None) -> int:
+        job = self.job
+        strategy = job.bind(state)
+        if job.component:
+            job.ensure_run_dir()  # refuses a run_name an earlier launch used, before anything loads
+        candidates = self.agreed_candidates(target, strategy)
+        first_error: RollCkptError | None = None
+        for i, (storage, path, from_backup) in enumerate(candidates):
+            try:
+                step = self._resume_from(state, storage, path)
+            except RollCkptError as exc:  # raised alike on every rank (verification is broadcast)
+                if i + 1 < len(candidates):
+                    from .replication import replica_url
+
+                    nxt_storage, nxt_path, _ = candidates[i + 1]
+                    log.warning("roll-ckpt: cannot resume from the local copy %s: %s -- resuming from its "
+                                "replica %s instead (verified first)", path, exc, replica_url(nxt_storage, nxt_path))
+                    first_error = first_error or exc
+                    continue
+                if first_error is not None:
+                    log.warning("roll-ckpt: the replica %s cannot be resumed from either: %s", path, exc)
+                    raise first_error from None
+                raise
+            self.resumed_from_backup = from_backup
+            if from_backup:
+                from .replication import replica_url
+
+                job.resumed_from = replica_url(storage, path)
+                log.info("roll-ckpt: resumed step %d from the backup %s", step, job.resumed_from)
+            return step
+        return 0
+
+    def _verify_part(self, storage: Storage, path: str, strategy: Strategy) -> tuple[str, Manifest]:
+        """Coordinator: the folder to load and its manifest, everything but the data files checked."""
+        part = self._part_to_load(storage, path)
+        # DCP's data files are checked while they are read, once, by the rank that reads
+        # them (before anything is deserialized); everything else here.
+        data_dir = f"{strategy.data_dir}/"
+        with self.job.progress("verify") as progress:
+            manifest = verify(storage, part, on_bytes=progress,
+                              defer=lambda name: name.startswith(data_dir) and name != f"{data_dir}.metadata").manifest
+        _check_written_by(manifest, part, strategy)
+        return part, manifest
+
+    def _resume_from(self, state: MutableMapping[str, Any], storage: Storage, path: str) -> int:
+        """Verify the checkpoint at ``path``, load it into ``state``; return its step."""
+        job = self.job
+        strategy = job.strategy
+        assert strategy is not None
+        checked: dict[str, Any] = {}
+
+        def check() -> str:
+            part, checked["manifest"] = self._verify_part(storage, path, strategy)
+            return part
+
+        part = decide(strategy, check, where=f"cannot verify {path}")
+        manifest = checked.get("manifest") or read_manifest(storage, part)
+        data_dir = strategy.data_dir
+        files = {name[len(data_dir) + 1:]: entry for name, entry in manifest.files.items()
+                 if name.startswith(f"{data_dir}/")}
+        with storage.open_read(storage.join(part, TRAINER_STATE)) as f:
+            trainer_state = json.loads(f.read().decode())
+        with job.progress(f"load step {trainer_state.get('step')}") as progress:
+            strategy.load(state, storage, storage.join(part, data_dir), progress, files=files, checkpoint=part)
+        self.trainer_state = trainer_state
+        job.resumed_from = storage.url if storage is not job.storage else path
+        job.plugins.hook.roll_ckpt_load(path=path, state=state)
+        return int(trainer_state["step"])
+
+    def _part_to_load(self, storage: Storage, path: str) -> str:
+        """The folder this manager loads from ``path``: the checkpoint itself, or its component's part."""
+        component = self.job.component
+        top = read_manifest(storage, path)
+        parts = components_of(top)
+        if component is None:
+            if parts or top.component:
+                what = f"made of components ({', '.join(sorted(parts))})" if parts else \
+                    f"the part of component '{top.component}' of a step"
+                raise RollCkptError(f"{path} is {what}; resume it with CheckpointManager(config, component=...) "
+                                    "and checkpoint_config.components")
+            return path
+        if top.component == component:
+            return path  # the part's own folder, named explicitly
+        if top.component is not None:
+            raise RollCkptError(f"{path} is the part of component '{top.component}', not of '{component}'; "
+                                "resume from the step's folder or from this component's part")
+        if not parts:
+            raise RollCkptError(f"{path} was saved without components; resume it with a manager created "
+                                "without component=")
+        return open_part(storage, path, top, component)
+
+
+def _check_written_by(manifest: Manifest, path: str, strategy: Strategy) -> None:
+    if not any(name.startswith(f"{strategy.data_dir}/") for name in manifest.files):
+        raise RollCkptError(
+            f"{path} was written by the '{manifest.extra.get('strategy')}' strategy and holds no "
+            f"'{strategy.data_dir}/' folder, which the '{strategy.name}' strategy chosen for this state "
+            "loads; resume it with the same kind of state it was saved from")

@@ -1,0 +1,189 @@
+"""Every private torch API roll-ckpt uses, in one place.
+
+Each accessor notes the torch versions it was checked on. When torch changes one of
+them, the accessor raises :class:`TorchCompatError` naming the API and the installed
+torch version, instead of a bare ``AttributeError`` deep inside a save. Nothing here
+patches torch: every override is scoped to roll-ckpt's own writer and reader.
+
+Importing this module imports torch (not ``torch.distributed``); DCP's modules are
+imported by the accessors that need them.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any, Callable
+
+import torch
+
+from .errors import RollCkptError
+
+__all__ = ["TorchCompatError", "local_tensor", "set_local_tensor", "rewrap_dtensor", "save_tensor_without_crc",
+           "weights_only_load", "file_reader", "storage_info", "set_element", "get_element",
+           "load_state_dict_no_dist", "empty_state_dict_load_planner", "planner_set_value", "storage_prefix",
+           "narrow_tensor_by_index", "CHECKED_ON"]
+
+CHECKED_ON = ("2.6", "2.9", "2.11", "2.13")
+"""torch releases these accessors were checked against (the test suite runs on 2.13)."""
+
+
+class TorchCompatError(RollCkptError):
+    """A private torch API roll-ckpt relies on is missing from the installed torch."""
+
+
+def _missing(api: str, exc: BaseException) -> TorchCompatError:
+    return TorchCompatError(
+        f"torch {torch.__version__} lacks {api} ({type(exc).__name__}: {exc}), which roll-ckpt uses "
+        f"(checked on torch {', '.join(CHECKED_ON)}); install one of those torch versions or a "
+        "roll-ckpt release that supports this one")
+
+
+# --------------------------------------------------------------------------- DTensor internals
+
+
+def local_tensor(t: Any) -> Any:
+    """The local shard of a DTensor itself (not a view: ``to_local()`` may wrap it for
+    autograd), or ``t`` when it is a plain tensor. ``DTensor._local_tensor``: torch 2.4-2.13."""
+    return getattr(t, "_local_tensor", t)
+
+
+def set_local_tensor(t: Any, local: Any) -> None:
+    """Swap a DTensor's local shard (the offload store releases memory this way;
+    ``DTensor._local_tensor``, torch 2.4-2.13)."""
+    if not hasattr(t, "_local_tensor"):
+        raise _missing("DTensor._local_tensor", AttributeError("_local_tensor"))
+    t._local_tensor = local
+
+
+def rewrap_dtensor(like: Any, local: Any) -> Any:
+    """A DTensor over ``local`` with ``like``'s mesh, placements, global shape and stride
+    (public ``DTensor.from_local``; its ``shape``/``stride`` arguments exist since torch 2.4)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
+                              shape=like.shape, stride=like.stride())
+
+
+# --------------------------------------------------------------------------- serialization
+
+
+def save_tensor_without_crc(tensor: torch.Tensor, stream: Any) -> None:
+    """``torch.save(tensor, stream)``, but without torch's per-record CRC-32.
+
+    The bytes are what ``torch.save`` writes with ``set_crc32_options(False)``, which
+    ``torch.load`` reads; roll-ckpt's files are covered by the manifest's xxh3-128, computed
+    in the same pass, and the CRC-32 costs about as much CPU as copying the data. Only this
+    call skips it: other ``torch.save`` calls keep torch's setting.
+    ``torch.serialization._save`` / ``_get_storage_alignment`` / ``torch._C.PyTorchFileWriter``:
+    torch 2.6-2.13.
+    """
+    import torch.serialization as ser
+
+    try:
+        writer = torch._C.PyTorchFileWriter(stream, False, ser._get_storage_alignment())
+        save = ser._save
+    except (AttributeError, TypeError) as exc:
+        raise _missing("torch.serialization._save / PyTorchFileWriter(stream, compute_crc32, alignment)",
+                       exc) from None
+    save(tensor, writer, pickle, ser.DEFAULT_PROTOCOL, False)
+    writer.write_end_of_file()
+
+
+def file_reader(stream: Any) -> Any:
+    """``torch._C.PyTorchFileReader`` over a seekable stream (torch 2.6-2.13)."""
+    try:
+        return torch._C.PyTorchFileReader(stream)
+    except AttributeError as exc:
+        raise _missing("torch._C.PyTorchFileReader", exc) from None
+
+
+def weights_only_load(reader: Any, overall_storage: Any) -> Any:
+    """``torch.load(weights_only=True)`` of a zip record set, its storages taken from
+    ``overall_storage`` (the mechanism behind ``torch.load(mmap=True)``):
+    ``torch.serialization._load(..., overall_storage=)`` and ``_weights_only_unpickler``,
+    torch 2.6-2.13."""
+    import torch.serialization as ser
+
+    try:
+        load, unpickler = ser._load, ser._weights_only_unpickler
+    except AttributeError as exc:
+        raise _missing("torch.serialization._load / _weights_only_unpickler", exc) from None
+    return load(reader, "cpu", unpickler, overall_storage=overall_storage, encoding="utf-8")
+
+
+# --------------------------------------------------------------------------- DCP internals
+
+
+def storage_info(relative_path: str, offset: int, length: int) -> Any:
+    """DCP's per-item storage record (``filesystem._StorageInfo``, torch 2.3-2.13)."""
+    try:
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+    except ImportError as exc:
+        raise _missing("torch.distributed.checkpoint.filesystem._StorageInfo", exc) from None
+    return _StorageInfo(relative_path, offset, length)
+
+
+def storage_prefix(plan: Any) -> str:
+    """The file-name prefix DCP's planner gave this rank (``_StoragePrefix.prefix``, torch 2.3-2.13)."""
+    try:
+        return plan.storage_data.prefix
+    except AttributeError as exc:
+        raise _missing("SavePlan.storage_data.prefix (filesystem._StoragePrefix)", exc) from None
+
+
+def _traverse(name: str) -> Callable[..., Any]:
+    try:
+        from torch.distributed.checkpoint import _traverse
+
+        return getattr(_traverse, name)
+    except (ImportError, AttributeError) as exc:
+        raise _missing(f"torch.distributed.checkpoint._traverse.{name}", exc) from None
+
+
+def set_element(root: Any, path: tuple, value: Any) -> None:
+    """Set ``value`` at DCP's object path ``path`` (``_traverse.set_element``, torch 2.2-2.13)."""
+    _traverse("set_element")(root, path, value)
+
+
+def get_element(root: Any, path: tuple) -> Any:
+    """The value at DCP's object path ``path`` (``_traverse.get_element``, torch 2.2-2.13)."""
+    return _traverse("get_element")(root, path)
+
+
+def planner_set_value(planner: Any, fqn: str, value: Any) -> None:
+    """Store a loaded non-tensor value where DCP's default load planner would
+    (``DefaultLoadPlanner.original_state_dict`` / ``mappings``, torch 2.2-2.13)."""
+    if planner.flatten_state_dict:
+        set_element(planner.original_state_dict, planner.mappings[fqn], value)
+    else:
+        planner.state_dict[fqn] = value
+
+
+def load_state_dict_no_dist(sd: dict, reader: Any, planner: Any) -> None:
+    """DCP's load in one process without a process group, into ``sd`` as the planner
+    builds it (``state_dict_loader._load_state_dict``, torch 2.2-2.13)."""
+    try:
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    except ImportError as exc:
+        raise _missing("torch.distributed.checkpoint.state_dict_loader._load_state_dict", exc) from None
+    _load_state_dict(sd, storage_reader=reader, planner=planner, no_dist=True)
+
+
+def empty_state_dict_load_planner() -> type:
+    """DCP's planner that rebuilds a whole state dict from metadata
+    (``default_planner._EmptyStateDictLoadPlanner``, torch 2.2-2.13)."""
+    try:
+        from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    except ImportError as exc:
+        raise _missing("torch.distributed.checkpoint.default_planner._EmptyStateDictLoadPlanner", exc) from None
+    return _EmptyStateDictLoadPlanner
+
+
+def narrow_tensor_by_index(tensor: Any, offsets: Any, sizes: Any) -> Any:
+    """The part of ``tensor`` a DCP read item asks for (``_shard._utils.narrow_tensor_by_index``,
+    torch 2.0-2.13)."""
+    try:
+        from torch.distributed._shard._utils import narrow_tensor_by_index as narrow
+    except ImportError as exc:
+        raise _missing("torch.distributed._shard._utils.narrow_tensor_by_index", exc) from None
+    return narrow(tensor, offsets, sizes)

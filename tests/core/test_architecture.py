@@ -1,0 +1,153 @@
+"""The layout shows the architecture: contracts in one module, core knows nothing of its
+plugins, no import cycle, private torch APIs in one compat module, small modules."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CORE = REPO / "packages" / "core" / "src" / "roll_ckpt"
+PLUGIN_SOURCES = [REPO / "packages" / d / "src" for d in ("backend-fs", "strategy-fsdp2", "demo")]
+PLUGIN_PACKAGES = ("roll_ckpt_fs", "roll_ckpt_fsdp2", "roll_ckpt_demo")
+MAX_LINES = 450
+
+
+def _modules(src: Path, package: str) -> dict[str, Path]:
+    out = {}
+    for path in sorted(src.rglob("*.py")):
+        parts = list(path.relative_to(src.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    assert out, f"no modules under {src}"
+    return out
+
+
+CORE_MODULES = _modules(CORE, "roll_ckpt")
+
+
+def _imports(module: str, path: Path) -> set[str]:
+    """Every module ``module`` imports, anywhere in it: top level, in functions, under TYPE_CHECKING."""
+    found: set[str] = set()
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                found.add(sub if sub in CORE_MODULES else target)
+    return found
+
+
+def _core_graph() -> dict[str, set[str]]:
+    return {m: {d for d in _imports(m, p) if d in CORE_MODULES and d != m} for m, p in CORE_MODULES.items()}
+
+
+def test_no_import_cycle_in_core() -> None:
+    graph = _core_graph()
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                cycle = stack[stack.index(d):] + [d]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def test_contracts_import_no_implementation() -> None:
+    deps = _imports("roll_ckpt.contracts", CORE_MODULES["roll_ckpt.contracts"])
+    assert not {d for d in deps if d.startswith(("roll_ckpt", "torch"))}, deps
+
+
+def test_core_never_imports_a_plugin_nor_names_its_config() -> None:
+    for module, path in CORE_MODULES.items():
+        deps = _imports(module, path)
+        assert not {d for d in deps if d.startswith(PLUGIN_PACKAGES)}, f"{module} imports a plugin: {deps}"
+        assert "offload_backend" not in path.read_text(), f"{module} names a plugin's config key"
+
+
+def test_core_modules_stay_small() -> None:
+    big = {m: n for m, p in CORE_MODULES.items() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not big, f"modules over {MAX_LINES} lines: {big}"
+
+
+def _private_torch_uses(path: Path) -> list[str]:
+    """``from torch... import _x``, ``import torch._x``, ``torch._C``/``serialization._x``, ``._local_tensor``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch"):
+            if any(part.startswith("_") for part in node.module.split(".")) or \
+                    any(a.name.startswith("_") for a in node.names):
+                found.append(f"line {node.lineno}: from {node.module} import ...")
+        elif isinstance(node, ast.Import):
+            found += [f"line {node.lineno}: import {a.name}" for a in node.names
+                      if a.name.startswith("torch") and any(p.startswith("_") for p in a.name.split("."))]
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            base = node.value
+            name = base.id if isinstance(base, ast.Name) else base.attr if isinstance(base, ast.Attribute) else ""
+            if name in ("torch", "ser", "serialization") or node.attr == "_local_tensor":
+                found.append(f"line {node.lineno}: .{node.attr}")
+    return found
+
+
+def test_private_torch_apis_live_in_the_compat_module_only() -> None:
+    sources = list(CORE_MODULES.values()) + [p for src in PLUGIN_SOURCES for p in src.rglob("*.py")]
+    offenders = {str(p.relative_to(REPO)): uses for p in sources
+                 if p.name != "torch_compat.py" and (uses := _private_torch_uses(p))}
+    assert not offenders, offenders
+    assert _private_torch_uses(CORE / "torch_compat.py"), "the compat module is where they are"
+
+
+def test_every_compat_accessor_names_the_torch_versions_it_was_checked_on() -> None:
+    tree = ast.parse((CORE / "torch_compat.py").read_text())
+    for fn in (n for n in tree.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")):
+        doc = ast.get_docstring(fn) or ""
+        assert "torch 2." in doc or "since torch" in doc, f"{fn.name} does not say which torch it was checked on"
+
+
+def test_a_missing_private_api_is_an_error_naming_the_torch_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+    import torch.serialization as ser
+
+    from roll_ckpt.torch_compat import TorchCompatError, save_tensor_without_crc
+
+    monkeypatch.delattr(ser, "_save")
+    import re
+
+    with pytest.raises(TorchCompatError, match=re.escape(f"torch {torch.__version__} lacks torch.serialization._save")):
+        save_tensor_without_crc(torch.zeros(2), __import__("io").BytesIO())
+
+
+def test_the_writer_patches_nothing_in_torch() -> None:
+    """The CRC-32 is skipped in our writer only: torch's own setting is untouched by a save."""
+    import io
+
+    import torch
+    import torch.serialization as ser
+
+    from roll_ckpt.torch_compat import save_tensor_without_crc
+
+    before = ser.get_crc32_options
+    save_tensor_without_crc(torch.arange(4.0), buf := io.BytesIO())
+    assert ser.get_crc32_options is before and ser.get_crc32_options() is True
+    assert torch.equal(torch.load(io.BytesIO(buf.getvalue()), weights_only=True), torch.arange(4.0))
