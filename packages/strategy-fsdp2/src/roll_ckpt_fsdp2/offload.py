@@ -19,6 +19,7 @@ wait for every hold to be released, so a checkpoint never mixes two steps.
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
@@ -32,6 +33,8 @@ from roll_ckpt.torch_compat import local_tensor, rewrap_dtensor, set_local_tenso
 from .alias import exact_alias
 
 __all__ = ["OffloadStore", "Slot"]
+
+log = logging.getLogger("roll_ckpt")
 
 
 @dataclass
@@ -55,6 +58,11 @@ class Slot:
     device: torch.device | None = None
     replaced: bool = False
     """The live local tensor was swapped for an empty one (its storage cannot be resized)."""
+    param: bool = True
+    """A module's parameter (else an optimizer state)."""
+    kept: bool = False
+    """The live local tensor keeps its memory: a parameter whose storage cannot be resized
+    (FSDP2 computes from views of it, so it may not be swapped either)."""
     alias: DTensor | None = None
     """The zero-copy DTensor over this slot's part of the buffer, built once per layout."""
 
@@ -66,22 +74,30 @@ class Slot:
         return n
 
 
-def _release(slot: Slot) -> None:
-    """Free the live local tensor's memory; the store now holds the only copy."""
+def _release(slot: Slot) -> bool:
+    """Free the live local tensor's memory; the store now holds the only copy. False when
+    it must keep it: a parameter whose storage cannot be resized."""
     local = local_tensor(slot.dtensor)
     slot.device = local.device
     storage = local.untyped_storage()
+    slot.replaced = slot.kept = False
     if storage.resizable():
         storage.resize_(0)  # keeps the tensor object (FSDP2 holds views of it)
-        slot.replaced = False
-    else:
-        # e.g. optimizer states DCP loaded into memory it does not own: swap the tensor.
+    elif not slot.param:
+        # e.g. optimizer states in memory torch does not own: the optimizer holds the
+        # DTensor, not its local tensor, so the local tensor can be swapped.
         set_local_tensor(slot.dtensor, local.new_empty(0))
         slot.replaced = True
+    else:
+        slot.kept = True
+    return not slot.kept
 
 
 def _restore(slot: Slot) -> torch.Tensor:
     """Give the live local tensor its memory back (uninitialised) and return it."""
+    if slot.kept:
+        slot.kept = False
+        return local_tensor(slot.dtensor)
     if slot.replaced:
         local = torch.empty(slot.local_shape, dtype=slot.dtype, device=slot.device)
         set_local_tensor(slot.dtensor, local)
@@ -109,6 +125,7 @@ class OffloadStore:
         self.offloaded = False
         self._holds = 0
         self._cond = threading.Condition()
+        self._told_kept = False
 
     # ----------------------------------------------------------------- lifetime
 
@@ -140,14 +157,15 @@ class OffloadStore:
     # ----------------------------------------------------------------- offload / onload
 
     @staticmethod
-    def _tensors(state: Mapping[str, Any], optimizer: bool) -> Iterator[tuple[str, DTensor]]:
+    def _tensors(state: Mapping[str, Any], optimizer: bool) -> Iterator[tuple[str, DTensor, bool]]:
+        """``(state-dict key, DTensor, is a module's parameter)`` of every tensor to offload."""
         modules = {k: v for k, v in state.items() if isinstance(v, torch.nn.Module)}
         for key, mod in modules.items():
             if hasattr(mod, "reshard"):
                 mod.reshard()  # FSDP2: make sure the sharded parameters are registered
             for fqn, p in mod.named_parameters():
                 if isinstance(p, DTensor):
-                    yield f"{key}.{fqn}", p
+                    yield f"{key}.{fqn}", p, True
         if not optimizer:
             return
         for key, opt in state.items():
@@ -160,12 +178,12 @@ class OffloadStore:
                     continue
                 for k, v in st.items():
                     if isinstance(v, DTensor):
-                        yield f"{key}.state.{fqn}.{k}", v
+                        yield f"{key}.state.{fqn}.{k}", v, False
 
-    def _layout(self, tensors: list[tuple[str, DTensor]]) -> None:
+    def _layout(self, tensors: list[tuple[str, DTensor, bool]]) -> None:
         sizes: dict[torch.dtype, int] = {}
         slots: dict[str, Slot] = {}
-        for name, t in tensors:
+        for name, t, param in tensors:
             local = local_tensor(t)
             segments, segment, group = 1, 0, None
             numel = local.numel()
@@ -177,8 +195,8 @@ class OffloadStore:
                     group = t.device_mesh.get_group(dim)
                     numel = -(-local.numel() // segments)
             off = sizes.get(local.dtype, 0)
-            slots[name] = Slot(name, t, local.dtype, off, numel, local.shape,
-                               local.untyped_storage().nbytes(), segments, segment, group)
+            slots[name] = Slot(name, t, local.dtype, off, numel, local.shape, local.untyped_storage().nbytes(),
+                               segments, segment, group, param=param)
             sizes[local.dtype] = off + numel
         for dtype, n in sizes.items():
             buf = self.buffers.get(dtype)
@@ -196,8 +214,8 @@ class OffloadStore:
             return 0
         self.wait_released()  # a checkpoint may still be writing from these buffers
         tensors = list(self._tensors(state, optimizer))
-        same = set(self.slots) == {n for n, _ in tensors} and all(
-            self.slots[n].dtensor is t and self.slots[n].local_shape == local_tensor(t).shape for n, t in tensors)
+        same = set(self.slots) == {n for n, _, _ in tensors} and all(
+            self.slots[n].dtensor is t and self.slots[n].local_shape == local_tensor(t).shape for n, t, _ in tensors)
         if not same:
             self._layout(tensors)
         moved = 0
@@ -215,8 +233,12 @@ class OffloadStore:
                     moved += slot.numel * local.element_size()
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
-            for slot in self.slots.values():
-                _release(slot)
+            kept = [slot.name for slot in self.slots.values() if not _release(slot)]
+        if kept and not self._told_kept:
+            self._told_kept = True
+            log.warning("roll-ckpt: offload_states kept the memory of %d parameter(s) (e.g. %s): their storage "
+                        "cannot be resized, so it cannot be freed without breaking FSDP2's views of it",
+                        len(kept), kept[0])
         self.offloaded = True
         return moved
 
