@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
-from .config import BackupConfig, CheckpointConfig, Config, StrategyConfig, load_config
+from .config import BackupConfig, CheckpointConfig, Config, PreemptionConfig, StrategyConfig, load_config
 from .errors import (BackupError, CheckpointCorruptError, CheckpointNotFoundError, ConfigError, PluginError,
                      RollCkptError, SaveError, StorageError, StorageFullError, UnknownPluginError,
                      UnsafeCheckpointError)
@@ -18,6 +18,7 @@ from .contracts import (BackendRecord, CommandRecord, CommitInfo, ConfigKeyRecor
 from .driver_state import DriverState
 from .hookspecs import hookimpl, hookspec
 from .layout import new_run_name
+from .preemption import Preempted
 
 if TYPE_CHECKING:
     from .manager import CheckpointManager, SaveStats
@@ -27,11 +28,13 @@ __all__ = [
     "CheckpointManager",
     "SaveStats",
     "DriverState",
+    "Preempted",
     "new_run_name",
     "load_config",
     "Config",
     "CheckpointConfig",
     "BackupConfig",
+    "PreemptionConfig",
     "StrategyConfig",
     "hookimpl",
     "hookspec",

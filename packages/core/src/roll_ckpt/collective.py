@@ -18,21 +18,29 @@ __all__ = ["decide", "storage_error"]
 T = TypeVar("T")
 
 
-def storage_error(exc: OSError, where: str) -> StorageError:
-    """The roll-ckpt error for an ``OSError`` met while writing under ``where`` (a folder)."""
+def storage_error(exc: Exception, where: str) -> StorageError:
+    """The roll-ckpt error for a failure met while writing under ``where`` (a folder): an
+    ``OSError``, or a store client's own error type (S3 unreachable)."""
     if disk_full(exc):
         return StorageFullError(f"no space left under {where}: {exc}; free space there; training can go on "
                                 "and the next save will try again")
-    return StorageError(f"cannot write under {where}: {exc}; choose a writable location")
+    return StorageError(f"cannot write under {where}: {type(exc).__name__}: {exc}; choose a writable, "
+                        "reachable location; training can go on and the next save will try again")
+
+
+def _default_error(exc: Exception, where: str) -> RollCkptError:
+    if isinstance(exc, OSError):
+        return StorageError(f"{where}: {type(exc).__name__}: {exc}")
+    return RollCkptError(f"{where}: {type(exc).__name__}: {exc}")
 
 
 def decide(strategy: Strategy, fn: Callable[[], T], *, where: str,
-           on_oserror: Callable[[OSError, str], RollCkptError] | None = None) -> T:
+           on_error: Callable[[Exception, str], RollCkptError] = _default_error) -> T:
     """``fn()`` run on the coordinator, its result (or its error) on every process.
 
-    An ``OSError`` becomes ``on_oserror(exc, where)`` (default: a :class:`StorageError`
-    naming ``where``); any other unexpected error becomes a :class:`RollCkptError` naming
-    ``where`` and its type, chained on the coordinator.
+    A :class:`RollCkptError` travels as it is; any other exception becomes
+    ``on_error(exc, where)`` (default: a :class:`StorageError` for an ``OSError``, else a
+    :class:`RollCkptError`, each naming ``where`` and the cause), chained on the coordinator.
     """
     result: Any = None
     error: RollCkptError | None = None
@@ -42,12 +50,8 @@ def decide(strategy: Strategy, fn: Callable[[], T], *, where: str,
             result = fn()
         except RollCkptError as exc:
             error = exc
-        except OSError as exc:
-            error = on_oserror(exc, where) if on_oserror is not None else \
-                StorageError(f"{where}: {type(exc).__name__}: {exc}")
-            cause = exc
         except Exception as exc:  # every rank must hear of it: none may stay in the broadcast
-            error, cause = RollCkptError(f"{where}: {type(exc).__name__}: {exc}"), exc
+            error, cause = on_error(exc, where), exc
     result, error = strategy.broadcast((result, error))
     if error is not None:
         raise error from cause

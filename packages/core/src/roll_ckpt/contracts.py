@@ -203,6 +203,10 @@ class Strategy(Protocol):
     def broadcast(self, obj: Any) -> Any:
         """The coordinator's ``obj`` on every process (picklable; exceptions included)."""
 
+    def any_true(self, flag: bool) -> bool:
+        """True on every process when ``flag`` is true on at least one (called every step by
+        ``maybe_save`` to agree on a preemption request: it must cost well under a millisecond)."""
+
     def state_dict(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """The live, nested state dict of ``state``: nothing copied yet."""
 

@@ -110,6 +110,9 @@ class JSONStrategy:
     def broadcast(self, obj: Any) -> Any:
         return obj
 
+    def any_true(self, flag: bool) -> bool:
+        return flag
+
     def state_dict(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """The bytes of ``state.json``: a snapshot taken now, so the caller may go on right away."""
         body: dict[str, Any] = {}

@@ -81,7 +81,7 @@ class Job:
         assert self.strategy is not None
         name = decide(self.strategy, lambda: claim_run_folder(self.storage, self.root, cc, self.config.exp_name,
                                                                 self.component),
-                      where=f"checkpoint_config.output_dir {cc.output_dir}", on_oserror=storage_error)
+                      where=f"checkpoint_config.output_dir {cc.output_dir}", on_error=storage_error)
         self.run_dir = self.storage.join(self.root, name) if name else self.root
         if name:
             note_open_run(self.run_dir, self.manager)  # retention by other managers leaves it alone

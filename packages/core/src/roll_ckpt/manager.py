@@ -9,6 +9,7 @@ to resume from, and loading it), :mod:`roll_ckpt.runs` (run folders),
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Mapping, MutableMapping
 
 from .backup import BackupLink
@@ -18,11 +19,14 @@ from .contracts import Storage, Strategy
 from .errors import RollCkptError
 from .job import Job, open_storage
 from .plugins import Plugins, get_plugins
+from .preemption import Preempted, PreemptionWatch, run_without_interruption
 from .resuming import Resumer
 from .layout import TRAINER_STATE
 from .saving import SavePipeline, SaveStats
 
 __all__ = ["CheckpointManager", "SaveStats", "open_storage", "TRAINER_STATE"]
+
+log = logging.getLogger("roll_ckpt")
 
 
 class CheckpointManager:
@@ -42,6 +46,10 @@ class CheckpointManager:
     ``checkpoint-<step>/<component>/`` with its own processes, and a step counts once every
     component has committed its part (see :mod:`roll_ckpt.components`). ``resume`` loads
     this component's part of the newest step that every component committed.
+
+    Preemption (``checkpoint_config.preemption``, on by default for SIGTERM): the manager
+    installs signal handlers when it is created (main thread only) and restores the previous
+    ones at :meth:`close`; see :meth:`maybe_save` and :mod:`roll_ckpt.preemption`.
     """
 
     def __init__(self, config: Config, *, component: str | None = None, plugins: Plugins | None = None,
@@ -62,6 +70,10 @@ class CheckpointManager:
         self._saves = SavePipeline(self._job)
         self._resumer = Resumer(self._job)
         self._closed = False
+        self.preempted = False
+        """True once a preemption checkpoint is committed (with ``preemption.exit: false``)."""
+        self._watch = PreemptionWatch(cc.preemption.signals)
+        self._watch.install()
 
     @classmethod
     def from_config(cls, config: Config | Mapping[str, Any] | str, **kwargs: Any) -> "CheckpointManager":
@@ -111,21 +123,63 @@ class CheckpointManager:
     # ------------------------------------------------------------------ saving
 
     def maybe_save(self, step: int, state: Mapping[str, Any]) -> str | None:
-        """Save when ``step`` is a multiple of ``save_steps``; returns the checkpoint's path."""
+        """Save when ``step`` is a multiple of ``save_steps``; returns the checkpoint's path.
+
+        Call it once per step on every process: it is also where a preemption request (a
+        signal, or :meth:`request_preemption`) is acted on. The processes agree on it (one
+        tiny all-reduce per call, even when only one process got the signal), then the
+        manager waits for a save in flight, saves ``step`` synchronously and durably, closes
+        and, with ``preemption.exit`` (the default), raises :class:`~roll_ckpt.Preempted`.
+        """
+        self._check_open()
+        if self._watch.signals:
+            strategy = self.bind(state)
+            if strategy.any_true(self._watch.requested):
+                return self._preempt(step, state)
         every = self.config.save_steps
         if every > 0 and step > 0 and step % every == 0:
             return self.save(step, state)
         return None
 
+    def request_preemption(self) -> None:
+        """Ask for a preemption save at the next :meth:`maybe_save`, as a signal would: for code
+        that learns of a preemption otherwise (a Ray actor off the main thread, a scheduler's API)."""
+        self._watch.request()
+
+    @property
+    def preemption_requested(self) -> bool:
+        """True once this process got a preemption signal or request (no collective)."""
+        return self._watch.requested
+
+    def _preempt(self, step: int, state: Mapping[str, Any]) -> str | None:
+        pc = self.config.checkpoint_config.preemption
+        log.warning("roll-ckpt: preemption (%s): saving step %d durably%s", self._watch.describe(), step,
+                    f", then exiting with status {pc.exit_code}" if pc.exit else "")
+        try:
+            try:
+                self._saves.wait()  # the save in flight first; its failure must not cost this one
+            except RollCkptError as exc:
+                log.error("roll-ckpt: the save in flight failed: %s; saving step %d anyway", exc, step)
+            path = run_without_interruption(self._watch, lambda: self._saves.save(
+                step, state, final=True, metadata={"preempted": self._watch.describe()}))
+        finally:
+            self.close()
+        self.preempted = True
+        log.warning("roll-ckpt: preemption checkpoint of step %d committed at %s", step, path)
+        if pc.exit:
+            raise Preempted(pc.exit_code, step, path or "")
+        return path
+
     def save(self, step: int, state: Mapping[str, Any], *, final: bool = False,
-             metadata: Mapping[str, Any] | None = None) -> str:
+             metadata: Mapping[str, Any] | None = None) -> str | None:
         """Save ``state`` as ``checkpoint-<step>``; returns the path it is committed at.
 
         With ``strategy_config.async_save_ckpt`` this returns once the state is staged
         and the write goes on in the background; ``final=True`` always returns after
         the checkpoint is committed. ``metadata`` (JSON values) goes to
         ``trainer_state.json`` under ``user``. Saving a step this manager has already
-        committed does nothing.
+        committed does nothing. With ``checkpoint_config.on_save_error: warn`` a failed
+        save that is not final returns ``None`` (logged, counted in :attr:`failed_saves`).
         """
         self._check_open()
         return self._saves.save(step, state, final=final, metadata=metadata)
@@ -138,6 +192,11 @@ class CheckpointManager:
     def save_in_flight(self) -> bool:
         """True while an asynchronous save is still writing; never waits."""
         return self._saves.in_flight
+
+    @property
+    def failed_saves(self) -> int:
+        """Periodic saves that failed and were let go (``checkpoint_config.on_save_error: warn``)."""
+        return self._saves.failed_saves
 
     @property
     def last_save(self) -> SaveStats | None:
@@ -236,6 +295,7 @@ class CheckpointManager:
         if self._closed:
             return
         self._closed = True
+        self._watch.uninstall()
         try:
             self._saves.close()
         finally:

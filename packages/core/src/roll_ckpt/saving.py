@@ -13,6 +13,11 @@
 
 One save is in flight at most: a save issued while an asynchronous one is still writing
 waits for it first (and raises its error, if it failed).
+
+``checkpoint_config.on_save_error: warn`` makes a failed periodic save (a storage error:
+disk full, store unreachable, permission denied) a logged, counted event wherever it
+surfaces (the save itself, or the next call that waits for a background one); nothing of
+it is committed and the next save tries again. Final saves always raise.
 """
 
 from __future__ import annotations
@@ -76,6 +81,8 @@ def _plugin_versions(job: Job) -> dict[str, str]:
 class SavePipeline:
     def __init__(self, job: Job) -> None:
         self.job = job
+        self.tolerant = job.config.checkpoint_config.on_save_error == "warn"
+        self.failed_saves = 0
         self.last_save: SaveStats | None = None
         self.committed_steps: set[int] = set()
         self.space: Any = None
@@ -86,13 +93,32 @@ class SavePipeline:
 
     # ------------------------------------------------------------------ the caller's part
 
-    def save(self, step: int, state: Mapping[str, Any], *, final: bool, metadata: Mapping[str, Any] | None) -> str:
-        t0 = time.perf_counter()
-        job = self.job
+    def save(self, step: int, state: Mapping[str, Any], *, final: bool,
+             metadata: Mapping[str, Any] | None) -> str | None:
+        """The path ``checkpoint-<step>`` is committed at; ``None`` when a periodic save failed
+        and ``on_save_error`` is ``warn``."""
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise RollCkptError(f"step must be an integer >= 0, got {step!r}")
-        strategy = job.bind(state)
+        self.job.bind(state)
         self.wait()
+        try:
+            return self._save(step, state, final=final, metadata=metadata)
+        except (StorageError, SaveError) as exc:
+            if final or not self.tolerant:
+                raise
+            self._tolerate(step, exc)
+            return None
+
+    def _tolerate(self, step: int | None, exc: BaseException) -> None:
+        self.failed_saves += 1
+        what = f"checkpoint-{step}" if step is not None else "the background save"
+        log.warning("roll-ckpt: saving %s failed: %s -- training goes on and the next save tries again "
+                    "(checkpoint_config.on_save_error: warn; %d failed save(s) so far)", what, exc, self.failed_saves)
+
+    def _save(self, step: int, state: Mapping[str, Any], *, final: bool, metadata: Mapping[str, Any] | None) -> str:
+        t0 = time.perf_counter()
+        job = self.job
+        strategy = job.strategy
         final_path = job.storage.join(job.ensure_run_dir(), layout.checkpoint_name(step))
         if job.component:
             final_path = job.storage.join(final_path, job.component)
@@ -128,16 +154,25 @@ class SavePipeline:
         return self._inflight is not None and not self._inflight.done()
 
     def wait(self) -> SaveStats | None:
-        """Wait for the save in flight; raise its error if it failed."""
+        """Wait for the save in flight; raise its error if it failed (``warn``: log and count it)."""
         fut, self._inflight = self._inflight, None
         if fut is None:
             return None
         try:
             stats = fut.result()
+        except (StorageError, SaveError) as exc:
+            if not self.tolerant:
+                raise
+            self._tolerate(None, exc)
+            return None
         except RollCkptError:
             raise
         except BaseException as exc:
-            raise SaveError(f"the background save failed: {type(exc).__name__}: {exc}") from exc
+            error = SaveError(f"the background save failed: {type(exc).__name__}: {exc}")
+            if not self.tolerant:
+                raise error from exc
+            self._tolerate(None, error)
+            return None
         self.last_save = stats
         return stats
 

@@ -50,6 +50,7 @@ class DCPStrategy:
         import torch.distributed as dist
 
         self._dist = dist if dist.is_available() and dist.is_initialized() else None
+        self._control: Any = None
         self.rank = self._dist.get_rank() if self._dist else 0
         self.world_size = self._dist.get_world_size() if self._dist else 1
 
@@ -72,9 +73,20 @@ class DCPStrategy:
         self._dist.broadcast_object_list(box, src=0, group=self.process_group)
         return box[0]
 
-    def barrier(self) -> None:
-        if self._dist is not None and self.world_size > 1:
-            self._dist.barrier(group=self.process_group)
+    def any_true(self, flag: bool) -> bool:
+        """True on every process when ``flag`` is true on one (an all-reduce of one integer).
+
+        On a gloo group of its own, created by the first call (every process makes that call
+        at the same step): it never interleaves with the collectives of an asynchronous save
+        still writing in the background, and works whatever backend the job's group uses.
+        """
+        if self._dist is None or self.world_size == 1:
+            return flag
+        if self._control is None:
+            self._control = self._dist.new_group(backend="gloo")
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self._control)
+        return bool(t.item())
 
     # ------------------------------------------------------------ state dicts
 

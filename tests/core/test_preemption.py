@@ -1,0 +1,217 @@
+"""Preemption: SIGTERM becomes a committed checkpoint at the next step, the job exits with
+``preemption.exit_code``, and a relaunch continues exactly; the handlers chain and restore."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from roll_ckpt import CheckpointManager, DriverState, Preempted, layout, load_config, new_run_name
+from roll_ckpt.testing import tiny_state
+
+CHILD = Path(__file__).with_name("_preempt_child.py")
+MAX_STEPS = 24
+EXIT_CODE = 7
+GRACE_S = 20.0
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLL_CKPT_")}
+    return dict(env, ROLL_CKPT_QUIET="1", OMP_NUM_THREADS="1")
+
+
+def _log(path: Path) -> list[list[str]]:
+    return [ln.split() for ln in path.read_text().splitlines()] if path.exists() else []
+
+
+class Job:
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.launches = 0
+
+    def run(self, signal_at: str = "none", kill_after_step: int | None = None) -> tuple[int, list[list[str]], float]:
+        """One launch; with ``kill_after_step`` the test sends SIGTERM once the job logged that step."""
+        self.launches += 1
+        log = self.out / f"launch-{self.launches}.log"
+        proc = subprocess.Popen([sys.executable, str(CHILD), str(self.out), str(log), str(MAX_STEPS), signal_at],
+                                env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        signalled = None
+        deadline = time.monotonic() + 120
+        try:
+            while proc.poll() is None and time.monotonic() < deadline:
+                if kill_after_step is not None and signalled is None and \
+                        any(w[0] == "trained" and int(w[1]) >= kill_after_step for w in _log(log)):
+                    proc.send_signal(signal.SIGTERM)
+                    signalled = time.monotonic()
+                time.sleep(0.01)
+            rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        took = time.monotonic() - signalled if signalled is not None else 0.0
+        output = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
+        assert rc in (0, EXIT_CODE), f"launch {self.launches} ({signal_at}) exited {rc}:\n{output}"
+        return rc, _log(log), took
+
+    def newest(self) -> layout.CheckpointRef:
+        ref = layout.latest(_storage(self.out), str(self.out))
+        assert ref is not None
+        return ref
+
+
+def _storage(out: Path):
+    from roll_ckpt_fs import LocalStorage
+
+    return LocalStorage(str(out))
+
+
+def _check_preempted(job: Job, lines: list[list[str]], rc: int) -> int:
+    assert rc == EXIT_CODE
+    stopped = int(next(w[1] for w in lines if w[0] == "preempted"))
+    last_trained = max(int(w[1]) for w in lines if w[0] == "trained")
+    assert stopped == last_trained, "the checkpoint is of the step the loop was at"
+    newest = job.newest()
+    assert newest.step == stopped, f"newest committed step {newest.step}, stopped at {stopped}"
+    state = json.loads((Path(newest.path) / "trainer_state.json").read_text())
+    assert "preempted" in state["user"]
+    return stopped
+
+
+def _final(out: Path) -> dict[str, torch.Tensor]:
+    return torch.load(out / "final.pt", weights_only=True)
+
+
+def test_sigterm_at_any_moment_commits_the_step_and_the_relaunch_is_exact(tmp_path: Path) -> None:
+    reference = Job(tmp_path / "reference")
+    reference.out.mkdir()
+    rc, lines, _ = reference.run()
+    assert rc == 0 and lines[-1] == ["done"]
+
+    job = Job(tmp_path / "job")
+    job.out.mkdir()
+    rnd = random.Random(int(os.environ.get("ROLL_CKPT_PREEMPT_SEED", "14")))
+    stops = []
+    # random moments, a signal during resume, right after it, and while an async save writes
+    plan = [("none", rnd.randint(2, 5)), ("during_resume", None), ("after_resume", None), ("in_flight", None),
+            ("none", None)]
+    for signal_at, kill_after in plan:
+        before = stops[-1] if stops else 0
+        if signal_at == "none" and kill_after is None:
+            kill_after = before + rnd.randint(1, 4)
+        rc, lines, took = job.run(signal_at, kill_after)
+        stopped = _check_preempted(job, lines, rc)
+        assert took < GRACE_S, f"exited {took:.1f}s after SIGTERM"
+        resumed = int(next(w[1] for w in lines if w[0] == "resumed"))
+        assert resumed == before
+        if signal_at in ("during_resume", "after_resume"):
+            assert stopped == resumed + 1, "honoured at the first maybe_save after resume"
+        if signal_at == "in_flight":
+            assert ["trained", str(stopped), "1"] in lines, "the signal came while an async save was writing"
+        stops.append(stopped)
+    rc, lines, _ = job.run()
+    assert rc == 0 and lines[-1] == ["done"]
+    assert int(lines[0][1]) == stops[-1]
+    final, expected = _final(job.out), _final(reference.out)
+    assert final.keys() == expected.keys()
+    assert all(torch.equal(final[k], expected[k]) for k in final), "the relaunches continue bit-exactly"
+
+
+# --------------------------------------------------------------------------- in one process
+
+
+def _config(tmp_path: Path, **preemption) -> object:
+    return load_config({"checkpoint_config": {"output_dir": str(tmp_path / "ckpt"), "preemption": preemption},
+                        "save_steps": 100})
+
+
+def test_exit_false_returns_and_sets_preempted(tmp_path: Path) -> None:
+    state = tiny_state()
+    m = CheckpointManager(_config(tmp_path, exit=False), quiet=True)
+    assert m.maybe_save(1, state) is None and not m.preempted
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert m.preemption_requested
+    path = m.maybe_save(2, state)
+    assert m.preempted and path is not None and path.endswith("checkpoint-2")
+    with pytest.raises(Exception, match="closed"):
+        m.save(3, state)
+    assert layout.latest(_storage(tmp_path / "ckpt"), str(tmp_path / "ckpt")).step == 2
+
+
+def test_the_previous_handler_is_chained_and_restored(tmp_path: Path) -> None:
+    seen: list[int] = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
+    try:
+        mine = signal.getsignal(signal.SIGUSR1)
+        m = CheckpointManager(_config(tmp_path, signals=["SIGUSR1"], exit_code=3), quiet=True)
+        assert signal.getsignal(signal.SIGUSR1) is not mine
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert seen == [signal.SIGUSR1], "the handler that was there first still runs"
+        with pytest.raises(Preempted) as info:
+            m.maybe_save(4, tiny_state())
+        assert info.value.code == 3 and info.value.exit_code == 3 and info.value.step == 4
+        assert signal.getsignal(signal.SIGUSR1) is mine, "close() restored the previous handler"
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def test_signals_off_and_a_request_from_code(tmp_path: Path) -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    m = CheckpointManager(_config(tmp_path / "off", signals=[]), quiet=True)
+    assert signal.getsignal(signal.SIGTERM) is before, "signals: [] installs nothing"
+    m.close()
+    m = CheckpointManager(_config(tmp_path / "on", exit=False), quiet=True)
+    m.request_preemption()  # what a Ray actor off the main thread does
+    assert m.maybe_save(5, tiny_state()).endswith("checkpoint-5") and m.preempted
+
+
+def test_off_the_main_thread_it_is_logged_once_and_the_rest_works(tmp_path: Path, caplog) -> None:
+    import threading
+
+    import roll_ckpt.preemption as preemption
+
+    preemption._told_not_main = False
+    out: dict = {}
+
+    def worker() -> None:
+        for i in range(2):
+            m = CheckpointManager(_config(tmp_path / str(i), exit=False), quiet=True)
+            m.request_preemption()
+            out[i] = m.maybe_save(1, tiny_state())
+
+    with caplog.at_level("INFO", logger="roll_ckpt"):
+        t = threading.Thread(target=worker)
+        t.start()
+        t.join(60)
+    assert all(p and p.endswith("checkpoint-1") for p in out.values()) and len(out) == 2
+    told = [r for r in caplog.records if "not on the main thread" in r.getMessage()]
+    assert len(told) == 1
+
+
+def test_components_save_the_same_step_and_it_commits_whole(tmp_path: Path) -> None:
+    """Every component's manager sees the signal; the step they all save commits as one."""
+    run = new_run_name()
+    cfg = load_config({"checkpoint_config": {"output_dir": str(tmp_path / "ckpt"), "run_name": run,
+                                             "components": ["actor", "critic", "pipeline"],
+                                             "preemption": {"exit": False}}, "save_steps": 10})
+    managers = {c: CheckpointManager(cfg, component=c, quiet=True) for c in ("actor", "critic", "pipeline")}
+    states = {"actor": tiny_state(1), "critic": tiny_state(2), "pipeline": {"driver": DriverState(step=0)}}
+    for step in (1, 2, 3):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        states["pipeline"]["driver"]["step"] = step
+        for c, m in managers.items():
+            m.maybe_save(step, states[c])
+    assert all(m.preempted for m in managers.values())
+    newest = layout.latest(_storage(tmp_path / "ckpt"), str(tmp_path / "ckpt"))
+    assert newest.step == 3 and (Path(newest.path) / "manifest.json").exists()
+    assert sorted(p.name for p in Path(newest.path).iterdir() if p.is_dir()) == ["actor", "critic", "pipeline"]
