@@ -32,6 +32,35 @@ def ckpt_config(tmp_path: Path) -> Callable[..., Any]:
     return make
 
 
+@pytest.fixture(scope="session")
+def _example_backend_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The test-fixture backend distribution, pip-installed once per session into a folder
+    of its own (never into the environment: ``make venv`` does not install it)."""
+    return plugin_helpers.install_example_backend(tmp_path_factory.mktemp("example-backend-site"))
+
+
+@pytest.fixture
+def example_backend(_example_backend_site: Path) -> Iterator[Path]:
+    """The third-party backend ``example_dir`` (distribution ``roll-ckpt-example-backend``,
+    tests/plugins/example_backend) is installed while the test runs: entry points of this
+    process (``roll_ckpt.plugins.get_plugins()`` is found again) and of the processes it
+    starts (``PYTHONPATH``). Yields the folder it is installed in."""
+    with plugin_helpers.installed(_example_backend_site) as site:
+        yield site
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """After a test that had the fixture backend installed, and once every fixture of it is
+    torn down (monkeypatched plugin discovery too), the process-wide plugin manager is found
+    again: later tests never see the backend, nor anything that test patched."""
+    try:
+        return (yield)
+    finally:
+        if "example_backend" in getattr(item, "fixturenames", ()):
+            plugin_helpers.reload_plugins()
+
+
 @pytest.fixture
 def memory_url() -> Iterator[str]:
     """A fresh ``memory://`` prefix, removed afterwards."""

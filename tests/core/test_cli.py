@@ -431,9 +431,9 @@ def test_export_user_errors(capsys: pytest.CaptureFixture[str], saved, tmp_path:
     assert not (tmp_path / "z.safetensors").exists()
 
 
-def test_type_and_storage_options_reach_the_backend(capsys: pytest.CaptureFixture[str], saved) -> None:
+def test_type_and_storage_options_reach_the_backend(capsys: pytest.CaptureFixture[str], saved,
+                                                    example_backend: Path) -> None:
     """Any backend plugin can be used: here the test fixture backend, with its ``prefix`` option."""
-    pytest.importorskip("roll_ckpt_example_backend")
     root, _, paths = saved
     rc, out, err = run_cli(capsys, "ls", str(root.parent), "--type", "example_dir",
                            "--storage-option", f"prefix={root.name}")

@@ -3,7 +3,8 @@
 * :mod:`helpers.launch`   - the environment of the processes tests start, free ports, the one
   bounded ``torchrun`` launcher and the environment of a rank forked by hand;
 * :mod:`helpers.training` - config builders and the one training step of the tests' small jobs;
-* :mod:`helpers.plugins`  - a plugin manager with one extra backend;
+* :mod:`helpers.plugins`  - a plugin manager with one extra backend, and the test-fixture
+  backend distribution (``tests/plugins/example_backend``) installed for a test run only;
 * :mod:`helpers.forkserver` - the fork server the crash and component tests start workers from.
 
 ``tests/`` is on ``sys.path`` under pytest (its rootdir conftest, ``tests/conftest.py``); the
