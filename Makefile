@@ -7,6 +7,8 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
+# The test-fixture backend (tests/plugins/example_backend) is not one of them: the tests that
+# need it install it for their run only (the example_backend fixture, tests/conftest.py).
 PACKAGES := -e packages/core -e packages/backend-fs -e packages/strategy-fsdp2 -e packages/demo \
             -e ".[all,dev]"
 SOURCES := pyproject.toml packages/*/pyproject.toml
@@ -20,6 +22,7 @@ $(STAMP): $(SOURCES) Makefile
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH)"
 	$(PIP) install -q "$(TORCH)" $(PACKAGES)
+	$(PIP) uninstall -qq -y roll-ckpt-example-backend  # left by an older set-up; a no-op otherwise
 	touch $(STAMP)
 
 demo: venv

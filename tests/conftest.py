@@ -1,38 +1,64 @@
-"""Fixtures shared by the whole test suite."""
+"""Fixtures shared by the whole test suite (the helpers they use: tests/helpers/)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from helpers import plugins as plugin_helpers
+from helpers.launch import run_python
+from helpers.training import config
 
 
 @pytest.fixture(autouse=True)
 def _isolated_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """No plugin selection or signing key inherited from the shell that runs the tests."""
-    for var in ("ROLL_CKPT_DISABLE_PLUGIN_AUTOLOAD", "ROLL_CKPT_PLUGINS", "ROLL_CKPT_BLOCKED_PLUGINS",
-                "ROLL_CKPT_SIGNING_KEY"):
+    for var in plugin_helpers.PLUGIN_SWITCHES:
         monkeypatch.delenv(var, raising=False)
 
 
 @pytest.fixture
 def ckpt_config(tmp_path: Path) -> Callable[..., Any]:
-    """``ckpt_config(**top, **{"cc": {...}})`` → a loaded Config writing under tmp_path/ckpt."""
-    from roll_ckpt import load_config
+    """``ckpt_config(cc=None, **top)`` → a loaded Config writing under tmp_path/ckpt
+    (``cc``: more checkpoint_config keys; ``top``: top-level keys; see helpers.training.config)."""
 
     def make(cc: dict[str, Any] | None = None, **top: Any) -> Any:
-        checkpoint = {"type": "file_system", "output_dir": str(tmp_path / "ckpt")}
-        checkpoint.update(cc or {})
-        return load_config({"checkpoint_config": checkpoint, **top})
+        return config(tmp_path / "ckpt", **(cc or {}), **top)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def _example_backend_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The test-fixture backend distribution, pip-installed once per session into a folder
+    of its own (never into the environment: ``make venv`` does not install it)."""
+    return plugin_helpers.install_example_backend(tmp_path_factory.mktemp("example-backend-site"))
+
+
+@pytest.fixture
+def example_backend(_example_backend_site: Path) -> Iterator[Path]:
+    """The third-party backend ``example_dir`` (distribution ``roll-ckpt-example-backend``,
+    tests/plugins/example_backend) is installed while the test runs: entry points of this
+    process (``roll_ckpt.plugins.get_plugins()`` is found again) and of the processes it
+    starts (``PYTHONPATH``). Yields the folder it is installed in."""
+    with plugin_helpers.installed(_example_backend_site) as site:
+        yield site
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """After a test that had the fixture backend installed, and once every fixture of it is
+    torn down (monkeypatched plugin discovery too), the process-wide plugin manager is found
+    again: later tests never see the backend, nor anything that test patched."""
+    try:
+        return (yield)
+    finally:
+        if "example_backend" in getattr(item, "fixturenames", ()):
+            plugin_helpers.reload_plugins()
 
 
 @pytest.fixture
@@ -74,19 +100,9 @@ def tmpfs(tmp_path: Path) -> Iterator[Callable[..., Path]]:
         subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=30)
 
 
-def run_python(code_or_args: list[str] | str, *, env: dict[str, str] | None = None,
-               timeout: float = 90, cwd: str | os.PathLike[str] | None = None) -> subprocess.CompletedProcess:
-    """Run a fresh interpreter (``python -c code`` or ``python *args``) with a time limit."""
-    args = ["-c", code_or_args] if isinstance(code_or_args, str) else list(code_or_args)
-    full_env = {k: v for k, v in os.environ.items()
-                if not k.startswith("ROLL_CKPT_") or k == "ROLL_CKPT_QUIET"}
-    full_env.update(env or {})
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True,
-                          timeout=timeout, env=full_env, cwd=cwd)
-
-
 @pytest.fixture(scope="session")
 def py() -> Callable[..., subprocess.CompletedProcess]:
+    """helpers.launch.run_python: a fresh interpreter with a time limit."""
     return run_python
 
 

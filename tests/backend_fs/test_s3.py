@@ -17,7 +17,8 @@ import pytest
 
 pytest.importorskip("s3fs", reason="s3fs is not installed (pip install 'roll-ckpt[s3]')")
 
-from roll_ckpt import CheckpointManager, load_config  # noqa: E402
+from helpers.training import config, drift  # noqa: E402
+from roll_ckpt import CheckpointManager  # noqa: E402
 from roll_ckpt import layout  # noqa: E402
 from roll_ckpt.errors import CheckpointCorruptError  # noqa: E402
 from roll_ckpt.manifest import MANIFEST_NAME  # noqa: E402
@@ -205,15 +206,6 @@ class _FrozenNow(_dt.datetime):
         return cls.FIXED.replace(tzinfo=tz) if tz is not None else cls.FIXED
 
 
-def _train(state: dict[str, Any], step: int) -> None:
-    import torch
-
-    with torch.no_grad():
-        for p in state["model"].parameters():
-            p.add_(0.01 * step)
-    state["counter"]["seen"] += 1
-
-
 def test_full_cycle_over_s3(s3: s3server.SeaweedServer, monkeypatch: pytest.MonkeyPatch) -> None:
     import roll_ckpt.runs as runs_mod
 
@@ -223,19 +215,16 @@ def test_full_cycle_over_s3(s3: s3server.SeaweedServer, monkeypatch: pytest.Monk
     prefix = f"run-{uuid.uuid4().hex[:10]}"
     url = f"s3://{s3.bucket}/{prefix}"
 
-    def config(**top: Any) -> Any:
-        return load_config({"checkpoint_config": {"type": "file_system", "output_dir": url,
-                                                  "storage_options": s3.storage_options,
-                                                  "max_ckpt_to_keep": 2},
-                            "save_steps": 2, **top})
+    def run_config(**top: Any) -> Any:
+        return config(url, storage_options=s3.storage_options, max_ckpt_to_keep=2, save_steps=2, **top)
 
     # run 1, synchronous saves at 2, 4, 6; retention keeps two
     state = tiny_state(seed=11)
     snaps: dict[int, Any] = {}
-    with CheckpointManager.from_config(config(), quiet=True) as m:
+    with CheckpointManager.from_config(run_config(), quiet=True) as m:
         assert m.resume(state) == 0
         for step in range(1, 7):
-            _train(state, step)
+            drift(state, step)
             if m.maybe_save(step, state):
                 snaps[step] = state_snapshot(state)
         storage = m.storage
@@ -246,15 +235,15 @@ def test_full_cycle_over_s3(s3: s3server.SeaweedServer, monkeypatch: pytest.Monk
 
     # run 2 resumes from latest (exact), saves asynchronously at 8 and 10
     state2 = tiny_state(seed=12)
-    with CheckpointManager.from_config(config(resume_from_checkpoint="latest",
-                                              strategy_config={"async_save_ckpt": True}), quiet=True) as m2:
+    with CheckpointManager.from_config(run_config(resume_from_checkpoint="latest", async_save=True),
+                                       quiet=True) as m2:
         assert m2.resume(state2) == 6
         assert_same_state(state_snapshot(state2), snaps[6])
         for step in range(7, 11):
-            _train(state2, step)
+            drift(state2, step)
             if m2.maybe_save(step, state2):
                 snaps[step] = state_snapshot(state2)
-                _train(state2, 100)  # changes after save() returns are not in the checkpoint
+                drift(state2, 100)  # changes after save() returns are not in the checkpoint
                 assert m2.last_save is None or m2.last_save.step < step
         m2.wait()
         assert m2.last_save is not None and m2.last_save.is_async and m2.last_save.step == 10
@@ -277,7 +266,7 @@ def test_full_cycle_over_s3(s3: s3server.SeaweedServer, monkeypatch: pytest.Monk
     assert [(r.step, r.committed) for r in scanned] == [(8, True), (10, True), (12, False), (99, False)]
     assert layout.latest(storage, storage.root).step == 10
     fresh = tiny_state(seed=13)
-    with CheckpointManager.from_config(config(resume_from_checkpoint="latest"), quiet=True) as m3:
+    with CheckpointManager.from_config(run_config(resume_from_checkpoint="latest"), quiet=True) as m3:
         assert m3.resume(fresh) == 10
     assert_same_state(state_snapshot(fresh), snaps[10])
 
@@ -292,7 +281,7 @@ def test_full_cycle_over_s3(s3: s3server.SeaweedServer, monkeypatch: pytest.Monk
         verify(storage, latest.path)
     fresh2 = tiny_state(seed=14)
     untouched = state_snapshot(fresh2)
-    with CheckpointManager.from_config(config(resume_from_checkpoint="latest"), quiet=True) as m4:
+    with CheckpointManager.from_config(run_config(resume_from_checkpoint="latest"), quiet=True) as m4:
         with pytest.raises(CheckpointCorruptError, match="distcp"):
             m4.resume(fresh2)
     assert_same_state(state_snapshot(fresh2), untouched)

@@ -8,22 +8,20 @@ on an idle machine can judge.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from helpers.launch import REPO, run_python
+
 pytestmark = pytest.mark.timeout(180)
 
 
 def test_smoke_run_writes_the_report(tmp_path: Path) -> None:
     out = tmp_path / "results"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "run.py"), "--smoke", "--out", str(out)],
-                          capture_output=True, text=True, timeout=170, env=env, cwd=ROOT)
+    proc = run_python([str(REPO / "bench" / "run.py"), "--smoke", "--out", str(out)], env={"OMP_NUM_THREADS": "1"},
+                      timeout=170, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     res = json.loads((out / "latest.json").read_text())
 
@@ -55,7 +53,7 @@ def test_smoke_run_writes_the_report(tmp_path: Path) -> None:
 
 def test_check_flag_reports_failures_in_the_exit_status(tmp_path: Path) -> None:
     """``--check`` turns a failed target into exit status 1 (judged on a saved result)."""
-    sys.path.insert(0, str(ROOT / "bench"))
+    sys.path.insert(0, str(REPO / "bench"))
     try:
         import run
     finally:

@@ -1,13 +1,18 @@
 """Helpers for the replication and copy tests: storages that are slow or fail on purpose,
-and a child process that is killed while it replicates (or copies)."""
+what a store holds, and a child process that is killed while it replicates (or copies)."""
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
+
+from helpers.launch import child_env
 
 
 class _SlowWriter:
@@ -74,11 +79,40 @@ class FailingWrites:
         return self._inner.open_write(path)
 
 
-def flip_byte(path: Path, offset: int = 100) -> None:
-    """Damage a file in place without changing its size."""
-    data = bytearray(path.read_bytes())
-    data[offset % len(data)] ^= 0xFF
-    path.write_bytes(bytes(data))
+def manager(cfg: Any) -> Any:
+    from roll_ckpt import CheckpointManager
+
+    return CheckpointManager.from_config(cfg, quiet=True)
+
+
+def save_steps(m: Any, state: dict[str, Any], steps: Any) -> dict[int, Any]:
+    """Save ``state`` at each of ``steps`` with the manager ``m`` (its counter moves on after
+    each save): the state each step saved (``state_snapshot``)."""
+    from roll_ckpt.testing import state_snapshot
+
+    snaps = {}
+    for step in steps:
+        m.save(step, state)
+        snaps[step] = state_snapshot(state)
+        state["counter"]["seen"] += 1
+    return snaps
+
+
+def committed_steps(storage: Any, root: str) -> list[int]:
+    from roll_ckpt import layout
+
+    return [r.step for r in layout.committed(storage, root)]
+
+
+def leftovers(storage: Any, root: str) -> list[str]:
+    """What unfinished writes left: temporary folders and markers (under ``root`` and its run
+    folders), and checkpoint folders without a manifest."""
+    from roll_ckpt import layout
+
+    out = []
+    for folder in [root, *(p for _, p in layout.run_folders(storage, root))]:
+        out += [e.path for e in storage.list(folder) if e.name.startswith((".tmp-", ".inflight-"))]
+    return out + [r.path for r in layout.scan(storage, root) if not r.committed]
 
 
 def wait_for(path: Path, timeout: float, proc: Any = None) -> None:
@@ -92,12 +126,29 @@ def wait_for(path: Path, timeout: float, proc: Any = None) -> None:
         time.sleep(0.02)
 
 
+def kill_when_busy(code: str, *args: str, flag: Path, delay: float, env: Mapping[str, str] | None = None) -> None:
+    """Run the child script ``code`` (written next to ``flag``) with ``args``; once it has
+    created ``flag`` (it is writing) let it go on for ``delay`` seconds, then SIGKILL it."""
+    script = flag.with_name("child.py")
+    script.write_text(code)
+    proc = subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=child_env(env, ROLL_CKPT_QUIET="1", OMP_NUM_THREADS="1"))
+    try:
+        wait_for(flag, 60, proc)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+# The child scripts (run with tests/ on PYTHONPATH: helpers.launch.child_env).
+
 # A child process that saves one checkpoint with replication to a slow backup, then waits
 # to be killed: argv = config-json flag-file.
 REPLICATING_CHILD = r'''
-import json, os, sys, time
-sys.path.insert(0, os.environ["HELPERS_DIR"])
-from _backup_helpers import SlowWrites
+import json, sys, time
+from core._backup_helpers import SlowWrites
 import roll_ckpt.manager as manager
 import roll_ckpt.transfer as transfer
 from roll_ckpt import CheckpointManager, load_config
@@ -119,8 +170,7 @@ time.sleep(120)
 # A child process that runs `roll-ckpt copy` with slow writes, to be killed: argv = copy arguments.
 COPYING_CHILD = r'''
 import os, sys
-sys.path.insert(0, os.environ["HELPERS_DIR"])
-from _backup_helpers import SlowWrites
+from core._backup_helpers import SlowWrites
 import roll_ckpt.job as job
 import roll_ckpt.transfer as transfer
 from roll_ckpt import cli
@@ -133,5 +183,3 @@ def slow_open(plugins, type_, url, options):
 job.open_storage = slow_open
 sys.exit(cli.main(sys.argv[1:]))
 '''
-
-HELPERS_DIR = str(Path(__file__).resolve().parent)

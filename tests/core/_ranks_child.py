@@ -1,4 +1,4 @@
-"""One rank of a 2-rank gloo group (started by torchrun) for test_components_ranks.py.
+"""One rank of a 2-rank gloo group (started by helpers.launch.torchrun) for test_components_ranks.py.
 
     _ranks_child.py OUT RUN_NAME first|second
 
@@ -18,7 +18,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from roll_ckpt import CheckpointManager, RollCkptError, load_config
+from helpers.training import config
+from roll_ckpt import CheckpointManager, RollCkptError
 
 
 def main(out: str, run: str, mode: str) -> None:
@@ -26,8 +27,7 @@ def main(out: str, run: str, mode: str) -> None:
     rank = dist.get_rank()
     torch.manual_seed(0)
     state = {"model": torch.nn.Linear(4, 4)}
-    cfg = load_config({"checkpoint_config": {"output_dir": f"{out}/ckpt", "components": ["actor", "pipeline"],
-                                             "run_name": run}})
+    cfg = config(f"{out}/ckpt", components=["actor", "pipeline"], run_name=run)
     manager = CheckpointManager(cfg, component="actor", quiet=True)
     result: dict = {"rank": rank}
     t0 = time.monotonic()

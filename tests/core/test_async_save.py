@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from roll_ckpt import BackendRecord, CheckpointManager, SaveError, hookimpl, layout, load_config
-from roll_ckpt.plugins import Plugins
+from helpers.plugins import plugins_with_backend
+from helpers.training import config, train_step
+from roll_ckpt import CheckpointManager, SaveError, layout
 from roll_ckpt.testing import assert_same_state, state_snapshot, tiny_state
 from roll_ckpt_fs import LocalStorage
 
@@ -41,16 +42,9 @@ class _Wrapped:
 
 
 def _manager(tmp_path: Path, ctl: dict[str, Any], **top: Any) -> CheckpointManager:
-    class _Plugin:
-        @hookimpl
-        def roll_ckpt_backends(self):
-            return [BackendRecord(name="wrapped_fs", factory=lambda url, opts: _Wrapped(url, ctl))]
-
-    plugins = Plugins()
-    plugins.register(_Plugin(), name="wrapped", distribution="test-wrapped")
-    cfg = load_config({"checkpoint_config": {"type": "wrapped_fs", "output_dir": str(tmp_path / "ckpt")},
-                       "strategy_config": {"async_save_ckpt": True}, **top})
-    return CheckpointManager(cfg, plugins=plugins, quiet=True)
+    plugins = plugins_with_backend("wrapped_fs", lambda url, opts: _Wrapped(url, ctl), "wrapped")
+    return CheckpointManager(config(tmp_path / "ckpt", type="wrapped_fs", async_save=True, **top), plugins=plugins,
+                             quiet=True)
 
 
 def _committed(m: CheckpointManager) -> list[int]:
@@ -59,15 +53,6 @@ def _committed(m: CheckpointManager) -> list[int]:
 
 def _leftovers(tmp_path: Path) -> list[str]:
     return sorted(p.name for p in (tmp_path / "ckpt").glob("*/*") if p.name.startswith((".tmp-", ".inflight-")))
-
-
-def _train_step(state: dict[str, Any]) -> None:
-    model, opt = state["model"], state["optimizer"]
-    model(torch.randn(3, 8)).pow(2).mean().backward()
-    opt.step()
-    opt.zero_grad()
-    state["scheduler"].step()
-    state["counter"]["seen"] += 3
 
 
 def test_save_returns_before_commit_and_snapshot_is_taken_at_save(tmp_path: Path) -> None:
@@ -82,7 +67,7 @@ def test_save_returns_before_commit_and_snapshot_is_taken_at_save(tmp_path: Path
     assert _committed(m) == [] and not Path(path).exists()
     # the loop goes on at once: parameters, optimizer, scheduler and counter change
     for _ in range(2):
-        _train_step(state)
+        train_step(state, (3, 8), scheduler=True, count=("counter", "seen", 3))
     with torch.no_grad():
         for p in state["model"].parameters():
             p.mul_(-3.0)
@@ -96,8 +81,7 @@ def test_save_returns_before_commit_and_snapshot_is_taken_at_save(tmp_path: Path
     m.close()
 
     fresh = tiny_state(seed=2)
-    with CheckpointManager.from_config(load_config({"checkpoint_config": {"output_dir": str(tmp_path / "ckpt")},
-                                                    "resume_from_checkpoint": path}), quiet=True) as r:
+    with CheckpointManager.from_config(config(tmp_path / "ckpt", resume_from_checkpoint=path), quiet=True) as r:
         assert r.resume(fresh) == 3
     assert_same_state(state_snapshot(fresh), at_save)
 
@@ -107,7 +91,7 @@ def test_failed_background_write_surfaces_at_next_save(tmp_path: Path) -> None:
     m = _manager(tmp_path, ctl)
     state = tiny_state()
     m.save(1, state)  # returns: the failure happens in the background
-    _train_step(state)
+    train_step(state, (3, 8), scheduler=True, count=("counter", "seen", 3))
     with pytest.raises(SaveError) as info:
         m.save(2, state)
     msg = str(info.value)
@@ -151,15 +135,14 @@ def test_periodic_async_saves_through_maybe_save(tmp_path: Path) -> None:
     state = tiny_state()
     snaps = {}
     for step in range(1, 7):
-        _train_step(state)
+        train_step(state, (3, 8), scheduler=True, count=("counter", "seen", 3))
         if m.maybe_save(step, state):
             snaps[step] = state_snapshot(state)
     m.close()
     assert _committed(m) == [2, 4, 6]
     for step, snap in snaps.items():
         fresh = tiny_state(seed=step)
-        with CheckpointManager.from_config(load_config({"checkpoint_config": {"output_dir": str(tmp_path / "ckpt")}}),
-                                           quiet=True) as r:
+        with CheckpointManager.from_config(config(tmp_path / "ckpt"), quiet=True) as r:
             path = next(ref.path for ref in layout.committed(r.storage, r.root) if ref.step == step)
             assert r.resume(fresh, target=path) == step
         assert_same_state(state_snapshot(fresh), snap)
@@ -169,10 +152,8 @@ def test_blocked_time_of_an_async_save(ckpt_config) -> None:
     """Prints what the loop waits for, async vs sync, on a ~25 MB state (see it with -s)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)])
-    opt = torch.optim.AdamW(model.parameters())
-    model(torch.randn(2, 512)).sum().backward()
-    opt.step()
-    state = {"model": model, "optimizer": opt}
+    state = {"model": model, "optimizer": torch.optim.AdamW(model.parameters())}
+    train_step(state, (2, 512), loss="sum")
     results = {}
     for mode in (False, True):
         cfg = ckpt_config({"output_dir": str(Path(ckpt_config().checkpoint_config.output_dir) / str(mode))},

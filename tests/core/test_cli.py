@@ -10,7 +10,6 @@ import json
 import os
 import pickle
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -18,8 +17,11 @@ from typing import Any
 import pytest
 import torch
 
+from helpers.damage import flip_byte
+from helpers.launch import run_python
+from helpers.training import config, train_step
 from roll_ckpt.manifest import seal
-from roll_ckpt import CheckpointManager, load_config
+from roll_ckpt import CheckpointManager
 from roll_ckpt.cli import main
 
 TIMEOUT = 120
@@ -45,23 +47,13 @@ def _state(seed: int = 0) -> dict[str, Any]:
     return {"model": model, "optimizer": opt, "scheduler": sched, "counters": {"seen": 0}}
 
 
-def _train(state: dict[str, Any]) -> None:
-    loss = state["model"](torch.randn(8, 4)).pow(2).mean()
-    state["optimizer"].zero_grad()
-    loss.backward()
-    state["optimizer"].step()
-    state["scheduler"].step()
-    state["counters"]["seen"] += 8
-
-
 def _save_steps(output_dir: str, steps: list[int], state: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[str]]:
     """Train and save ``steps`` (synchronously) into one run folder under ``output_dir``."""
     state = state or _state()
-    cfg = load_config({"exp_name": "cli", "checkpoint_config": {"output_dir": output_dir}})
     paths = []
-    with CheckpointManager.from_config(cfg, quiet=True) as manager:
+    with CheckpointManager.from_config(config(output_dir, exp_name="cli"), quiet=True) as manager:
         for step in steps:
-            _train(state)
+            train_step(state, (8, 4), scheduler=True, count=("counters", "seen", 8))
             paths.append(manager.save(step, state, final=True, metadata={"loss": 0.5}))
     return state, paths
 
@@ -90,15 +82,8 @@ def assert_one_line_error(rc: int, err: str, expected_rc: int = 1, *needles: str
         assert needle in lines[0], (needle, err)
 
 
-def flip_byte(path: Path, offset: int = 0) -> None:
-    data = bytearray(path.read_bytes())
-    data[offset] ^= 0xFF
-    path.write_bytes(bytes(data))
-
-
 def subprocess_cli(*argv: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "roll_ckpt.cli", *argv], capture_output=True, text=True,
-                          timeout=TIMEOUT, env=env, cwd=cwd)
+    return run_python(["-m", "roll_ckpt.cli", *argv], env=env, timeout=TIMEOUT, cwd=cwd)
 
 
 # --------------------------------------------------------------------------- general
@@ -107,7 +92,8 @@ def test_import_is_cheap() -> None:
     code = ("import sys, roll_ckpt.cli; roll_ckpt.cli.build_parser(); "
             "heavy = [m for m in ('torch', 'torch.distributed', 'fsspec') if m in sys.modules]; "
             "assert not heavy, heavy")
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=TIMEOUT)
+    proc = run_python(code, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr
 
 
 def test_help_and_version(capsys: pytest.CaptureFixture[str]) -> None:
@@ -186,7 +172,7 @@ def test_broken_plugin_is_reported_and_harmless(tmp_path: Path, saved) -> None:
     info.mkdir(parents=True)
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: roll-ckpt-broken-example\nVersion: 0.1\n")
     (info / "entry_points.txt").write_text("[roll_ckpt]\nbroken = roll_ckpt_no_such_module_xyz.plugin\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+    env = {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess_cli("plugins", env=env)
     assert proc.returncode == 0, proc.stderr
     assert "broken plugins" in proc.stdout
@@ -285,7 +271,7 @@ def test_verify_a_folder_of_checkpoints(capsys: pytest.CaptureFixture[str], save
     rc, out, err = run_cli(capsys, "verify", str(root))
     assert rc == 0, err
     assert out.count("OK  ") == 2 and f"SKIP  {paths[1]}" in out
-    flip_byte(paths[0] / "dcp" / "__0_0.distcp")
+    flip_byte(paths[0] / "dcp" / "__0_0.distcp", 0)
     rc, out, err = run_cli(capsys, "verify", str(root))
     assert_one_line_error(rc, err, 1, "1 damaged checkpoint", str(paths[0]))
 
@@ -445,9 +431,9 @@ def test_export_user_errors(capsys: pytest.CaptureFixture[str], saved, tmp_path:
     assert not (tmp_path / "z.safetensors").exists()
 
 
-def test_type_and_storage_options_reach_the_backend(capsys: pytest.CaptureFixture[str], saved) -> None:
+def test_type_and_storage_options_reach_the_backend(capsys: pytest.CaptureFixture[str], saved,
+                                                    example_backend: Path) -> None:
     """Any backend plugin can be used: here the test fixture backend, with its ``prefix`` option."""
-    pytest.importorskip("roll_ckpt_example_backend")
     root, _, paths = saved
     rc, out, err = run_cli(capsys, "ls", str(root.parent), "--type", "example_dir",
                            "--storage-option", f"prefix={root.name}")

@@ -11,21 +11,21 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from roll_ckpt import CheckpointManager, DriverState, load_config, new_run_name
+from helpers.damage import flip_byte
+from helpers.launch import run_python
+from helpers.training import config, train_step
+from roll_ckpt import CheckpointManager, DriverState, new_run_name
 from roll_ckpt.cli import main
 from roll_ckpt.digest import hash_bytes
 from roll_ckpt.manifest import seal
 
 from .test_cli import assert_one_line_error as one_line_error
-from .test_cli import flip_byte
 
 TIMEOUT = 120
 COMPONENTS = ["actor", "pipeline"]
@@ -35,23 +35,11 @@ pytestmark = pytest.mark.timeout(TIMEOUT)
 
 # --------------------------------------------------------------------------- helpers
 
-def _config(output_dir: str, run: str) -> Any:
-    return load_config({"exp_name": "cli-components", "checkpoint_config": {
-        "output_dir": output_dir, "components": COMPONENTS, "run_name": run}})
-
-
 def _actor_state() -> dict[str, Any]:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     return {"model": model, "optimizer": opt}
-
-
-def _train(state: dict[str, Any]) -> None:
-    loss = state["model"](torch.randn(8, 4)).pow(2).mean()
-    state["optimizer"].zero_grad()
-    loss.backward()
-    state["optimizer"].step()
 
 
 def _snapshot(state: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -71,17 +59,19 @@ def save_components(output_dir: str, steps: list[int],
     actor_state = _actor_state()
     saved: dict[int, dict[str, torch.Tensor]] = {}
     driver = DriverState(step=0, consumed=0, history=[], loss=float("nan"), note="hello")
-    with CheckpointManager(_config(output_dir, run), component="actor", quiet=True) as actor, \
-            CheckpointManager(_config(output_dir, run), component="pipeline", quiet=True) as pipeline:
+    with CheckpointManager(config(output_dir, exp_name="cli-components", components=COMPONENTS, run_name=run),
+                           component="actor", quiet=True) as actor, \
+            CheckpointManager(config(output_dir, exp_name="cli-components", components=COMPONENTS, run_name=run),
+                              component="pipeline", quiet=True) as pipeline:
         for step in steps:
-            _train(actor_state)
+            train_step(actor_state, (8, 4))
             driver.update(step=step, consumed=8 * step)
             driver["history"].append(step / 2)
             actor.save(step, actor_state, final=True)
             saved[step] = _snapshot(actor_state)
             pipeline.save(step, {"driver": driver}, final=True)
         for step in actor_only:
-            _train(actor_state)
+            train_step(actor_state, (8, 4))
             actor.save(step, actor_state, final=True)
             saved[step] = _snapshot(actor_state)
     return Path(output_dir) / run, saved, driver
@@ -151,8 +141,7 @@ def test_ls_shows_components_and_missing_parts(capsys: pytest.CaptureFixture[str
 
 
 def test_ls_without_components_has_no_extra_column(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    cfg = load_config({"checkpoint_config": {"output_dir": str(tmp_path / "plain")}})
-    with CheckpointManager.from_config(cfg, quiet=True) as manager:
+    with CheckpointManager.from_config(config(tmp_path / "plain"), quiet=True) as manager:
         manager.save(1, _actor_state(), final=True)
     rc, out, err = run_cli(capsys, "ls", str(tmp_path / "plain"))
     assert rc == 0, err
@@ -355,8 +344,7 @@ def test_verify_component_user_errors(capsys: pytest.CaptureFixture[str], run_di
     rc, out, err = run_cli(capsys, "verify", str(step / "pipeline"), "--component", "pipeline")
     assert rc == 0, err
 
-    cfg = load_config({"checkpoint_config": {"output_dir": str(tmp_path / "plain")}})
-    with CheckpointManager.from_config(cfg, quiet=True) as manager:
+    with CheckpointManager.from_config(config(tmp_path / "plain"), quiet=True) as manager:
         plain = manager.save(5, _actor_state(), final=True)
     rc, _, err = run_cli(capsys, "verify", plain, "--component", "actor")
     assert_one_line_error(rc, err, "saved without components", "drop --component")
@@ -417,7 +405,8 @@ def test_inspect_a_json_part_reads_json_only(capsys: pytest.CaptureFixture[str],
     code = ("import sys; from roll_ckpt.cli import main; "
             f"rc = main(['--quiet', 'inspect', {str(step)!r}, '--component', 'pipeline']); "
             "assert rc == 0; assert 'torch' not in sys.modules, 'torch imported'")
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=TIMEOUT, capture_output=True)
+    proc = run_python(code, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr
 
 
 def test_inspect_a_damaged_json_part(capsys: pytest.CaptureFixture[str], run_dir) -> None:

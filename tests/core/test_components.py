@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 import torch
 
+from helpers.launch import run_python
+from helpers.training import config, train_step
 from roll_ckpt import (CheckpointCorruptError, CheckpointManager, CheckpointNotFoundError, ConfigError,
                        DriverState, RollCkptError, hookimpl, layout, load_config, new_run_name)
 from roll_ckpt.components import components_of, step_manifest, try_complete
@@ -28,15 +30,13 @@ from roll_ckpt.testing import assert_same_state, state_snapshot, tiny_state
 COMPONENTS = ["actor", "pipeline"]
 
 
-def _config(root: Any, run: str, **cc: Any) -> Any:
-    top = {k: cc.pop(k) for k in ("resume_from_checkpoint", "save_steps", "strategy_config") if k in cc}
-    checkpoint = {"output_dir": str(root), "components": COMPONENTS, "run_name": run, **cc}
-    return load_config({"checkpoint_config": checkpoint, **top})
+def _config(root: Any, run: str, **keys: Any) -> Any:
+    return config(root, components=COMPONENTS, run_name=run, **keys)
 
 
 def _managers(root: Any, run: str, **cc: Any) -> tuple[CheckpointManager, CheckpointManager]:
-    return (CheckpointManager(_config(root, run, **dict(cc)), component="actor", quiet=True),
-            CheckpointManager(_config(root, run, **dict(cc)), component="pipeline", quiet=True))
+    return (CheckpointManager(_config(root, run, **cc), component="actor", quiet=True),
+            CheckpointManager(_config(root, run, **cc), component="pipeline", quiet=True))
 
 
 def _save_steps(root: Any, run: str, steps: list[int], *, actor_only: tuple[int, ...] = (), seed: int = 1,
@@ -99,15 +99,6 @@ def test_run_name_is_validated(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- commit and resume
 
 
-def _train(state: dict[str, Any], steps: int) -> None:
-    model, opt = state["model"], state["optimizer"]
-    for _ in range(steps):
-        loss = model(torch.randn(3, 8)).square().mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-
-
 def test_a_step_counts_once_every_part_is_committed_and_each_part_resumes_exactly(tmp_path: Path) -> None:
     run = new_run_name()
     announced: list[tuple[str | None, int]] = []
@@ -149,7 +140,7 @@ def test_a_step_counts_once_every_part_is_committed_and_each_part_resumes_exactl
     run2 = new_run_name() + "-1"
     actor2, pipe2 = _managers(tmp_path, run2, resume_from_checkpoint="latest")
     fresh = tiny_state(seed=99)
-    _train(fresh, 1)
+    train_step(fresh, (3, 8))
     driver2 = DriverState()
     random.seed(0)
     np.random.seed(0)
@@ -402,9 +393,6 @@ def test_a_run_name_that_already_holds_a_whole_step_is_refused_at_resume(tmp_pat
 
 
 def test_driver_state_keeps_insertion_order_and_a_driver_never_imports_torch(tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
     _, pipe = _managers(tmp_path, new_run_name())
     pipe.save(1, {"driver": DriverState(zeta=1, alpha={"b": 1, "a": 2})})
     pipe.close()
@@ -422,7 +410,7 @@ def test_driver_state_keeps_insertion_order_and_a_driver_never_imports_torch(tmp
             "m.save(1, {'driver': roll_ckpt.DriverState(step=1, rng=False)})\n"
             "m.close()\n"
             "print('torch' in sys.modules)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = run_python(code, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
 

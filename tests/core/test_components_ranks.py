@@ -3,36 +3,25 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from helpers.launch import torchrun
 from roll_ckpt import new_run_name
 
 CHILD = Path(__file__).with_name("_ranks_child.py")
 pytestmark = pytest.mark.timeout(240)
 
 
-def _torchrun(*args: str, check: bool = True) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(CHILD), *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", ROLL_CKPT_QUIET="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
-    output = proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert proc.returncode == 0 or not check, output
-    return output
-
-
 def test_a_part_refused_on_the_coordinator_is_refused_on_every_rank(tmp_path: Path) -> None:
     run = new_run_name()
-    _torchrun(str(tmp_path), run, "first")
+    torchrun(CHILD, tmp_path, run, "first")
     assert [json.loads((tmp_path / f"first-{r}.json").read_text()).get("saved") for r in (0, 1)] == [True, True]
     # Each rank writes its result before it leaves. Once in ~20 runs here a rank then aborted
     # while the process group was torn down after the refused DCP save ("terminate called
     # without an active exception", in gloo): the results are what this test is about.
-    output = _torchrun(str(tmp_path), run, "second", check=False)
+    output = torchrun(CHILD, tmp_path, run, "second", check=False)
     for rank in (0, 1):
         assert (tmp_path / f"second-{rank}.json").exists(), output
         result = json.loads((tmp_path / f"second-{rank}.json").read_text())

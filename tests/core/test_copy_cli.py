@@ -6,17 +6,14 @@ nothing committed and can be rerun."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
-from roll_ckpt import CheckpointManager, layout, load_config
+from helpers.damage import flip_byte
+from helpers.training import config
+from roll_ckpt import CheckpointManager, layout
 from roll_ckpt.cli import main
 from roll_ckpt.errors import CheckpointCorruptError, CheckpointNotFoundError
 from roll_ckpt.plugins import get_plugins
@@ -25,7 +22,7 @@ from roll_ckpt.testing import assert_same_state, state_snapshot, tiny_state
 from roll_ckpt.transfer import CopyInterrupted, committed_manifest, copy_checkpoint
 from roll_ckpt.verify import verify
 
-from ._backup_helpers import COPYING_CHILD, HELPERS_DIR, flip_byte, wait_for
+from ._backup_helpers import COPYING_CHILD, kill_when_busy, leftovers, save_steps
 
 
 def _storage(url: str):
@@ -33,28 +30,15 @@ def _storage(url: str):
 
 
 def _saved_run(root: Path, steps=(1, 2)) -> tuple[Path, dict]:
-    state = tiny_state(2)
-    snaps = {}
-    with CheckpointManager.from_config(load_config({"checkpoint_config": {"output_dir": str(root)}}), quiet=True) as m:
-        for s in steps:
-            m.save(s, state)
-            snaps[s] = state_snapshot(state)
-            state["counter"]["seen"] += 1
+    with CheckpointManager.from_config(config(root), quiet=True) as m:
+        snaps = save_steps(m, tiny_state(2), steps)
         run = Path(m.run_dir)
     return run, snaps
 
 
-def _leftovers(storage, root) -> list[str]:
-    out = []
-    for folder in [root, *(p for _, p in layout.run_folders(storage, root))]:
-        out += [e.path for e in storage.list(folder) if e.name.startswith((".tmp-", ".inflight-"))]
-    return out + [r.path for r in layout.scan(storage, root) if not r.committed]
-
-
 def _resume(url: str, target: str) -> tuple[int, dict]:
     fresh = tiny_state(99)
-    with CheckpointManager.from_config(load_config({"checkpoint_config": {"output_dir": url},
-                                                    "resume_from_checkpoint": target}), quiet=True) as m:
+    with CheckpointManager.from_config(config(url, resume_from_checkpoint=target), quiet=True) as m:
         return m.resume(fresh), state_snapshot(fresh)
 
 
@@ -114,18 +98,18 @@ def test_copy_one_checkpoint(tmp_path: Path, capsys) -> None:
 
 def test_a_damaged_source_is_refused_and_nothing_is_committed(tmp_path: Path, memory_url: str, capsys) -> None:
     run, _ = _saved_run(tmp_path / "src")
-    flip_byte(run / "checkpoint-2" / "dcp" / "__0_0.distcp")
+    flip_byte(run / "checkpoint-2" / "dcp" / "__0_0.distcp", 100)
     assert main(["-q", "copy", str(run / "checkpoint-2"), memory_url]) == 1
     err = capsys.readouterr().err
     assert "dcp/__0_0.distcp" in err and "checksum mismatch" in err
     mem = _storage(memory_url)
-    assert layout.scan(mem, mem.root) == [] and _leftovers(mem, mem.root) == []
+    assert layout.scan(mem, mem.root) == [] and leftovers(mem, mem.root) == []
     # copying the whole run copies the sound checkpoint, reports the damaged one and fails
     assert main(["-q", "copy", str(tmp_path / "src"), memory_url]) == 1
     captured = capsys.readouterr()
     assert "FAILED" in captured.out and "1 checkpoint(s) could not be copied" in captured.err
     assert [r.step for r in layout.committed(mem, mem.root)] == [1]
-    assert _leftovers(mem, mem.root) == []
+    assert leftovers(mem, mem.root) == []
     # an uncommitted source folder is skipped, never copied
     (run / "checkpoint-2" / "manifest.json").unlink()
     capsys.readouterr()
@@ -154,7 +138,7 @@ def test_copy_streams_verifies_and_stops_cleanly(tmp_path: Path, memory_url: str
 
         with pytest.raises(CopyInterrupted):
             copy_checkpoint(src, path, dst, dst.join(dst.root, "checkpoint-1"), progress, stop=stop, chunk=4096)
-        assert layout.scan(dst, dst.root) == [] and _leftovers(dst, dst.root) == [], "nothing left behind"
+        assert layout.scan(dst, dst.root) == [] and leftovers(dst, dst.root) == [], "nothing left behind"
 
         report = copy_checkpoint(src, path, dst, dst.join(dst.root, "checkpoint-1"), copied.append,
                                  verify_progress=checked.append, chunk=4096)
@@ -175,35 +159,24 @@ def test_a_source_changed_during_the_copy_is_caught(tmp_path: Path) -> None:
     (path / "dcp" / "__0_0.distcp").write_bytes((path / "dcp" / "__0_0.distcp").read_bytes() + b"tail")
     with pytest.raises(CheckpointCorruptError, match="truncated or altered"):
         copy_checkpoint(src, str(path), dst, dst.join(dst.root, "checkpoint-1"))
-    assert layout.scan(dst, dst.root) == [] and _leftovers(dst, dst.root) == []
+    assert layout.scan(dst, dst.root) == [] and leftovers(dst, dst.root) == []
 
 
 def test_a_killed_copy_commits_nothing_and_the_rerun_completes(tmp_path: Path, capsys) -> None:
     run, snaps = _saved_run(tmp_path / "src")
     dst = tmp_path / "dst"
-    script = tmp_path / "child.py"
-    script.write_text(COPYING_CHILD)
     flag = tmp_path / "copying"
-    env = dict(os.environ, HELPERS_DIR=HELPERS_DIR, ROLL_CKPT_QUIET="1", OMP_NUM_THREADS="1",
-               COPY_FLAG=str(flag), SLOW_URL=str(dst))
-    proc = subprocess.Popen([sys.executable, str(script), "copy", str(tmp_path / "src"), str(dst)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        wait_for(flag, 60, proc)
-        time.sleep(0.3)
-        proc.send_signal(signal.SIGKILL)
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
+    kill_when_busy(COPYING_CHILD, "copy", str(tmp_path / "src"), str(dst), flag=flag, delay=0.3,
+                   env={"COPY_FLAG": str(flag), "SLOW_URL": str(dst)})
     storage = _storage(str(dst))
     assert layout.committed(storage, storage.root) == []
-    assert _leftovers(storage, storage.root), "the killed copy left its temporary folder"
+    assert leftovers(storage, storage.root), "the killed copy left its temporary folder"
 
     assert main(["-q", "copy", str(tmp_path / "src"), str(dst)]) == 0
     out = capsys.readouterr().out
     assert "left by an interrupted copy" in out
     assert [r.step for r in layout.committed(storage, storage.root)] == [1, 2]
-    assert _leftovers(storage, storage.root) == []
+    assert leftovers(storage, storage.root) == []
     step, snap = _resume(str(dst), str(dst / run.name / "checkpoint-2"))
     assert step == 2
     assert_same_state(snap, snaps[2])

@@ -4,19 +4,17 @@ and every RNG come back)."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from helpers.launch import REPO, finish, run_ok, start
 from roll_ckpt.cli import main
 from roll_ckpt_demo.launch import DEFAULT_CONFIG
 
-REPO = Path(__file__).resolve().parents[2]
 TIMEOUT = 120
 STEP_RE = re.compile(r"^step +(\d+)  loss=(\S+)  reward=(\S+)", re.M)
 RESUMED_RE = re.compile(r"^resumed from (\S+) \(step (\d+)\); continuing at step (\d+)", re.M)
@@ -39,10 +37,7 @@ def demo_cmd(config: Path, output: Path, *extra: str) -> list[str]:
 
 
 def run(cmd: list[str], timeout: float = TIMEOUT) -> str:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
-    assert proc.returncode == 0, f"{cmd}\n{proc.stdout}\n{proc.stderr}"
-    assert "Traceback" not in proc.stderr, proc.stderr
-    return proc.stdout
+    return run_ok(cmd, timeout)
 
 
 def losses(out: str) -> dict[int, tuple[str, str]]:
@@ -59,16 +54,12 @@ def test_stop_then_resume_matches_an_uninterrupted_run(tmp_path: Path) -> None:
     stale = crash_dir / "checkpoints" / "rlvr-demo" / "old-run"
     stale.mkdir(parents=True)
     # the uninterrupted run and the run that "crashes" go side by side (two cores)
-    full = subprocess.Popen(demo_cmd(config, full_dir, "--fresh"), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=REPO)
+    full_cmd = demo_cmd(config, full_dir, "--fresh")
+    full = start(full_cmd)
     try:
         first = run(demo_cmd(config, crash_dir, "--fresh", "--stop-after", "13"))
-        full_out, full_err = full.communicate(timeout=TIMEOUT)
     finally:
-        if full.poll() is None:
-            full.kill()
-            full.wait()
-    assert full.returncode == 0, full_err
+        full_out = finish(full, full_cmd, TIMEOUT)
 
     assert "--fresh: removed the previous checkpoints" in first and not stale.exists()
     assert "stopped abruptly after step 13" in first
@@ -137,17 +128,12 @@ def test_two_processes_fsdp2_stop_and_resume(tmp_path: Path) -> None:
     """FSDP2 on two CPU processes (gloo) with the offload cycle; resumes bit-for-bit too."""
     config = small_config(tmp_path, max_steps=12, save_steps=4, eval_steps=4)
     full_dir, crash_dir = tmp_path / "full", tmp_path / "crash"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    full = subprocess.Popen(demo_cmd(config, full_dir, "--nproc", "2", "--timeout", "300"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
+    full_cmd = demo_cmd(config, full_dir, "--nproc", "2", "--timeout", "300")
+    full = start(full_cmd, env={"OMP_NUM_THREADS": "1"})
     try:
         first = run(demo_cmd(config, crash_dir, "--nproc", "2", "--stop-after", "6", "--timeout", "300"), timeout=330)
-        full_out, full_err = full.communicate(timeout=330)
     finally:
-        if full.poll() is None:
-            full.kill()
-            full.wait()
-    assert full.returncode == 0, full_err
+        full_out = finish(full, full_cmd, 330)
     assert "processes    2 (FSDP2 on cpu, strategy fsdp2)" in first
     assert "training states offloaded during each rollout" in first
     assert "stopped abruptly after step 6" in first and "--nproc 2 --resume" in first

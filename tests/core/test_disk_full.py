@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from roll_ckpt import CheckpointManager, StorageFullError, layout, load_config
+from helpers.training import config, train_step
+from roll_ckpt import CheckpointManager, StorageFullError, layout
 from roll_ckpt.testing import assert_same_state, state_snapshot
 from roll_ckpt.verify import verify
 
@@ -22,13 +23,6 @@ def _state(seed: int) -> dict:
     return {"model": model, "optimizer": opt, "counter": {"step": 0}}
 
 
-def _train(state: dict) -> None:
-    state["model"](torch.randn(4, 384)).pow(2).mean().backward()
-    state["optimizer"].step()
-    state["optimizer"].zero_grad()
-    state["counter"]["step"] += 1
-
-
 def _leftovers(root: Path) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.name.startswith((".tmp-", ".inflight-")))
 
@@ -37,8 +31,7 @@ def _leftovers(root: Path) -> list[str]:
 def test_disk_full(tmpfs, async_save: bool) -> None:
     mnt = tmpfs("4m")
     root = mnt / "ckpt"
-    cfg = load_config({"checkpoint_config": {"type": "file_system", "output_dir": str(root)},
-                       "strategy_config": {"async_save_ckpt": async_save}})
+    cfg = config(root, async_save=async_save)
     state = _state(1)
     m = CheckpointManager.from_config(cfg, quiet=True)
     first = m.save(1, state)
@@ -51,7 +44,7 @@ def test_disk_full(tmpfs, async_save: bool) -> None:
     with open(filler, "wb") as f:
         f.write(b"\0" * (shutil.disk_usage(mnt).free - need // 2))
     assert shutil.disk_usage(mnt).free < need
-    _train(state)
+    train_step(state, (4, 384), count=("counter", "step", 1))
     with pytest.raises(StorageFullError) as info:
         m.save(2, state)
         assert async_save, "a synchronous save must raise from save()"
@@ -67,13 +60,12 @@ def test_disk_full(tmpfs, async_save: bool) -> None:
     # the earlier checkpoint is intact and loads
     verify(m.storage, first)
     fresh = _state(7)
-    with CheckpointManager.from_config(load_config({"checkpoint_config": {"output_dir": str(root)},
-                                                    "resume_from_checkpoint": first}), quiet=True) as r:
+    with CheckpointManager.from_config(config(root, resume_from_checkpoint=first), quiet=True) as r:
         assert r.resume(fresh) == 1
     assert_same_state(state_snapshot(fresh), snap1)
 
     # training goes on, and once there is room again the next save works
-    _train(state)
+    train_step(state, (4, 384), count=("counter", "step", 1))
     filler.unlink()
     third = m.save(3, state)
     m.close()
@@ -93,7 +85,7 @@ def test_disk_already_full_at_first_save(tmpfs) -> None:
         except OSError:
             pass
     root = mnt / "ckpt"
-    cfg = load_config({"checkpoint_config": {"type": "file_system", "output_dir": str(root)}})
+    cfg = config(root)
     state = _state(2)
     m = CheckpointManager.from_config(cfg, quiet=True)
     with pytest.raises(StorageFullError) as info:
@@ -101,7 +93,7 @@ def test_disk_already_full_at_first_save(tmpfs) -> None:
     assert "no space left" in str(info.value) and str(root) in str(info.value)
     assert not list(root.rglob(".run.json")), "no partial run marker is left behind"
     filler.unlink()
-    _train(state)
+    train_step(state, (4, 384), count=("counter", "step", 1))
     path = m.save(2, state)
     m.close()
     verify(m.storage, path)

@@ -1,4 +1,8 @@
-"""Plugin discovery, selection, environment switches, broken and conflicting plugins."""
+"""Plugin discovery, selection, environment switches, broken and conflicting plugins.
+
+Tests that look for a third-party plugin ask for the ``example_backend`` fixture: the
+test-fixture backend ``example_dir`` is installed while they run (tests/conftest.py).
+"""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ def _cfg(tmp_path, type_):
     return load_config({"checkpoint_config": {"type": type_, "output_dir": str(tmp_path / "c")}})
 
 
-def test_installed_plugins_are_found_through_entry_points() -> None:
+def test_installed_plugins_are_found_through_entry_points(example_backend) -> None:
     p = Plugins()
     backends = p.backends()
     assert {"file_system", "example_dir"} <= set(backends)
@@ -28,7 +32,7 @@ def test_installed_plugins_are_found_through_entry_points() -> None:
     assert p.broken == []
 
 
-def test_unknown_type_names_installed_suggests_and_says_what_to_install(tmp_path) -> None:
+def test_unknown_type_names_installed_suggests_and_says_what_to_install(tmp_path, example_backend) -> None:
     with pytest.raises(UnknownPluginError) as info:
         CheckpointManager.from_config(_cfg(tmp_path, "file_sytem"))
     msg = str(info.value)
@@ -39,7 +43,7 @@ def test_unknown_type_names_installed_suggests_and_says_what_to_install(tmp_path
     assert isinstance(info.value, LookupError)
 
 
-def test_missing_known_backend_says_which_extra(monkeypatch, tmp_path) -> None:
+def test_missing_known_backend_says_which_extra(monkeypatch, tmp_path, example_backend) -> None:
     monkeypatch.setenv("ROLL_CKPT_BLOCKED_PLUGINS", "file_system")
     p = Plugins()
     assert "file_system" not in p.backends()
@@ -74,13 +78,13 @@ def test_disable_autoload_with_explicit_list(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("blocked", ["example_dir", "roll-ckpt-example-backend"])
-def test_blocked_plugins(monkeypatch, blocked) -> None:
+def test_blocked_plugins(monkeypatch, blocked, example_backend) -> None:
     monkeypatch.setenv("ROLL_CKPT_BLOCKED_PLUGINS", blocked)
     p = Plugins()
     assert set(p.backends()) == {"file_system"}
 
 
-def test_environment_switches_in_a_fresh_process(py) -> None:
+def test_environment_switches_in_a_fresh_process(py, example_backend) -> None:
     code = "from roll_ckpt.plugins import get_plugins; print(sorted(get_plugins().backends()))"
     assert py(code).stdout.strip() == "['example_dir', 'file_system']"
     assert py(code, env={"ROLL_CKPT_DISABLE_PLUGIN_AUTOLOAD": "1"}).stdout.strip() == "[]"
@@ -101,7 +105,7 @@ class _WrongRecordPlugin:
         return ["not a record"]
 
 
-def test_plugin_whose_hook_raises_is_reported_and_others_still_list() -> None:
+def test_plugin_whose_hook_raises_is_reported_and_others_still_list(example_backend) -> None:
     p = Plugins()
     p.register(_RaisingPlugin(), name="raiser", distribution="roll-ckpt-raiser")
     p.register(_WrongRecordPlugin(), name="wrong", distribution="roll-ckpt-wrong")
@@ -127,7 +131,7 @@ class _FakeEntryPoint:
         raise self._error
 
 
-def test_broken_entry_point_is_reported_with_its_distribution(monkeypatch, tmp_path) -> None:
+def test_broken_entry_point_is_reported_with_its_distribution(monkeypatch, tmp_path, example_backend) -> None:
     from importlib import metadata
 
     real = metadata.entry_points
@@ -182,7 +186,7 @@ def test_third_party_shadowing_a_builtin_backend_names_both() -> None:
         p.backend("file_system")
 
 
-def test_import_and_entry_points_do_not_import_torch_distributed(py) -> None:
+def test_import_and_entry_points_do_not_import_torch_distributed(py, example_backend) -> None:
     code = textwrap.dedent("""
         import sys
         import roll_ckpt
@@ -246,7 +250,7 @@ def test_same_entry_point_name_from_another_distribution_is_not_silently_dropped
     assert Plugins().backend("file_system").distribution == "roll-ckpt-fs"
 
 
-def test_same_distribution_seen_twice_is_loaded_once(monkeypatch) -> None:
+def test_same_distribution_seen_twice_is_loaded_once(monkeypatch, example_backend) -> None:
     from importlib import metadata
 
     real = metadata.entry_points
@@ -258,3 +262,15 @@ def test_same_distribution_seen_twice_is_loaded_once(monkeypatch) -> None:
     monkeypatch.setattr(metadata, "entry_points", doubled)
     p = Plugins()
     assert {"file_system", "example_dir"} <= set(p.backends()) and p.broken == []
+
+
+def test_the_fixture_backend_is_installed_only_for_the_tests_that_ask_for_it(py) -> None:
+    """``make venv`` does not install tests/plugins/example_backend; a test that had it (the
+    one above, which also patched discovery) leaves nothing behind, here or in children."""
+    from roll_ckpt.plugins import get_plugins
+
+    assert "example_dir" not in Plugins().backends()
+    shared = get_plugins()
+    assert "example_dir" not in shared.backends() and shared.broken == []
+    code = "from roll_ckpt.plugins import get_plugins; print(sorted(get_plugins().backends()))"
+    assert py(code).stdout.strip() == "['file_system']"

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.launch import child_env
 from roll_ckpt import CheckpointManager, DriverState, Preempted, layout, load_config, new_run_name
 from roll_ckpt.testing import tiny_state
 
@@ -22,11 +23,6 @@ CHILD = Path(__file__).with_name("_preempt_child.py")
 MAX_STEPS = 24
 EXIT_CODE = 7
 GRACE_S = 20.0
-
-
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLL_CKPT_")}
-    return dict(env, ROLL_CKPT_QUIET="1", OMP_NUM_THREADS="1")
 
 
 def _log(path: Path) -> list[list[str]]:
@@ -43,7 +39,8 @@ class Job:
         self.launches += 1
         log = self.out / f"launch-{self.launches}.log"
         proc = subprocess.Popen([sys.executable, str(CHILD), str(self.out), str(log), str(MAX_STEPS), signal_at],
-                                env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                                env=child_env(ROLL_CKPT_QUIET="1", OMP_NUM_THREADS="1"),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         signalled = None
         deadline = time.monotonic() + 120
         try:

@@ -6,47 +6,21 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from helpers.damage import flip_byte
+from helpers.training import backup_config
 from roll_ckpt import BackupError, CheckpointCorruptError, CheckpointManager, ConfigError, layout, load_config
 from roll_ckpt import replication
 from roll_ckpt.testing import assert_same_state, state_snapshot, tiny_state
 from roll_ckpt.verify import verify
 
-from ._backup_helpers import HELPERS_DIR, REPLICATING_CHILD, FailingWrites, SlowWrites, flip_byte, wait_for
-
-
-def _config(local: Any, backup: Any, *, resume: Any = False, async_save: bool = False, **bk: Any):
-    return load_config({
-        "checkpoint_config": {"type": "file_system", "output_dir": str(local),
-                              "backup": {"type": "file_system", "output_dir": str(backup), **bk}},
-        "resume_from_checkpoint": resume,
-        "strategy_config": {"async_save_ckpt": async_save},
-    })
-
-
-def _manager(cfg) -> CheckpointManager:
-    return CheckpointManager.from_config(cfg, quiet=True)
-
-
-def _steps(storage, root) -> list[int]:
-    return [r.step for r in layout.committed(storage, root)]
-
-
-def _leftovers(storage, root) -> list[str]:
-    out = []
-    for folder in [root, *(p for _, p in layout.run_folders(storage, root))]:
-        out += [e.path for e in storage.list(folder) if e.name.startswith((".tmp-", ".inflight-"))]
-    return out + [r.path for r in layout.scan(storage, root) if not r.committed]
+from ._backup_helpers import (REPLICATING_CHILD, FailingWrites, SlowWrites, committed_steps, kill_when_busy, leftovers,
+                              manager, save_steps)
 
 
 @pytest.fixture(autouse=True)
@@ -65,25 +39,21 @@ def backup_url(request, tmp_path: Path, memory_url: str) -> str:
 def test_replication_end_to_end_with_keep_local(tmp_path: Path, backup_url: str) -> None:
     local = tmp_path / "local"
     state = tiny_state(1)
-    m = _manager(_config(local, backup_url, async_save=True, keep_local=1))
-    snaps = {}
-    for step in (1, 2, 3):
-        m.save(step, state)
-        snaps[step] = state_snapshot(state)
-        state["counter"]["seen"] += 1
+    m = manager(backup_config(local, backup_url, async_save=True, keep_local=1))
+    snaps = save_steps(m, state, (1, 2, 3))
     status = m.wait_for_backup(timeout=30)
     assert [c.state for c in status.checkpoints] == ["committed"] * 3, status
     assert [c.local_removed for c in status.checkpoints] == [True, True, False]
     bk = m.backup_storage
     run = Path(m.run_dir).name
     # the replica mirrors <run>/checkpoint-<step>, every checkpoint is whole and committed
-    assert _steps(bk, bk.root) == [1, 2, 3]
+    assert committed_steps(bk, bk.root) == [1, 2, 3]
     assert {r.run for r in layout.committed(bk, bk.root)} == {run}
     for ref in layout.committed(bk, bk.root):
         verify(bk, ref.path)
-    assert _leftovers(bk, bk.root) == []
+    assert leftovers(bk, bk.root) == []
     # keep_local: 1 -> only the newest local copy is left, the others live on at the replica
-    assert _steps(m.storage, m.root) == [3]
+    assert committed_steps(m.storage, m.root) == [3]
     from roll_ckpt.transfer import committed_manifest
 
     assert committed_manifest(m.storage, str(Path(m.run_dir) / "checkpoint-3")) == \
@@ -94,7 +64,7 @@ def test_replication_end_to_end_with_keep_local(tmp_path: Path, backup_url: str)
     # every replica resumes exactly, e.g. step 2 whose local copy is gone
     fresh = tiny_state(9)
     target = replication.replica_url(bk, bk.join(bk.root, run, "checkpoint-2"))
-    with _manager(load_config({"checkpoint_config": {"output_dir": backup_url}, "resume_from_checkpoint": target})) as r:
+    with manager(load_config({"checkpoint_config": {"output_dir": backup_url}, "resume_from_checkpoint": target})) as r:
         assert r.resume(fresh) == 2
     assert_same_state(state_snapshot(fresh), snaps[2])
 
@@ -103,7 +73,7 @@ def test_saves_do_not_wait_for_replication(tmp_path: Path, monkeypatch) -> None:
     import roll_ckpt.transfer as transfer
 
     monkeypatch.setattr(transfer, "CHUNK_BYTES", 4096)
-    m = _manager(_config(tmp_path / "local", tmp_path / "backup", max_wait_s=0))
+    m = manager(backup_config(tmp_path / "local", tmp_path / "backup", max_wait_s=0))
     m.backup_storage = SlowWrites(m.backup_storage, delay=0.2)  # one replica takes ~4 s
     state = tiny_state()
     t0 = time.perf_counter()
@@ -122,28 +92,28 @@ def test_saves_do_not_wait_for_replication(tmp_path: Path, monkeypatch) -> None:
 
 def test_a_failed_copy_is_retried_then_committed(tmp_path: Path, caplog) -> None:
     caplog.set_level(logging.INFO, logger="roll_ckpt")
-    m = _manager(_config(tmp_path / "local", tmp_path / "backup", retries=3))
+    m = manager(backup_config(tmp_path / "local", tmp_path / "backup", retries=3))
     m.backup_storage = FailingWrites(m.backup_storage, failures=2)
     m.save(1, tiny_state())
     status = m.wait_for_backup(timeout=30)
     (item,) = status.checkpoints
     assert item.state == "committed" and item.attempts == 3 and "injected I/O error" in (item.error or "")
     m.close()
-    assert _steps(m.backup_storage, m.backup_storage.root) == [1]
+    assert committed_steps(m.backup_storage, m.backup_storage.root) == [1]
     assert len([r for r in caplog.records if "retrying in" in r.getMessage()]) == 2
 
 
 def test_a_copy_that_keeps_failing_is_reported_and_never_counted(tmpfs, tmp_path: Path, caplog) -> None:
     readonly = tmpfs("1m", readonly=True)  # the backup location refuses every write
     caplog.set_level(logging.INFO, logger="roll_ckpt")
-    m = _manager(_config(tmp_path / "local", readonly / "backup", retries=2, keep_local=1))
+    m = manager(backup_config(tmp_path / "local", readonly / "backup", retries=2, keep_local=1))
     m.save(1, tiny_state())
     m.save(2, tiny_state())
     status = m.wait_for_backup(timeout=30)
     assert [c.state for c in status.checkpoints] == ["failed", "failed"]
     assert all(c.attempts == 3 for c in status.checkpoints)
     # never counted as a backup: keep_local removed nothing
-    assert _steps(m.storage, m.root) == [1, 2]
+    assert committed_steps(m.storage, m.root) == [1, 2]
     assert any(r.levelno == logging.ERROR and "has NO backup" in r.getMessage() for r in caplog.records)
     with pytest.raises(BackupError) as info:
         m.close()
@@ -159,7 +129,7 @@ def test_close_waits_at_most_max_wait_s_and_the_next_run_catches_up(tmp_path: Pa
     monkeypatch.setattr(transfer, "CHUNK_BYTES", 4096)
     monkeypatch.setattr(replication, "STOP_GRACE_S", 2.0)
     local, backup = tmp_path / "local", tmp_path / "backup"
-    m = _manager(_config(local, backup, max_wait_s=0.5))
+    m = manager(backup_config(local, backup, max_wait_s=0.5))
     m.backup_storage = SlowWrites(m.backup_storage, delay=0.2)  # a copy would take ~5 s
     m.save(1, tiny_state())
     t0 = time.perf_counter()
@@ -169,39 +139,28 @@ def test_close_waits_at_most_max_wait_s_and_the_next_run_catches_up(tmp_path: Pa
     (item,) = m.backup_status.checkpoints
     assert item.state == "interrupted"
     bk = m.backup_storage
-    assert _steps(bk, bk.root) == [] and _leftovers(bk, bk.root) == []  # nothing committed, nothing left
+    assert committed_steps(bk, bk.root) == [] and leftovers(bk, bk.root) == []  # nothing committed, nothing left
 
     # the next run's first save copies what the previous one could not
-    m2 = _manager(_config(local, backup, resume="latest"))
+    m2 = manager(backup_config(local, backup, resume="latest"))
     assert m2.resume(tiny_state()) == 1 and not m2.resumed_from_backup
     m2.save(2, tiny_state())
     status = m2.wait_for_backup(timeout=30)
     m2.close()
     assert sorted(c.step for c in status.committed) == [1, 2]
-    assert _steps(m2.backup_storage, m2.backup_storage.root) == [1, 2]
+    assert committed_steps(m2.backup_storage, m2.backup_storage.root) == [1, 2]
 
 
 def test_a_kill_during_replication_commits_nothing_and_is_copied_again(tmp_path: Path) -> None:
     local, backup = tmp_path / "local", tmp_path / "backup"
     raw = {"checkpoint_config": {"output_dir": str(local), "backup": {"output_dir": str(backup)}}}
-    script = tmp_path / "child.py"
-    script.write_text(REPLICATING_CHILD)
-    flag = tmp_path / "copying"
-    env = dict(os.environ, HELPERS_DIR=HELPERS_DIR, ROLL_CKPT_QUIET="1", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, str(script), json.dumps(raw), str(flag)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        wait_for(flag, 60, proc)  # the replica is being written
-        time.sleep(0.3)
-        proc.send_signal(signal.SIGKILL)
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
-    cfg = _config(local, backup, resume="latest")
-    m = _manager(cfg)
+    flag = tmp_path / "copying"  # the replica is being written
+    kill_when_busy(REPLICATING_CHILD, json.dumps(raw), str(flag), flag=flag, delay=0.3)
+    cfg = backup_config(local, backup, resume="latest")
+    m = manager(cfg)
     bk = m.backup_storage
-    assert _steps(bk, bk.root) == [], "a killed copy must not look committed"
-    assert _leftovers(bk, bk.root), "the killed copy left its temporary folder (removed below)"
+    assert committed_steps(bk, bk.root) == [], "a killed copy must not look committed"
+    assert leftovers(bk, bk.root), "the killed copy left its temporary folder (removed below)"
     (ref,) = layout.committed(m.storage, m.root)
     verify(m.storage, ref.path)  # the local checkpoint is intact
 
@@ -210,8 +169,8 @@ def test_a_kill_during_replication_commits_nothing_and_is_copied_again(tmp_path:
     status = m.wait_for_backup(timeout=30)
     m.close()
     assert sorted(c.step for c in status.committed) == [1, 2]
-    assert _steps(bk, bk.root) == [1, 2]
-    assert _leftovers(bk, bk.root) == []
+    assert committed_steps(bk, bk.root) == [1, 2]
+    assert leftovers(bk, bk.root) == []
     for r in layout.committed(bk, bk.root):
         verify(bk, r.path)
 
@@ -221,7 +180,7 @@ def test_a_kill_during_replication_commits_nothing_and_is_copied_again(tmp_path:
 
 def _two_saved(local: Path, backup: str) -> tuple[CheckpointManager, dict, dict]:
     state = tiny_state(3)
-    m = _manager(_config(local, backup))
+    m = manager(backup_config(local, backup))
     m.save(1, state)
     state["counter"]["seen"] += 7
     m.save(2, state)
@@ -236,7 +195,7 @@ def test_resume_from_the_replica_when_the_local_copy_is_gone(tmp_path: Path, bac
     m, _, snap = _two_saved(local, backup_url)
     shutil.rmtree(local)
     fresh = tiny_state(11)
-    with _manager(_config(local, backup_url, resume="latest")) as r:
+    with manager(backup_config(local, backup_url, resume="latest")) as r:
         assert r.resume(fresh) == 2
         assert r.resumed_from_backup
         assert r.resumed_from.endswith("checkpoint-2") and r.resumed_from.startswith(backup_url.rstrip("/"))
@@ -248,15 +207,15 @@ def test_latest_is_the_newest_of_both_locations(tmp_path: Path) -> None:
     m, state, _ = _two_saved(local, str(backup))
     # a newer local checkpoint that has no replica (yet) wins over the replica's newest
     plain = load_config({"checkpoint_config": {"output_dir": str(local)}})
-    with _manager(plain) as p:
+    with manager(plain) as p:
         p.save(3, state)
-    with _manager(_config(local, backup, resume="latest")) as r:
+    with manager(backup_config(local, backup, resume="latest")) as r:
         storage, path = r.resolve_resume()
         assert storage is r.storage and path.endswith("checkpoint-3")
         assert r.resume(tiny_state()) == 3 and not r.resumed_from_backup
     # both hold the newest: the local copy is taken
     shutil.rmtree(Path(path))
-    with _manager(_config(local, backup, resume="latest")) as r:
+    with manager(backup_config(local, backup, resume="latest")) as r:
         assert r.resolve_resume()[0] is r.storage
         assert r.resume(tiny_state()) == 2 and not r.resumed_from_backup
 
@@ -265,10 +224,10 @@ def test_a_damaged_local_copy_falls_back_to_the_replica(tmp_path: Path, backup_u
     local = tmp_path / "local"
     m, _, snap = _two_saved(local, backup_url)
     (ckpt2,) = [r for r in layout.committed(m.storage, m.root) if r.step == 2]
-    flip_byte(Path(ckpt2.path) / "dcp" / "__0_0.distcp")
+    flip_byte(Path(ckpt2.path) / "dcp" / "__0_0.distcp", 100)
     caplog.set_level(logging.WARNING, logger="roll_ckpt")
     fresh = tiny_state(5)
-    with _manager(_config(local, backup_url, resume="latest")) as r:
+    with manager(backup_config(local, backup_url, resume="latest")) as r:
         assert r.resume(fresh) == 2
         assert r.resumed_from_backup
     assert_same_state(state_snapshot(fresh), snap)
@@ -281,12 +240,12 @@ def test_a_damaged_manifest_falls_back_too_and_both_damaged_is_refused(tmp_path:
     m, _, _ = _two_saved(local, str(backup))
     (ckpt2,) = [r for r in layout.committed(m.storage, m.root) if r.step == 2]
     (Path(ckpt2.path) / "trainer_state.json").write_text("{}")  # altered (size changes)
-    with _manager(_config(local, backup, resume="latest")) as r:
+    with manager(backup_config(local, backup, resume="latest")) as r:
         assert r.resume(tiny_state()) == 2 and r.resumed_from_backup
     # the replica damaged as well: refused, naming the local copy's damage
     run = Path(ckpt2.path).parent.name
-    flip_byte(backup / run / "checkpoint-2" / "dcp" / "__0_0.distcp")
-    with _manager(_config(local, backup, resume="latest")) as r:
+    flip_byte(backup / run / "checkpoint-2" / "dcp" / "__0_0.distcp", 100)
+    with manager(backup_config(local, backup, resume="latest")) as r:
         with pytest.raises(CheckpointCorruptError) as info:
             r.resume(tiny_state())
     assert ckpt2.path in str(info.value) and "trainer_state.json" in str(info.value)

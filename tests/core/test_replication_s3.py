@@ -7,12 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -23,7 +18,9 @@ pytest.importorskip("s3fs", reason="s3fs is not installed (pip install 'roll-ckp
 
 from backend_fs import s3server  # noqa: E402  (tests/ is on sys.path: the S3 server fixture module)
 
-from roll_ckpt import CheckpointManager, layout, load_config  # noqa: E402
+from helpers.damage import flip_byte  # noqa: E402
+from helpers.training import backup_config, config  # noqa: E402
+from roll_ckpt import layout  # noqa: E402
 from roll_ckpt import replication  # noqa: E402
 from roll_ckpt.cli import main  # noqa: E402
 from roll_ckpt.manifest import MANIFEST_NAME  # noqa: E402
@@ -31,7 +28,8 @@ from roll_ckpt.testing import assert_same_state, state_snapshot, tiny_state  # n
 from roll_ckpt.verify import verify  # noqa: E402
 from roll_ckpt_fs import FsspecStorage, open_storage  # noqa: E402
 
-from ._backup_helpers import COPYING_CHILD, HELPERS_DIR, REPLICATING_CHILD, flip_byte, wait_for  # noqa: E402
+from ._backup_helpers import (COPYING_CHILD, REPLICATING_CHILD, committed_steps, kill_when_busy,  # noqa: E402
+                              leftovers, manager, save_steps)
 
 
 # ``s3`` (the session's ``weed mini``) and ``offline_aws`` come from tests/conftest.py; the
@@ -57,46 +55,22 @@ def _raw_fs(s3: s3server.SeaweedServer) -> Any:
 
 
 def _config(local: Path, s3_url: str, s3: s3server.SeaweedServer, *, resume: Any = False, **bk: Any):
-    return load_config({
-        "checkpoint_config": {"output_dir": str(local),
-                              "backup": {"type": "file_system", "output_dir": s3_url,
-                                         "storage_options": s3.storage_options, **bk}},
-        "resume_from_checkpoint": resume,
-    })
-
-
-def _manager(cfg) -> CheckpointManager:
-    return CheckpointManager.from_config(cfg, quiet=True)
-
-
-def _steps(storage, root) -> list[int]:
-    return [r.step for r in layout.committed(storage, root)]
-
-
-def _uncommitted(storage, root) -> list[str]:
-    out = [r.path for r in layout.scan(storage, root) if not r.committed]
-    for folder in [root, *(p for _, p in layout.run_folders(storage, root))]:
-        out += [e.path for e in storage.list(folder) if e.name.startswith((".tmp-", ".inflight-"))]
-    return out
+    return backup_config(local, s3_url, storage_options=s3.storage_options, resume=resume, **bk)
 
 
 def test_replication_to_s3_end_to_end(tmp_path: Path, s3: s3server.SeaweedServer, s3_url: str) -> None:
     state = tiny_state(4)
-    m = _manager(_config(tmp_path / "local", s3_url, s3, keep_local=1))
+    m = manager(_config(tmp_path / "local", s3_url, s3, keep_local=1))
     assert isinstance(m.backup_storage, FsspecStorage) and not m.backup_storage.atomic_rename
-    snaps = {}
-    for step in (1, 2, 3):
-        m.save(step, state)
-        snaps[step] = state_snapshot(state)
-        state["counter"]["seen"] += 1
+    snaps = save_steps(m, state, (1, 2, 3))
     status = m.wait_for_backup(timeout=60)
     m.close()
     assert [c.state for c in status.checkpoints] == ["committed"] * 3, status
     bk = m.backup_storage
-    assert _steps(bk, bk.root) == [1, 2, 3] and _uncommitted(bk, bk.root) == []
+    assert committed_steps(bk, bk.root) == [1, 2, 3] and leftovers(bk, bk.root) == []
     for ref in layout.committed(bk, bk.root):
         verify(bk, ref.path)
-    assert _steps(m.storage, m.root) == [3]  # keep_local: 1
+    assert committed_steps(m.storage, m.root) == [3]  # keep_local: 1
     # another client sees every replica committed (its manifest is there)
     raw = _raw_fs(s3)
     run = Path(m.run_dir).name
@@ -106,7 +80,7 @@ def test_replication_to_s3_end_to_end(tmp_path: Path, s3: s3server.SeaweedServer
     # resume from S3 once the local copies are gone
     shutil.rmtree(tmp_path / "local")
     fresh = tiny_state(8)
-    with _manager(_config(tmp_path / "local", s3_url, s3, resume="latest")) as r:
+    with manager(_config(tmp_path / "local", s3_url, s3, resume="latest")) as r:
         assert r.resume(fresh) == 3 and r.resumed_from_backup
         assert r.resumed_from == f"{s3_url}/{run}/checkpoint-3"
     assert_same_state(state_snapshot(fresh), snaps[3])
@@ -115,16 +89,16 @@ def test_replication_to_s3_end_to_end(tmp_path: Path, s3: s3server.SeaweedServer
 def test_a_damaged_local_copy_falls_back_to_the_s3_replica(tmp_path: Path, s3: s3server.SeaweedServer,
                                                            s3_url: str, caplog) -> None:
     state = tiny_state(6)
-    m = _manager(_config(tmp_path / "local", s3_url, s3))
+    m = manager(_config(tmp_path / "local", s3_url, s3))
     m.save(1, state)
     snap = state_snapshot(state)
     m.wait_for_backup(timeout=60)
     m.close()
     (ref,) = layout.committed(m.storage, m.root)
-    flip_byte(Path(ref.path) / "dcp" / "__0_0.distcp")
+    flip_byte(Path(ref.path) / "dcp" / "__0_0.distcp", 100)
     caplog.set_level(logging.WARNING, logger="roll_ckpt")
     fresh = tiny_state(1)
-    with _manager(_config(tmp_path / "local", s3_url, s3, resume="latest")) as r:
+    with manager(_config(tmp_path / "local", s3_url, s3, resume="latest")) as r:
         assert r.resume(fresh) == 1 and r.resumed_from_backup
         assert r.resumed_from.startswith("s3://")
     assert_same_state(state_snapshot(fresh), snap)
@@ -135,28 +109,18 @@ def test_a_kill_during_replication_to_s3(tmp_path: Path, s3: s3server.SeaweedSer
     local = tmp_path / "local"
     raw_cfg = {"checkpoint_config": {"output_dir": str(local), "backup": {
         "output_dir": s3_url, "storage_options": s3.storage_options}}}
-    script = tmp_path / "child.py"
-    script.write_text(REPLICATING_CHILD)
     flag = tmp_path / "copying"
-    env = dict(os.environ, HELPERS_DIR=HELPERS_DIR, ROLL_CKPT_QUIET="1", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, str(script), json.dumps(raw_cfg), str(flag)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        wait_for(flag, 60, proc)
-        time.sleep(0.5)  # some objects of the replica are on the server, its manifest is not
-        proc.send_signal(signal.SIGKILL)
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
-    m = _manager(_config(local, s3_url, s3, resume="latest"))
+    # killed once some objects of the replica are on the server, its manifest is not
+    kill_when_busy(REPLICATING_CHILD, json.dumps(raw_cfg), str(flag), flag=flag, delay=0.5)
+    m = manager(_config(local, s3_url, s3, resume="latest"))
     bk = m.backup_storage
-    assert _steps(bk, bk.root) == [], "a killed copy must not look committed on S3"
+    assert committed_steps(bk, bk.root) == [], "a killed copy must not look committed on S3"
     assert m.resume(tiny_state()) == 1 and not m.resumed_from_backup
     m.save(2, tiny_state())
     status = m.wait_for_backup(timeout=60)
     m.close()
     assert sorted(c.step for c in status.committed) == [1, 2]
-    assert _steps(bk, bk.root) == [1, 2] and _uncommitted(bk, bk.root) == []
+    assert committed_steps(bk, bk.root) == [1, 2] and leftovers(bk, bk.root) == []
     for ref in layout.committed(bk, bk.root):
         verify(bk, ref.path)
 
@@ -169,7 +133,7 @@ def _s3_options(s3: s3server.SeaweedServer, flag: str = "--storage-option") -> l
 def test_copy_cli_local_to_s3_to_memory_to_local(tmp_path: Path, s3: s3server.SeaweedServer, s3_url: str,
                                                  memory_url: str, capsys) -> None:
     state = tiny_state(3)
-    with _manager(load_config({"checkpoint_config": {"output_dir": str(tmp_path / "src")}})) as m:
+    with manager(config(tmp_path / "src")) as m:
         m.save(1, state)
         m.save(2, state)
         snap = state_snapshot(state)
@@ -181,39 +145,27 @@ def test_copy_cli_local_to_s3_to_memory_to_local(tmp_path: Path, s3: s3server.Se
     out = capsys.readouterr().out
     assert out.count("OK  ") == 2
     bk = open_storage(s3_url, s3.storage_options)
-    assert _steps(bk, bk.root) == [1, 2] and _uncommitted(bk, bk.root) == []
+    assert committed_steps(bk, bk.root) == [1, 2] and leftovers(bk, bk.root) == []
     fresh = tiny_state(0)
-    with _manager(load_config({"checkpoint_config": {"output_dir": str(tmp_path / "back")},
-                               "resume_from_checkpoint": str(tmp_path / "back" / run / "checkpoint-2")})) as r:
+    with manager(config(tmp_path / "back", resume_from_checkpoint=str(tmp_path / "back" / run / "checkpoint-2"))) as r:
         assert r.resume(fresh) == 2
     assert_same_state(state_snapshot(fresh), snap)
 
 
 def test_a_killed_copy_to_s3_commits_nothing_and_the_rerun_completes(tmp_path: Path, s3: s3server.SeaweedServer,
                                                                      s3_url: str, capsys) -> None:
-    with _manager(load_config({"checkpoint_config": {"output_dir": str(tmp_path / "src")}})) as m:
+    with manager(config(tmp_path / "src")) as m:
         m.save(1, tiny_state())
         run = Path(m.run_dir).name
-    script = tmp_path / "child.py"
-    script.write_text(COPYING_CHILD)
     flag = tmp_path / "copying"
-    env = dict(os.environ, HELPERS_DIR=HELPERS_DIR, ROLL_CKPT_QUIET="1", COPY_FLAG=str(flag), SLOW_URL=s3_url)
     args = ["copy", str(tmp_path / "src"), s3_url, *_s3_options(s3, "--dst-storage-option")]
-    proc = subprocess.Popen([sys.executable, str(script), *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        wait_for(flag, 60, proc)
-        time.sleep(0.5)
-        proc.send_signal(signal.SIGKILL)
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
+    kill_when_busy(COPYING_CHILD, *args, flag=flag, delay=0.5, env={"COPY_FLAG": str(flag), "SLOW_URL": s3_url})
     bk = open_storage(s3_url, s3.storage_options)
-    assert _steps(bk, bk.root) == []
+    assert committed_steps(bk, bk.root) == []
     raw = _raw_fs(s3)
     assert not raw.exists(f"{bk.root}/{run}/checkpoint-1/{MANIFEST_NAME}")
 
     assert main(["-q", *args]) == 0
     assert "left by an interrupted copy" in capsys.readouterr().out
-    assert _steps(bk, bk.root) == [1] and _uncommitted(bk, bk.root) == []
+    assert committed_steps(bk, bk.root) == [1] and leftovers(bk, bk.root) == []
     verify(bk, bk.join(bk.root, run, "checkpoint-1"))

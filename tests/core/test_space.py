@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import shutil
 import subprocess
@@ -18,7 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from roll_ckpt import CheckpointManager, StorageFullError, layout, load_config
+from helpers.launch import child_env, free_port, rank_env
+from helpers.training import config
+from roll_ckpt import CheckpointManager, StorageFullError, layout
 from roll_ckpt.space import SpaceGuard, estimate_checkpoint_bytes
 from roll_ckpt.testing import assert_same_state, state_snapshot, tiny_state
 from roll_ckpt.verify import verify
@@ -44,8 +45,7 @@ def _many_small() -> dict:
 
 
 def _manager(root: Path, **cc) -> CheckpointManager:
-    cfg = load_config({"checkpoint_config": {"type": "file_system", "output_dir": str(root), **cc}})
-    return CheckpointManager.from_config(cfg, quiet=True)
+    return CheckpointManager.from_config(config(root, **cc), quiet=True)
 
 
 def _real_sizes(path: str) -> tuple[int, int]:
@@ -106,16 +106,14 @@ def test_a_save_that_cannot_fit_is_refused_before_writing_and_earlier_checkpoint
     m.close()
     verify(m.storage, third)
     fresh = _linear(256, seed=9)
-    with CheckpointManager.from_config(load_config({"checkpoint_config": {"output_dir": str(root)},
-                                                    "resume_from_checkpoint": first}), quiet=True) as r:
+    with CheckpointManager.from_config(config(root, resume_from_checkpoint=first), quiet=True) as r:
         assert r.resume(fresh) == 1
     assert_same_state(state_snapshot(fresh), snap)
 
 
 def test_an_async_save_that_cannot_fit_is_refused_by_save_itself(tmpfs) -> None:
     mnt = tmpfs("8m")
-    cfg = load_config({"checkpoint_config": {"output_dir": str(mnt / "ckpt")},
-                       "strategy_config": {"async_save_ckpt": True}})
+    cfg = config(mnt / "ckpt", async_save=True)
     m = CheckpointManager.from_config(cfg, quiet=True)
     m.save(1, _linear(128))
     m.wait()
@@ -179,7 +177,7 @@ def test_nothing_left_to_remove_says_so(tmp_path: Path) -> None:
 
 def test_stores_that_cannot_tell_are_not_checked(memory_url: str, caplog) -> None:
     caplog.set_level(logging.INFO, logger="roll_ckpt")
-    cfg = load_config({"checkpoint_config": {"output_dir": memory_url}})
+    cfg = config(memory_url)
     with CheckpointManager.from_config(cfg, quiet=True) as m:
         assert m.storage.free_bytes(m.root) is None
         m.save(1, tiny_state())
@@ -240,25 +238,16 @@ dist.destroy_process_group()
 '''
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.timeout(120)
 def test_two_ranks_coordinator_refusal_reaches_every_rank(tmpfs, tmp_path: Path) -> None:
     pytest.importorskip("roll_ckpt_fsdp2")
     mnt = tmpfs("8m")
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(2):  # two plain processes (no torchrun agent: faster to start)
-        env = dict(os.environ, OMP_NUM_THREADS="1", ROLL_CKPT_QUIET="1", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
+        env = child_env(rank_env(rank, 2, port), OMP_NUM_THREADS="1", ROLL_CKPT_QUIET="1")
         procs.append(subprocess.Popen([sys.executable, str(script), str(mnt / "ckpt"), str(tmp_path)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     try:

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from helpers.launch import REPO, finish, run_ok, start
+
 pytestmark = pytest.mark.timeout(400)
 
-REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "rl_components"
 TIMEOUT = 150
 STEP_RE = re.compile(r"^step +\d+ .*$", re.M)
@@ -28,20 +28,8 @@ def job(output: Path, *extra: str) -> list[str]:
     return [sys.executable, str(EXAMPLE / "rl_job.py"), "--output", str(output), *extra]
 
 
-def finished(proc: subprocess.Popen, cmd: list[str]) -> str:
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0, f"{cmd}\n{out}\n{err}"
-    assert "Traceback" not in err, err
-    return out
-
-
 def run(cmd: list[str]) -> str:
-    return finished(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO), cmd)
+    return run_ok(cmd, TIMEOUT)
 
 
 def steps(out: str) -> list[str]:
@@ -53,11 +41,11 @@ def test_killed_job_resumes_every_component_exactly(tmp_path: Path) -> None:
     ckpt = crash_dir / "checkpoints"
     # the uninterrupted run and the run that is killed go side by side
     full_cmd = job(full_dir)
-    full = subprocess.Popen(full_cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    full = start(full_cmd)
     try:
         first = run(job(crash_dir, "--stop-at", "8"))
     finally:
-        full_out = finished(full, full_cmd)
+        full_out = finish(full, full_cmd, TIMEOUT)
 
     assert len(steps(full_out)) == 12
     assert steps(first) == steps(full_out)[:8]

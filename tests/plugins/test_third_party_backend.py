@@ -1,5 +1,6 @@
 """The third-party ``example_dir`` backend (tests/plugins/example_backend, installed as its own
-distribution) passes the conformance suite and is selected through the entry point."""
+distribution for these tests only: the ``example_backend`` fixture of tests/conftest.py)
+passes the conformance suite and is selected through the entry point."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from roll_ckpt.testing import BackendConformance
+
+pytestmark = pytest.mark.usefixtures("example_backend")
 
 SCRIPT = textwrap.dedent("""
     import sys, json, torch

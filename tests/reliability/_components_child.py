@@ -16,12 +16,13 @@ Modes:
 
 * ``python _components_child.py run SPEC_JSON`` - one process of one component (the actor's
   ranks under ``torchrun``, which sets ``RANK``/``WORLD_SIZE``/``MASTER_PORT``);
-* ``python _components_child.py serve`` - a fork server: imports torch and roll_ckpt once,
-  then reads JSON commands on stdin: ``{"fork": SPEC}`` forks a process running SPEC
-  (answer ``{"pid": N}``), ``{"poll": N}`` reaps it if it ended (answer ``{"status": S}``,
-  ``null`` while it runs), ``{"exit": 1}``. A forked actor rank sets the environment
-  torchrun would set and joins a real gloo process group (env:// rendezvous); forking
-  saves the seconds of importing torch per process.
+* ``python _components_child.py serve`` - a fork server (:mod:`helpers.forkserver`): imports
+  torch and roll_ckpt once, then forks a process running SPEC per ``{"fork": SPEC}`` and
+  reaps ended ones on ``{"poll": N}``. A forked actor rank sets the environment torchrun
+  would set (:func:`helpers.launch.rank_env`) and joins a real gloo process group (env://
+  rendezvous); forking saves the seconds of importing torch per process.
+
+``tests/`` is on ``PYTHONPATH`` (helpers.launch.child_env): the shared helpers.
 
 SPEC (JSON): ``mode`` (``component``, the default, or ``complete``), ``component``, ``out``,
 ``storage_options``, ``run_name`` (exported as ``ROLL_CKPT_RUN_NAME``: the config says
@@ -62,14 +63,13 @@ import sys
 import time
 from typing import Any
 
+from helpers.forkserver import emit, serve
+from helpers.launch import rank_env
+from helpers.training import config, mlp, optimizer_and_scheduler, shard, train_step
 from roll_ckpt import hookimpl
 
 COMPONENTS = ["actor_train", "critic", "pipeline"]
 IN_FLIGHT = {"actor_train": True, "critic": False, "pipeline": True}  # async_save_ckpt
-
-
-def _emit(fd: int, *parts: Any) -> None:
-    os.write(fd, (" ".join(str(p) for p in parts) + f" @{time.time():.4f}\n").encode())
 
 
 def _sha(data: bytes) -> str:
@@ -98,7 +98,7 @@ class _DyingFile:
             self._inner.flush()
         except Exception:  # noqa: BLE001 - the bytes may or may not reach the store: both are "mid-write"
             pass
-        _emit(self._fd, "dying", self._step, half, self._path)
+        emit(self._fd, "dying", self._step, half, self._path)
         os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)
         raise AssertionError("not killed")
@@ -168,7 +168,7 @@ class KillBeforeStepCommit:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the other parts of {step_path} were never committed")
             time.sleep(0.02)
-        _emit(self._fd, "last", self._step)
+        emit(self._fd, "last", self._step)
         self._armed = True
 
     def rename_dir(self, src: str, dst: str) -> None:  # POSIX: the part's commit
@@ -186,7 +186,7 @@ class KillBeforeStepCommit:
     def exists(self, path: str) -> bool:
         step_path = self._step_path(path)
         if self._armed and step_path is not None and str(path) == self._inner.join(step_path, "manifest.json"):
-            _emit(self._fd, "dying", self._step, 0, path)
+            emit(self._fd, "dying", self._step, 0, path)
             os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(60)
         return self._inner.exists(path)
@@ -200,26 +200,18 @@ class _Events:
 
     @hookimpl
     def roll_ckpt_on_commit(self, info: Any) -> None:
-        _emit(self.fd, "part" if info.component else "step", info.step, info.path)
+        emit(self.fd, "part" if info.component else "step", info.step, info.path)
 
 
 # --------------------------------------------------------------------------- the components
 
 
 def _config(spec: dict[str, Any], component: str) -> Any:
-    from roll_ckpt import load_config
-
     os.environ["ROLL_CKPT_RUN_NAME"] = spec["run_name"]
-    return load_config({
-        "checkpoint_config": {"type": "file_system", "output_dir": spec["out"],
-                              "storage_options": spec.get("storage_options") or {},
-                              "components": list(spec.get("components", COMPONENTS)),
-                              "run_name": "${env:ROLL_CKPT_RUN_NAME}",
-                              "max_ckpt_to_keep": int(spec.get("keep", 0))},
-        "resume_from_checkpoint": "latest",
-        "save_steps": int(spec["every"]),
-        "strategy_config": {"async_save_ckpt": IN_FLIGHT[component]},
-    })
+    return config(spec["out"], storage_options=spec.get("storage_options") or {},
+                  components=list(spec.get("components", COMPONENTS)), run_name="${env:ROLL_CKPT_RUN_NAME}",
+                  max_ckpt_to_keep=int(spec.get("keep", 0)), resume_from_checkpoint="latest",
+                  save_steps=int(spec["every"]), async_save=IN_FLIGHT[component])
 
 
 def _actor(spec: dict[str, Any]) -> tuple[dict[str, Any], Any, Any, int]:
@@ -227,25 +219,15 @@ def _actor(spec: dict[str, Any]) -> tuple[dict[str, Any], Any, Any, int]:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     if "rank" in spec:  # a forked rank: the environment torchrun gives its workers
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["master_port"]),
-                          RANK=str(spec["rank"]), WORLD_SIZE=str(spec["world_size"]),
-                          LOCAL_RANK=str(spec["rank"]), LOCAL_WORLD_SIZE=str(spec["world_size"]))
+        os.environ.update(rank_env(int(spec["rank"]), int(spec["world_size"]), int(spec["master_port"])))
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Dropout(0.1), torch.nn.ReLU(),
-                                torch.nn.Linear(32, 32), torch.nn.Dropout(0.1), torch.nn.ReLU(),
-                                torch.nn.Linear(32, 4))
-    for m in model:
-        if isinstance(m, torch.nn.Linear):
-            fully_shard(m, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
+    model = shard(mlp(32, depth=2, seed=0), mesh)
+    opt, sched = optimizer_and_scheduler(model)
+    state = {"model": model, "optimizer": opt, "scheduler": sched}
     torch.manual_seed(100 + rank)
     random.seed(200 + rank)
     np.random.seed(300 + rank)
@@ -253,12 +235,7 @@ def _actor(spec: dict[str, Any]) -> tuple[dict[str, Any], Any, Any, int]:
     def train(step: int) -> float:
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1000 * step + rank))
         x = x + torch.randn(x.shape) * 0.01 * float(np.random.rand()) + random.random() * 1e-3
-        loss = model(x).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        sched.step()
-        return loss.item()
+        return train_step(state, x, scheduler=True).item()
 
     def final() -> dict[str, str]:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -274,7 +251,7 @@ def _actor(spec: dict[str, Any]) -> tuple[dict[str, Any], Any, Any, int]:
                                + repr(np.random.get_state()).encode())
         return out
 
-    return {"model": model, "optimizer": opt, "scheduler": sched}, train, final, rank
+    return state, train, final, rank
 
 
 def _critic(spec: dict[str, Any]) -> tuple[dict[str, Any], Any, Any, int]:
@@ -339,7 +316,7 @@ def run_component(spec: dict[str, Any]) -> int:
     component = spec["component"]
     rank = int(spec.get("rank", os.environ.get("RANK", 0)))
     fd = os.open(spec["log"].format(rank=rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    _emit(fd, "start", os.getpid())
+    emit(fd, "start", os.getpid())
     if component != "pipeline":
         import torch
 
@@ -347,7 +324,7 @@ def run_component(spec: dict[str, Any]) -> int:
         torch.use_deterministic_algorithms(True)
     state, train, final, rank_ = BUILD[component](spec)
     assert rank_ == rank, (rank_, rank)
-    _emit(fd, "built")
+    emit(fd, "built")
     from roll_ckpt import CheckpointManager
     from roll_ckpt.plugins import get_plugins
 
@@ -362,12 +339,12 @@ def run_component(spec: dict[str, Any]) -> int:
         manager.storage = KillBeforeStepCommit(manager.storage, fd, int(kill["step"]), component,
                                                list(spec.get("components", COMPONENTS)), kill["logs"])
     start = manager.resume(state)
-    _emit(fd, "ready", start, manager.resumed_from or "-")
+    emit(fd, "ready", start, manager.resumed_from or "-")
     losses: dict[int, str] = {}
     stop = int(spec.get("stop_after") or 0)
     for step in range(start + 1, int(spec["steps"]) + 1):
         losses[step] = float(train(step)).hex()
-        _emit(fd, "loss", step, losses[step])
+        emit(fd, "loss", step, losses[step])
         manager.maybe_save(step, state)
         if step == stop:
             break
@@ -376,7 +353,7 @@ def run_component(spec: dict[str, Any]) -> int:
     with open(spec["result"].format(rank=rank), "w") as f:
         json.dump({"component": component, "rank": rank, "start": start, "losses": losses,
                    "final": digests}, f)
-    _emit(fd, "done")
+    emit(fd, "done")
     plugins.pm.unregister(name=events)  # the fork server's own runs leave nothing to its children
     os.close(fd)
     if component == "actor_train":
@@ -439,40 +416,6 @@ def run(spec: dict[str, Any]) -> int:
 # --------------------------------------------------------------------------- fork server
 
 
-def _die_with_parent() -> None:
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:  # noqa: BLE001 - best effort
-        pass
-
-
-def _run_forked(spec: dict[str, Any]) -> None:  # pragma: no cover - runs in the forked process
-    code = 1
-    try:
-        _die_with_parent()
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        err = os.open(spec["stderr"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.dup2(err, 1)
-        os.dup2(err, 2)
-        sys.stdin = open(os.devnull)
-        sys.stdout = os.fdopen(1, "w", buffering=1)
-        sys.stderr = os.fdopen(2, "w", buffering=1)
-        code = run(spec)
-    except BaseException:  # noqa: BLE001
-        import traceback
-
-        traceback.print_exc()
-    finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
-
-
 def _prewarm() -> None:
     """Run the critic and the pipeline for a few steps here (no process group), so that
     forked processes find every lazy import done. Leaves no thread behind."""
@@ -496,7 +439,9 @@ def _prewarm() -> None:
     assert threading.active_count() == 1, threading.enumerate()
 
 
-def serve() -> int:
+def main() -> int:
+    if sys.argv[1] != "serve":
+        return run(json.loads(sys.argv[2]))
     import torch
 
     torch.set_num_threads(1)
@@ -516,31 +461,8 @@ def serve() -> int:
         import s3fs  # noqa: F401
     except ImportError:  # pragma: no cover
         pass
-    _die_with_parent()
-    _prewarm()
-    out = sys.stdout
-    print(json.dumps({"ready": os.getpid()}), file=out, flush=True)
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        if "fork" in cmd:
-            out.flush()
-            sys.stderr.flush()
-            pid = os.fork()
-            if pid == 0:
-                _run_forked(cmd["fork"])
-            print(json.dumps({"pid": pid}), file=out, flush=True)
-        elif "poll" in cmd:
-            try:
-                done, status = os.waitpid(int(cmd["poll"]), os.WNOHANG)
-            except ChildProcessError:
-                done, status = -1, -1
-            print(json.dumps({"status": status if done else None}), file=out, flush=True)
-        elif "exit" in cmd:
-            break
-    return 0
+    return serve(run, stderr_of=lambda spec: spec["stderr"], prewarm=_prewarm, orphans_die=True)
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "serve":
-        sys.exit(serve())
-    sys.exit(run(json.loads(sys.argv[2])))
+    sys.exit(main())

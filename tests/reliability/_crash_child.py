@@ -19,15 +19,14 @@ Training is deterministic (fixed data per step, dropout from the restored torch 
 the state of step N has the same digest in every run that reaches it: a resumed state
 can be compared with the one that was saved.
 
-Two ways to start a worker:
+Two ways to start a worker (``tests/`` on ``PYTHONPATH``: helpers.launch.child_env):
 
 * ``python _crash_child.py worker SPEC_JSON`` - a fresh interpreter (imports torch: seconds);
-* ``python _crash_child.py serve`` - a *fork server*: imports torch and roll_ckpt once, then
-  reads JSON commands on stdin and forks one worker per ``{"fork": SPEC}`` (answering
-  ``{"pid": N}``), and reaps one per ``{"reap": N}`` (answering ``{"status": S}``). A forked
-  worker is a real, separate process with its own pid: SIGKILL ends it just as abruptly,
-  without the seconds of start-up. Before serving, the server runs one short sync job in a
-  temporary folder so that every lazy import is done; it never starts a thread.
+* ``python _crash_child.py serve`` - a *fork server* (:mod:`helpers.forkserver`): imports
+  torch and roll_ckpt once, then forks one worker per ``{"fork": SPEC}`` and reaps one per
+  ``{"reap": N}``; a worker's output goes to ``<log>.err``. Before serving, the server runs
+  one short sync job in a temporary folder so that every lazy import is done; it never
+  starts a thread.
 
 A worker SPEC (JSON): ``out``, ``log``, ``storage_options``, ``async``, ``keep``
 (max_ckpt_to_keep), ``max_steps`` or ``saves`` (stop after this many saves), ``resume_only``,
@@ -48,10 +47,13 @@ import torch
 # Imported up front so that forked workers start warm.
 import torch.distributed.checkpoint  # noqa: F401
 import torch.distributed.checkpoint.state_dict  # noqa: F401
-from roll_ckpt import CheckpointManager, load_config
+from roll_ckpt import CheckpointManager
 import roll_ckpt.dcp_read, roll_ckpt.dcp_write  # noqa: F401,E401
 import roll_ckpt_fs  # noqa: F401
 import xxhash
+
+from helpers.forkserver import emit, serve
+from helpers.training import config, train_step
 
 try:  # the S3 modes; optional
     import s3fs  # noqa: F401
@@ -59,10 +61,6 @@ except ImportError:  # pragma: no cover
     pass
 
 HIDDEN = 256
-
-
-def _emit(fd: int, *parts: Any) -> None:
-    os.write(fd, (" ".join(str(p) for p in parts) + f" @{time.time():.4f}\n").encode())
 
 
 def digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
@@ -115,7 +113,7 @@ class KillSwitch:
             return
         self.count += 1
         if self._at and self.count == self._at:
-            _emit(self._fd, "dying", self.count, op, str(path).rstrip("/").rsplit("/", 1)[-1])
+            emit(self._fd, "dying", self.count, op, str(path).rstrip("/").rsplit("/", 1)[-1])
             os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(60)
 
@@ -144,19 +142,15 @@ def worker(spec: dict[str, Any]) -> int:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     progress = {"samples": 0}
     state = {"model": model, "optimizer": optimizer, "progress": progress}
-    cfg = load_config({
-        "checkpoint_config": {"type": "file_system", "output_dir": spec["out"],
-                              "storage_options": spec.get("storage_options") or {},
-                              "max_ckpt_to_keep": int(spec.get("keep", 0))},
-        "resume_from_checkpoint": "latest",
-        "strategy_config": {"async_save_ckpt": bool(spec.get("async"))},
-    })
+    cfg = config(spec["out"], storage_options=spec.get("storage_options") or {},
+                 max_ckpt_to_keep=int(spec.get("keep", 0)), resume_from_checkpoint="latest",
+                 async_save=bool(spec.get("async")))
     manager = CheckpointManager.from_config(cfg, quiet=True)
     switch = None
     if "kill_op" in spec:  # count (and maybe die at) the storage operations of the saves
         switch = manager.storage = KillSwitch(manager.storage, fd, int(spec["kill_op"]))
     start = manager.resume(state)
-    _emit(fd, "ready", start, digest(model, optimizer))
+    emit(fd, "ready", start, digest(model, optimizer))
     if spec.get("resume_only"):
         manager.close()
         return 0
@@ -168,43 +162,20 @@ def worker(spec: dict[str, Any]) -> int:
     reported = start
     last_step = start + int(spec["saves"]) if "saves" in spec else int(spec.get("max_steps", 100_000))
     for step in range(start + 1, last_step + 1):
-        x = torch.randn(8, d, generator=torch.Generator().manual_seed(step))
-        model(x).pow(2).mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        progress["samples"] += 8
-        _emit(fd, "step", step, digest(model, optimizer))
+        train_step(state, torch.randn(8, d, generator=torch.Generator().manual_seed(step)),
+                   count=("progress", "samples", 8))
+        emit(fd, "step", step, digest(model, optimizer))
         manager.save(step, state)
         last = manager.last_save
         if last is not None and last.step > reported:
-            _emit(fd, "committed", last.step, last.path)
+            emit(fd, "committed", last.step, last.path)
             reported = last.step
     manager.close()
     last = manager.last_save
     if last is not None and last.step > reported:
-        _emit(fd, "committed", last.step, last.path)
-    _emit(fd, "done", switch.count if switch is not None else 0)
+        emit(fd, "committed", last.step, last.path)
+    emit(fd, "done", switch.count if switch is not None else 0)
     return 0
-
-
-def _run_forked(spec: dict[str, Any]) -> None:  # pragma: no cover - runs in the forked worker
-    code = 1
-    try:
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        err = os.open(spec["log"] + ".err", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.dup2(err, 1)
-        os.dup2(err, 2)
-        sys.stdin = open(os.devnull)
-        sys.stdout = os.fdopen(1, "w", buffering=1)
-        sys.stderr = os.fdopen(2, "w", buffering=1)
-        code = worker(spec)
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-    finally:
-        os._exit(code)
 
 
 def _prewarm() -> None:
@@ -221,29 +192,12 @@ def _prewarm() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def serve() -> int:
-    torch.set_num_threads(1)
-    out = sys.stdout
-    _prewarm()
-    print(json.dumps({"ready": os.getpid()}), file=out, flush=True)
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        if "fork" in cmd:
-            out.flush()
-            sys.stderr.flush()
-            pid = os.fork()
-            if pid == 0:
-                _run_forked(cmd["fork"])
-            print(json.dumps({"pid": pid}), file=out, flush=True)
-        elif "reap" in cmd:
-            _, status = os.waitpid(int(cmd["reap"]), 0)
-            print(json.dumps({"status": status}), file=out, flush=True)
-        elif "exit" in cmd:
-            break
-    return 0
+def main() -> int:
+    if sys.argv[1] == "serve":
+        torch.set_num_threads(1)
+        return serve(worker, stderr_of=lambda spec: spec["log"] + ".err", prewarm=_prewarm)
+    return worker(json.loads(sys.argv[2]))
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "serve":
-        sys.exit(serve())
-    sys.exit(worker(json.loads(sys.argv[2])))
+    sys.exit(main())

@@ -1,11 +1,11 @@
-"""Helpers shared by the reliability tests: a fork server for crash workers, checkpoint
+"""Helpers shared by the reliability tests: the crash workers' fork server and logs, checkpoint
 snapshots, leftovers of crashed saves, and the S3 test server (SeaweedFS)."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -15,6 +15,9 @@ from typing import Any
 
 import pytest
 
+from helpers import forkserver
+from helpers.forkserver import read_events
+from helpers.training import config
 from roll_ckpt import layout
 from roll_ckpt.owners import MARKER_PREFIX
 from roll_ckpt.layout import TMP_PREFIX
@@ -72,17 +75,32 @@ def s3_unavailable_reason() -> str | None:
     return None
 
 
+def save_template(folder: Path, step: int) -> Path:
+    """One committed checkpoint of ``tiny_state(seed=1)`` at ``step``, straight under
+    ``folder/ckpt`` (no run folder): the original the damage tests copy."""
+    from roll_ckpt import CheckpointManager
+    from roll_ckpt.testing import tiny_state
+
+    with CheckpointManager.from_config(config(folder / "ckpt", timestamp_subdir=False), quiet=True) as m:
+        return Path(m.save(step, tiny_state(seed=1)))
+
+
+def copy_of(template: Path, tmp_path: Path) -> Path:
+    """A copy of the checkpoint folder ``template`` under ``tmp_path/ckpt``, to damage."""
+    dst = tmp_path / "ckpt" / template.name
+    shutil.copytree(template, dst)
+    return dst
+
+
 def resume_untouched(ckpt: Path) -> tuple[BaseException | None, bool]:
     """Resume a fresh state from the checkpoint folder ``ckpt``: the error it raised (or
     ``None``), and whether the state is still exactly as it was before."""
-    from roll_ckpt import CheckpointManager, load_config
+    from roll_ckpt import CheckpointManager
     from roll_ckpt.testing import assert_same_state, state_snapshot, tiny_state
 
     state = tiny_state(seed=7)
     before = state_snapshot(state)
-    cfg = load_config({"checkpoint_config": {"type": "file_system", "output_dir": str(ckpt.parent),
-                                             "timestamp_subdir": False},
-                       "resume_from_checkpoint": str(ckpt)})
+    cfg = config(ckpt.parent, timestamp_subdir=False, resume_from_checkpoint=str(ckpt))
     err = None
     with CheckpointManager.from_config(cfg, quiet=True) as m:
         try:
@@ -119,57 +137,9 @@ def restart_seaweed(server: Any) -> None:
 
 # --------------------------------------------------------------------------- crash workers
 
-class ForkServer:
-    """``<child> serve``: forks warm workers on request (``_crash_child.py`` by default, or
-    ``_components_child.py``; see those files)."""
-
-    def __init__(self, env: dict[str, str] | None = None, child: Path = CHILD) -> None:
-        full_env = {k: v for k, v in os.environ.items()
-                    if not k.startswith("ROLL_CKPT_") or k == "ROLL_CKPT_QUIET"}
-        full_env.update(env or {})
-        full_env["PYTHONUNBUFFERED"] = "1"
-        self.proc = subprocess.Popen([sys.executable, str(child), "serve"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=full_env)
-        hello = self._read(180)
-        assert "ready" in hello, hello
-
-    def _read(self, timeout: float) -> dict[str, Any]:
-        import selectors
-
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
-        if not sel.select(timeout):
-            raise AssertionError(f"the fork server did not answer within {timeout:.0f}s")
-        line = self.proc.stdout.readline()
-        if not line:
-            raise AssertionError(f"the fork server exited ({self.proc.poll()})")
-        return json.loads(line)
-
-    def _ask(self, cmd: dict[str, Any], timeout: float = 60) -> dict[str, Any]:
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self._read(timeout)
-
-    def fork(self, spec: dict[str, Any]) -> int:
-        return int(self._ask({"fork": spec})["pid"])
-
-    def reap(self, pid: int, timeout: float = 60) -> int:
-        """Wait for the worker; its raw wait status."""
-        return int(self._ask({"reap": pid}, timeout)["status"])
-
-    def poll(self, pid: int) -> int | None:
-        """The raw wait status of a forked process once it ended (it is reaped), else ``None``."""
-        return self._ask({"poll": pid})["status"]
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write('{"exit": 1}\n')
-                self.proc.stdin.flush()
-                self.proc.wait(timeout=30)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait(timeout=30)
+def ForkServer(env: dict[str, str] | None = None) -> forkserver.ForkServer:  # noqa: N802 - builds the shared class
+    """``_crash_child.py serve``: forks warm crash workers on request."""
+    return forkserver.ForkServer(CHILD, env)
 
 
 @dataclass
@@ -180,14 +150,7 @@ class WorkerLog:
     events: list[tuple[str, list[str], float]] = field(default_factory=list)
 
     def read(self) -> "WorkerLog":
-        self.events = []
-        if self.path.exists():
-            for line in self.path.read_text().splitlines():
-                body, _, t = line.rpartition(" @")
-                if not body:
-                    continue
-                kind, *rest = body.split()
-                self.events.append((kind, rest, float(t)))
+        self.events = read_events(self.path)
         return self
 
     def first(self, kind: str) -> tuple[list[str], float] | None:

@@ -6,7 +6,7 @@ publishes ``SYNC_DIR/NAME.saved.<step>`` (holding the checkpoint's path), waits 
 other's, checks that the other's newest checkpoint is still committed and verifies,
 publishes ``NAME.checked.<step>`` and waits for the other's before the next step, so both
 runs are alive and saving (and applying retention) throughout. Exit status 3: the other
-run's checkpoint was touched.
+run's checkpoint was touched. ``tests/`` is on ``PYTHONPATH`` (helpers.launch.child_env).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from roll_ckpt import CheckpointManager, load_config
+from helpers.training import config, train_step
+from roll_ckpt import CheckpointManager
 from roll_ckpt.verify import verify
 from roll_ckpt_fs import LocalStorage
 
@@ -44,14 +45,11 @@ def main() -> int:
     model = torch.nn.Linear(64, 64)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     state = {"model": model, "optimizer": opt}
-    cfg = load_config({"checkpoint_config": {"type": "file_system", "output_dir": out, "max_ckpt_to_keep": 1},
-                       "strategy_config": {"async_save_ckpt": is_async == "1"}})
+    cfg = config(out, max_ckpt_to_keep=1, async_save=is_async == "1")
     storage = LocalStorage(out)
     with CheckpointManager.from_config(cfg, quiet=True) as manager:
         for step in range(1, int(steps) + 1):
-            model(torch.randn(4, 64)).sum().backward()
-            opt.step()
-            opt.zero_grad()
+            train_step(state, (4, 64), loss="sum")
             path = manager.save(step, state)
             manager.wait()
             publish(sync_dir / f"{name}.saved.{step}", path)

@@ -46,9 +46,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -58,7 +56,11 @@ from typing import Any, Iterator
 
 import pytest
 
-from roll_ckpt import CheckpointManager, DriverState, layout, load_config, new_run_name
+from helpers import forkserver
+from helpers.forkserver import read_events
+from helpers.launch import free_port, kill_group, start_torchrun
+from helpers.training import config
+from roll_ckpt import CheckpointManager, DriverState, layout, new_run_name
 from roll_ckpt.owners import MARKER_PREFIX
 from roll_ckpt.components import complete_pending, components_of, try_complete
 from roll_ckpt.layout import TMP_PREFIX
@@ -66,7 +68,6 @@ from roll_ckpt.manifest import MANIFEST_NAME, Manifest
 from roll_ckpt.verify import verify
 from roll_ckpt_fs import open_storage
 
-from . import _support
 from ._support import kills_per_mode
 
 HERE = Path(__file__).resolve().parent
@@ -85,9 +86,9 @@ pytestmark = pytest.mark.timeout(300)
 # --------------------------------------------------------------------------- processes
 
 
-def ForkServer(env: dict[str, str]) -> _support.ForkServer:  # noqa: N802 - builds the shared class
+def ForkServer(env: dict[str, str]) -> forkserver.ForkServer:  # noqa: N802 - builds the shared class
     """``_components_child.py serve``: forks warm component processes on request."""
-    return _support.ForkServer(dict(env, OMP_NUM_THREADS="1"), child=CHILD)
+    return forkserver.ForkServer(CHILD, dict(env, OMP_NUM_THREADS="1"))
 
 
 @dataclass
@@ -132,17 +133,11 @@ class Proc:
             return
         try:
             if self.popen is not None:
-                os.killpg(self.popen.pid, signal.SIGKILL)  # torchrun and its workers
+                kill_group(self.popen)  # torchrun and its workers
             else:
                 os.kill(self.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Launch:
@@ -179,7 +174,7 @@ class Launch:
             if component == "actor_train" and self.torchrun_actor:
                 self.procs.append(self._torchrun(spec))
             elif component == "actor_train":
-                port = _free_port()
+                port = free_port()
                 for rank in range(ACTOR_RANKS):
                     rank_spec = dict(spec, rank=rank, world_size=ACTOR_RANKS, master_port=port,
                                      stderr=spec["stderr"].format(rank=rank))
@@ -190,14 +185,8 @@ class Launch:
         return self
 
     def _torchrun(self, spec: dict[str, Any]) -> Proc:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ROLL_CKPT_") or k == "ROLL_CKPT_QUIET"}
-        env.update(self.env, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        out = open(self.folder / f"{self.name}-actor_train-torchrun.out", "wb")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ACTOR_RANKS}",
-               str(CHILD), "run", json.dumps(spec)]
-        popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                 start_new_session=True)
-        out.close()
+        with open(self.folder / f"{self.name}-actor_train-torchrun.out", "wb") as out:
+            popen = start_torchrun(CHILD, "run", json.dumps(spec), nproc=ACTOR_RANKS, env=self.env, stdout=out)
         return Proc("actor_train", None, popen.pid, popen)
 
     def wait(self, timeout: float = LAUNCH_TIMEOUT_S) -> "Launch":
@@ -223,10 +212,7 @@ class Launch:
                 p.kill()
             for p in self.procs:
                 if p.popen is not None:
-                    try:  # torchrun's workers too, should any outlive it
-                        os.killpg(p.popen.pid, signal.SIGKILL)
-                    except (ProcessLookupError, PermissionError):
-                        pass
+                    kill_group(p.popen)  # torchrun's workers too, should any outlive it
                     try:
                         p.popen.wait(timeout=30)
                     except subprocess.TimeoutExpired:
@@ -240,15 +226,7 @@ class Launch:
     # ----------------------------------------------------------- what the processes wrote
 
     def timed_events(self, component: str, rank: int = 0) -> list[tuple[str, list[str], float]]:
-        path = Path(self._files(component, rank)["log"])
-        out = []
-        if path.exists():
-            for line in path.read_text().splitlines():
-                body, _, t = line.rpartition(" @")
-                if body:
-                    kind, *rest = body.split()
-                    out.append((kind, rest, float(t)))
-        return out
+        return read_events(self._files(component, rank)["log"])
 
     def events(self, component: str, rank: int = 0) -> list[tuple[str, list[str]]]:
         return [(kind, rest) for kind, rest, _ in self.timed_events(component, rank)]
@@ -420,6 +398,15 @@ def _names(storage: Any, path: str) -> dict[str, bool]:
 
 def _committed_steps(storage: Any) -> list[tuple[str, int]]:
     return [(r.run, r.step) for r in layout.committed(storage, storage.root)]
+
+
+def _location(backend: str, name: str, tmp_path: Path, request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
+    """Where a test's checkpoints go, and the storage options: ``tmp_path/ckpt`` (``local``), or
+    a fresh ``s3://<bucket>/<name>-<id>`` on the session's S3 server (``s3``)."""
+    if backend == "s3":
+        s3 = request.getfixturevalue("s3")
+        return f"s3://{s3.bucket}/{name}-{uuid.uuid4().hex[:10]}", s3.storage_options
+    return str(tmp_path / "ckpt"), {}
 
 
 def _next_run_name(after: str) -> str:
@@ -631,11 +618,7 @@ def test_more_kill_points(backend: str, victim: str, rank: int, at: str, suffix:
                           server: ForkServer, reference: Reference, tmp_path: Path, offline_aws: dict[str, str],
                           request: pytest.FixtureRequest) -> None:
     """The same cycle with other victims, ranks, files and retention (forked process groups)."""
-    if backend == "s3":
-        s3 = request.getfixturevalue("s3")
-        out, options = f"s3://{s3.bucket}/components-{uuid.uuid4().hex[:10]}", s3.storage_options
-    else:
-        out, options = str(tmp_path / "ckpt"), {}
+    out, options = _location(backend, "components", tmp_path, request)
     _kill_cycle(server, reference, tmp_path, offline_aws, out=out, options=options, victim=victim,
                 victim_rank=rank, at=at, suffix=suffix, keep=keep, backend=backend)
 
@@ -643,8 +626,7 @@ def test_more_kill_points(backend: str, victim: str, rank: int, at: str, suffix:
 def _driver_step(url: str, options: dict[str, Any], run: str, step: int) -> tuple[Any, str, bytes]:
     """Every component saves its part of ``step`` (DriverState values); returns the step's
     path and the manifest the last part's commit wrote."""
-    cfg = load_config({"checkpoint_config": {"type": "file_system", "output_dir": url, "storage_options": options,
-                                             "components": list(COMPONENTS), "run_name": run}})
+    cfg = config(url, storage_options=options, components=list(COMPONENTS), run_name=run)
     for i, component in enumerate(COMPONENTS):
         m = CheckpointManager(cfg, component=component, quiet=True)
         m.save(step, {"state": DriverState({"component": component, "values": [i, 0.1 * i, None]}, rng=False)})
@@ -696,11 +678,7 @@ def _race(server: ForkServer, folder: Path, *, url: str, options: dict[str, Any]
 def test_concurrent_step_commits_have_one_winner(backend: str, server: ForkServer, tmp_path: Path,
                                                  request: pytest.FixtureRequest) -> None:
     """8 processes find the same step complete at once: one create of its manifest wins."""
-    if backend == "s3":
-        s3 = request.getfixturevalue("s3")
-        url, options = f"s3://{s3.bucket}/race-{uuid.uuid4().hex[:10]}", s3.storage_options
-    else:
-        url, options = str(tmp_path / "ckpt"), {}
+    url, options = _location(backend, "race", tmp_path, request)
     n, step, run = 8, 3, new_run_name()
     storage, step_path, original = _driver_step(url, options, run, step)
     for barrier in ("create", "start"):

@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
-from roll_ckpt import BackendRecord, CheckpointManager, hookimpl, layout, load_config
+from helpers.launch import child_env
+from helpers.plugins import plugins_with_backend
+from helpers.training import config, train_step
+from roll_ckpt import CheckpointManager, layout
 from roll_ckpt.manifest import MANIFEST_NAME
-from roll_ckpt.plugins import Plugins
 from roll_ckpt.testing import assert_same_state, state_snapshot, tiny_state
 from roll_ckpt.verify import verify
 from roll_ckpt_fs import LocalStorage
@@ -23,30 +24,18 @@ from roll_ckpt_fs import LocalStorage
 from ._support import HERE, read_bytes
 
 
-def _config(out: Path, **cc: Any) -> Any:
-    return load_config({"checkpoint_config": {"type": "file_system", "output_dir": str(out), **cc}})
-
-
-def _train(state: dict[str, Any]) -> None:
-    model, opt = state["model"], state["optimizer"]
-    model(torch.randn(3, 8)).pow(2).mean().backward()
-    opt.step()
-    opt.zero_grad()
-    state["counter"]["seen"] += 3
-
-
 def test_two_runs_in_one_process_keep_their_own_checkpoints(tmp_path: Path) -> None:
     """Two live managers (two runs, e.g. actor and critic in one process) under one output_dir
     with max_ckpt_to_keep 1: each one's retention leaves the other's checkpoints alone."""
     out = tmp_path / "ckpt"
-    a = CheckpointManager.from_config(_config(out, max_ckpt_to_keep=1), quiet=True)
-    b = CheckpointManager.from_config(_config(out, max_ckpt_to_keep=1), quiet=True)
+    a = CheckpointManager.from_config(config(out, max_ckpt_to_keep=1), quiet=True)
+    b = CheckpointManager.from_config(config(out, max_ckpt_to_keep=1), quiet=True)
     sa, sb = tiny_state(seed=1), tiny_state(seed=2)
     storage = LocalStorage(str(out))
     latest: dict[str, tuple[str, bytes]] = {}
     for step in range(1, 5):
         for name, m, s in (("a", a, sa), ("b", b, sb)):
-            _train(s)
+            train_step(s, (3, 8), count=("counter", "seen", 3))
             path = m.save(step, s)
             latest[name] = (path, read_bytes(storage, storage.join(path, MANIFEST_NAME)))
             for other, (opath, manifest) in latest.items():
@@ -65,9 +54,9 @@ def test_two_runs_in_one_process_keep_their_own_checkpoints(tmp_path: Path) -> N
 def test_a_closed_run_is_subject_to_retention_again(tmp_path: Path) -> None:
     """The protection lasts while the other run is alive: once closed, its checkpoints count."""
     out = tmp_path / "ckpt"
-    with CheckpointManager.from_config(_config(out, max_ckpt_to_keep=1), quiet=True) as a:
+    with CheckpointManager.from_config(config(out, max_ckpt_to_keep=1), quiet=True) as a:
         first = a.save(1, tiny_state(seed=1))
-    with CheckpointManager.from_config(_config(out, max_ckpt_to_keep=1), quiet=True) as b:
+    with CheckpointManager.from_config(config(out, max_ckpt_to_keep=1), quiet=True) as b:
         b.save(2, tiny_state(seed=2))
     storage = LocalStorage(str(out))
     assert [r.step for r in layout.committed(storage, storage.root)] == [2]
@@ -84,7 +73,7 @@ def test_two_runs_in_two_processes_keep_their_own_checkpoints(tmp_path: Path) ->
     steps = 4
     procs = {name: subprocess.Popen([sys.executable, str(HERE / "_two_runs_child.py"), str(out), name, other,
                                      str(steps), str(sync), is_async],
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
              for name, other, is_async in (("a", "b", "0"), ("b", "a", "1"))}
     results = {}
     for name, p in procs.items():
@@ -135,16 +124,9 @@ class _Recording:
 
 
 def _recording_manager(tmp_path: Path, ctl: dict[str, Any]) -> CheckpointManager:
-    class _Plugin:
-        @hookimpl
-        def roll_ckpt_backends(self):
-            return [BackendRecord(name="recording_fs", factory=lambda url, opts: _Recording(url, ctl))]
-
-    plugins = Plugins()
-    plugins.register(_Plugin(), name="recording", distribution="test-recording")
-    cfg = load_config({"checkpoint_config": {"type": "recording_fs", "output_dir": str(tmp_path / "ckpt")},
-                       "strategy_config": {"async_save_ckpt": True}})
-    return CheckpointManager(cfg, plugins=plugins, quiet=True)
+    plugins = plugins_with_backend("recording_fs", lambda url, opts: _Recording(url, ctl), "recording")
+    return CheckpointManager(config(tmp_path / "ckpt", type="recording_fs", async_save=True), plugins=plugins,
+                             quiet=True)
 
 
 @pytest.mark.parametrize("second", ["async", "final"])
@@ -156,7 +138,7 @@ def test_save_while_an_async_save_is_in_flight_waits_for_it(tmp_path: Path, seco
     at_1 = state_snapshot(state)
     p1 = m.save(1, state)                      # async: returns once staged
     assert ctl["held"].wait(30), "the background write never started"
-    _train(state)                              # the loop goes on and changes the state
+    train_step(state, (3, 8), count=("counter", "seen", 3))  # the loop goes on and changes the state
     at_2 = state_snapshot(state)
     done = threading.Event()
     box: dict[str, Any] = {}
@@ -189,8 +171,7 @@ def test_save_while_an_async_save_is_in_flight_waits_for_it(tmp_path: Path, seco
     assert [r.step for r in layout.committed(storage, storage.root)] == [1, 2]
     for path, want in ((p1, at_1), (box["path"], at_2)):
         verify(storage, path)
-        cfg = load_config({"checkpoint_config": {"type": "file_system", "output_dir": str(tmp_path / "ckpt")},
-                           "resume_from_checkpoint": path})
+        cfg = config(tmp_path / "ckpt", resume_from_checkpoint=path)
         fresh = tiny_state(seed=9)
         with CheckpointManager.from_config(cfg, quiet=True) as r:
             r.resume(fresh)

@@ -43,6 +43,7 @@ from typing import Any, Iterator
 
 import pytest
 
+from helpers.launch import child_env
 from roll_ckpt import CheckpointManager, RollCkptError, layout, load_config
 from roll_ckpt.manifest import MANIFEST_NAME
 from roll_ckpt.testing import tiny_state
@@ -106,8 +107,7 @@ class _ExecWorkers:
     """The fork server's interface, one fresh interpreter per worker."""
 
     def __init__(self, env: dict[str, str]) -> None:
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("ROLL_CKPT_")}
-        self.env.update(env)
+        self.env = child_env(env)
         self.procs: dict[int, subprocess.Popen] = {}
 
     def fork(self, spec: dict[str, Any]) -> int:

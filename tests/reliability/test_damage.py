@@ -8,7 +8,6 @@ with the same words and leaves the state untouched. Every single-byte flip anywh
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from roll_ckpt.testing import tiny_state
 from roll_ckpt.verify import verify
 from roll_ckpt_fs import LocalStorage
 
+from ._support import copy_of, save_template
 from ._support import resume_untouched as _resume
 
 KINDS = ["distcp", "metadata", "trainer_state", "manifest"]
@@ -31,18 +31,12 @@ EXTRA = {"distcp": "dcp/__7_0.distcp", "metadata": ".metadata", "trainer_state":
 
 @pytest.fixture(scope="module")
 def template(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("damage") / "ckpt"
-    cfg = load_config({"checkpoint_config": {"type": "file_system", "output_dir": str(out),
-                                             "timestamp_subdir": False}})
-    with CheckpointManager.from_config(cfg, quiet=True) as m:
-        return Path(m.save(3, tiny_state(seed=1)))
+    return save_template(tmp_path_factory.mktemp("damage"), 3)
 
 
 @pytest.fixture
 def ckpt(template: Path, tmp_path: Path) -> Path:
-    dst = tmp_path / "ckpt" / template.name
-    shutil.copytree(template, dst)
-    return dst
+    return copy_of(template, tmp_path)
 
 
 def _file_of(ckpt: Path, kind: str) -> str:

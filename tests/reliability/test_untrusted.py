@@ -31,6 +31,7 @@ from roll_ckpt.testing import assert_same_state, state_snapshot, tiny_state
 from roll_ckpt.verify import verify
 from roll_ckpt_fs import LocalStorage
 
+from ._support import copy_of, save_template
 from ._support import resume_untouched as _resume
 
 SIGNING = "ROLL_CKPT_SIGNING_KEY"
@@ -38,18 +39,12 @@ SIGNING = "ROLL_CKPT_SIGNING_KEY"
 
 @pytest.fixture(scope="module")
 def template(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("untrusted") / "ckpt"
-    cfg = load_config({"checkpoint_config": {"type": "file_system", "output_dir": str(out),
-                                             "timestamp_subdir": False}})
-    with CheckpointManager.from_config(cfg, quiet=True) as m:
-        return Path(m.save(5, tiny_state(seed=1)))
+    return save_template(tmp_path_factory.mktemp("untrusted"), 5)
 
 
 @pytest.fixture
 def ckpt(template: Path, tmp_path: Path) -> Path:
-    dst = tmp_path / "ckpt" / template.name
-    shutil.copytree(template, dst)
-    return dst
+    return copy_of(template, tmp_path)
 
 
 def _reduce_pickle(module: str, name: str, args: tuple) -> bytes:

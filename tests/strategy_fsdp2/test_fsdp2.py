@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from helpers import launch
+from helpers.training import mlp
 
 WORKERS = Path(__file__).with_name("workers.py")
 pytestmark = pytest.mark.timeout(300)
@@ -19,12 +20,7 @@ ON_GPU = os.environ.get("ROLL_CKPT_TEST_DEVICE", "cpu") == "cuda"
 
 
 def torchrun(nproc: int, *args: str, timeout: int = 180, check: bool = True) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(WORKERS), *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", ROLL_CKPT_QUIET="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    if check:
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    launch.torchrun(WORKERS, *args, nproc=nproc, timeout=timeout, check=check)
 
 
 def result(out: Path, name: str) -> dict:
@@ -125,11 +121,7 @@ def test_reshard_two_ranks_to_one_and_three(tmp_path: Path) -> None:
     # one plain process, no process group: the dcp strategy loads the FSDP2 checkpoint
     from roll_ckpt import CheckpointManager, load_config
 
-    torch.manual_seed(99)
-    layers = []
-    for i in range(3):
-        layers += [torch.nn.Linear(33 if i else 16, 33), torch.nn.Dropout(0.1), torch.nn.ReLU()]
-    model = torch.nn.Sequential(*layers, torch.nn.Linear(33, 4))
+    model = mlp(33, 3, seed=99)  # workers.py's model, on one process
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     m = CheckpointManager.from_config(load_config({
         "checkpoint_config": {"output_dir": str(tmp_path / "single")},

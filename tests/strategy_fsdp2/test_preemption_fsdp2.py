@@ -8,12 +8,13 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+
+from helpers.launch import kill_group, start_torchrun
 
 WORKER = Path(__file__).with_name("_preempt_worker.py")
 MAX_STEPS = 14
@@ -32,11 +33,7 @@ def _launch(out: Path, signal_at: str = "none", kill: str | None = None, after_s
     signal to the end of the job."""
     for rank in (0, 1):
         (out / f"rank{rank}.log").unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER),
-           str(out), str(MAX_STEPS), signal_at]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLL_CKPT_")}
-    env.update(OMP_NUM_THREADS="1", ROLL_CKPT_QUIET="1")
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = start_torchrun(WORKER, out, MAX_STEPS, signal_at, stdout=subprocess.PIPE)
     signalled = None
     deadline = time.monotonic() + 240
     try:
@@ -51,9 +48,8 @@ def _launch(out: Path, signal_at: str = "none", kill: str | None = None, after_s
             time.sleep(0.02)
         proc.wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        kill_group(proc)
+        proc.wait()
     output = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
     logs = [_log(out, r) for r in (0, 1)]
     assert all(logs), output[-4000:]

@@ -1,6 +1,7 @@
 """Multi-rank scenarios run under torchrun by the tests next to this file.
 
 ``python -m torch.distributed.run --standalone --nproc_per_node N workers.py SCENARIO OUT [args]``
+(helpers.launch.torchrun: ``tests/`` on ``PYTHONPATH``, for the shared helpers).
 Rank 0 writes what it measured to ``OUT/result-<scenario>.json``.
 """
 
@@ -17,8 +18,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
+from helpers import training
 from roll_ckpt import CheckpointManager, load_config
 
 
@@ -31,19 +32,8 @@ def build(width: int = 64, depth: int = 3, mesh_kind: str = "fsdp", seed: int = 
     ws = dist.get_world_size()
     mesh = (init_device_mesh(DEVICE, (ws, 1), mesh_dim_names=("replicate", "shard"))
             if mesh_kind == "hsdp" else init_device_mesh(DEVICE, (ws,)))
-    torch.manual_seed(seed)
-    layers = []
-    for i in range(depth):
-        layers += [torch.nn.Linear(width if i else 16, width), torch.nn.Dropout(0.1), torch.nn.ReLU()]
-    layers.append(torch.nn.Linear(width, 4))
-    model = torch.nn.Sequential(*layers).to(DEVICE)
-    for m in model:
-        if isinstance(m, torch.nn.Linear):
-            fully_shard(m, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
-    return model, opt, sched
+    model = training.shard(training.mlp(width, depth, seed=seed).to(DEVICE), mesh)
+    return (model, *training.optimizer_and_scheduler(model))
 
 
 def manager(out: str, **cfg):
@@ -57,12 +47,7 @@ def train_step(model, opt, sched, data):
     noise = float(np.random.rand())
     x = data[idx].to(DEVICE)
     x = x + torch.randn(x.shape, generator=None).to(DEVICE) * 0.01 * noise
-    loss = model(x).pow(2).mean()
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    sched.step()
-    return loss.item()
+    return training.train_step({"model": model, "optimizer": opt, "scheduler": sched}, x, scheduler=True).item()
 
 
 def full(model) -> dict[str, torch.Tensor]:
