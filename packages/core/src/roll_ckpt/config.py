@@ -14,7 +14,6 @@ import difflib
 import math
 import os
 import re
-import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -22,7 +21,7 @@ from typing import Any, Mapping
 from .errors import ConfigError
 from .interpolation import interpolate, key_path
 from .layout import RUN_RE
-from .preemption import signal_number
+from .preemption import PreemptionConfig, parse_preemption
 
 __all__ = ["Config", "CheckpointConfig", "BackupConfig", "PreemptionConfig", "StrategyConfig", "load_config",
            "read_yaml"]
@@ -50,20 +49,6 @@ class BackupConfig:
     replica (nothing of it is committed) and made again by the next run's first save."""
     retries: int = 3
     """Further attempts after a failed copy, with exponential backoff (1 s, 2 s, 4 s...)."""
-
-
-@dataclass(frozen=True)
-class PreemptionConfig:
-    """``checkpoint_config.preemption``: a signal becomes a committed checkpoint (see
-    :mod:`roll_ckpt.preemption`)."""
-
-    signals: tuple[int, ...] = (signal.SIGTERM,)
-    """Signals that ask for a preemption save (names or numbers); ``[]`` turns it off."""
-    exit: bool = True
-    """Raise :class:`roll_ckpt.Preempted` once the checkpoint is committed; ``false`` returns
-    and sets ``manager.preempted``."""
-    exit_code: int = 0
-    """The process's exit status when it stops for a preemption."""
 
 
 @dataclass(frozen=True)
@@ -338,7 +323,7 @@ def _checkpoint(value: Any, default_root: str) -> CheckpointConfig:
         backup=backup,
         components=components,
         run_name=run_name,
-        preemption=_preemption(value.get("preemption")),
+        preemption=parse_preemption(value.get("preemption")),
         on_save_error=_choice(f"{key}.on_save_error", value.get("on_save_error", "raise"), ("raise", "warn")),
     )
 
@@ -347,32 +332,6 @@ def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> str:
     if value not in allowed:
         raise ConfigError(key, "is not one of the allowed values", value, " or ".join(allowed))
     return value
-
-
-def _preemption(value: Any) -> PreemptionConfig:
-    key = "checkpoint_config.preemption"
-    if value is None:
-        return PreemptionConfig()
-    _expect(key, value, Mapping, "a mapping with signals, exit, exit_code")
-    _reject_unknown(key, value, _field_names(PreemptionConfig))
-    names = value.get("signals", ["SIGTERM"])
-    _expect(f"{key}.signals", names, list, "a list of signal names or numbers, e.g. [SIGTERM, SIGUSR1]")
-    numbers = []
-    for i, name in enumerate(names):
-        try:
-            numbers.append(signal_number(name))
-        except (ValueError, KeyError, TypeError):
-            raise ConfigError(f"{key}.signals[{i}]", "is not a signal", name,
-                              "a name such as SIGTERM or SIGUSR1, or its number") from None
-        if numbers[-1] in (signal.SIGKILL, signal.SIGSTOP):
-            raise ConfigError(f"{key}.signals[{i}]", "cannot be caught", name, "SIGTERM, SIGINT, SIGUSR1, SIGUSR2...")
-    exit_ = value.get("exit", True)
-    _expect(f"{key}.exit", exit_, bool, "true or false")
-    code = value.get("exit_code", 0)
-    _expect(f"{key}.exit_code", code, int, "an integer from 0 to 255")
-    if not 0 <= code <= 255:
-        raise ConfigError(f"{key}.exit_code", "is not an exit status", code, "an integer from 0 to 255")
-    return PreemptionConfig(signals=tuple(dict.fromkeys(numbers)), exit=exit_, exit_code=code)
 
 
 def _strategy(value: Any, owned: Mapping[str, Any]) -> StrategyConfig:

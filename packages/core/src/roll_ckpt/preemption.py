@@ -21,9 +21,12 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from typing import Any, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping
 
-__all__ = ["Preempted", "PreemptionWatch", "signal_number"]
+from .errors import ConfigError
+
+__all__ = ["Preempted", "PreemptionConfig", "PreemptionWatch", "parse_preemption", "signal_number"]
 
 log = logging.getLogger("roll_ckpt")
 
@@ -44,6 +47,52 @@ class Preempted(SystemExit):
         self.exit_code = exit_code
         self.step = step
         self.path = path
+
+
+@dataclass(frozen=True)
+class PreemptionConfig:
+    """``checkpoint_config.preemption``: what a preemption signal does."""
+
+    signals: tuple[int, ...] = (signal.SIGTERM,)
+    """Signals that ask for a preemption save (names or numbers); ``[]`` turns it off."""
+    exit: bool = True
+    """Raise :class:`Preempted` once the checkpoint is committed; ``false`` returns and sets
+    ``manager.preempted``."""
+    exit_code: int = 0
+    """The process's exit status when it stops for a preemption."""
+
+
+def parse_preemption(value: Any) -> PreemptionConfig:
+    """``checkpoint_config.preemption`` validated; every error names its key."""
+    key = "checkpoint_config.preemption"
+    if value is None:
+        return PreemptionConfig()
+    if not isinstance(value, Mapping):
+        raise ConfigError(key, "has the wrong type", value, "a mapping with signals, exit, exit_code")
+    for k in value:
+        if k not in ("signals", "exit", "exit_code"):
+            raise ConfigError(f"{key}.{k}", "unknown key; known keys are signals, exit, exit_code")
+    names = value.get("signals", ["SIGTERM"])
+    if not isinstance(names, list):
+        raise ConfigError(f"{key}.signals", "has the wrong type", names,
+                          "a list of signal names or numbers, e.g. [SIGTERM, SIGUSR1]")
+    numbers = []
+    for i, name in enumerate(names):
+        try:
+            number = signal_number(name)
+        except (ValueError, KeyError, TypeError):
+            raise ConfigError(f"{key}.signals[{i}]", "is not a signal", name,
+                              "a name such as SIGTERM or SIGUSR1, or its number") from None
+        if number in (signal.SIGKILL, signal.SIGSTOP):
+            raise ConfigError(f"{key}.signals[{i}]", "cannot be caught", name, "SIGTERM, SIGINT, SIGUSR1, SIGUSR2...")
+        numbers.append(number)
+    exit_ = value.get("exit", True)
+    if not isinstance(exit_, bool):
+        raise ConfigError(f"{key}.exit", "has the wrong type", exit_, "true or false")
+    code = value.get("exit_code", 0)
+    if isinstance(code, bool) or not isinstance(code, int) or not 0 <= code <= 255:
+        raise ConfigError(f"{key}.exit_code", "is not an exit status", code, "an integer from 0 to 255")
+    return PreemptionConfig(signals=tuple(dict.fromkeys(numbers)), exit=exit_, exit_code=code)
 
 
 def signal_number(name: str | int) -> int:

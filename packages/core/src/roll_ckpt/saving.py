@@ -321,6 +321,9 @@ class SavePipeline:
         if isinstance(cause, PermissionError):
             return StorageError(f"permission denied while writing {where}: {cause}; choose a writable "
                                 "checkpoint_config.output_dir")
+        if isinstance(cause, OSError) and not isinstance(cause, RollCkptError):
+            return StorageError(f"cannot write {where}: {cause.strerror or cause}; nothing of it was committed "
+                                "and earlier checkpoints are intact; choose a writable checkpoint_config.output_dir")
         if isinstance(exc, RollCkptError):
             return exc
         return SaveError(f"saving {where} failed ({type(cause).__name__}: {cause}); nothing of it was "
