@@ -21,6 +21,14 @@ job continues exactly as an uninterrupted one (same rewards, losses and final we
     python examples/rl_components/rl_job.py --output /tmp/rl --stop-at 8
     python examples/rl_components/rl_job.py --output /tmp/rl
 
+Preemption: a scheduler's SIGTERM reaches every process. Each component's manager notes
+it; the driver decides the step the job stops at: once a component saved a step for a
+preemption (or the driver got the signal itself), it asks every other component to save
+that same step (``request_preemption``, then ``maybe_save``), saves its own part last and
+exits with ``checkpoint_config.preemption.exit_code``: the step commits whole, and the
+next launch resumes from it exactly. No component goes past that step, so none can have
+saved a different one.
+
 ``ActorTrain`` and ``Critic`` are plain classes: here each rank runs one in a process
 fed through a pipe; ``ray_sketch.py`` makes the same classes Ray actors.
 """
@@ -136,12 +144,27 @@ class TrainGroupRank:
         step = self.manager.resume(self.state)   # 0: fresh start; this group's part of the step
         return {"step": step, "from": self.manager.resumed_from}
 
-    def save(self, step: int) -> str | None:
-        return self.manager.maybe_save(step, self.state)
+    def save(self, step: int) -> dict[str, Any]:
+        """``maybe_save``; a preemption saves ``step`` and is reported, not raised: the driver
+        decides when the job ends (and asks the other components for the same step)."""
+        from roll_ckpt import Preempted
+
+        if self.manager.preempted:
+            return {"path": None, "preempted": True}
+        try:
+            return {"path": self.manager.maybe_save(step, self.state), "preempted": False}
+        except Preempted as exc:
+            return {"path": exc.path, "preempted": True}
+
+    def preempt(self, step: int) -> dict[str, Any]:
+        """Save ``step`` for a preemption another component saw (a no-op if this one did)."""
+        if not self.manager.preempted:
+            self.manager.request_preemption()
+        return self.save(step)
 
     def finish(self, final_step: int | None) -> str:
         """Final save (a no-op when the periodic one took it), close, leave the group."""
-        if final_step is not None:
+        if final_step is not None and not self.manager.preempted:
             self.manager.save(final_step, self.state, final=True)
         self.manager.close()
         digest = self.digest()
@@ -370,7 +393,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    from roll_ckpt import CheckpointManager, DriverState, layout, load_config, new_run_name
+    from roll_ckpt import CheckpointManager, DriverState, Preempted, layout, load_config, new_run_name
 
     if START_METHOD == "fork":  # import once here, not in every worker (seconds each)
         import torch._dynamo  # noqa: F401  (the first optimizer imports it)
@@ -436,7 +459,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"critic_loss={critic_loss:.6f}  consumed={driver['consumed_samples']}", flush=True)
 
             saves = [actor.call("save", step), critic.call("save", step)]
-            saved = [s.get()[0] for s in saves]
+            replies = [s.get() for s in saves]
+            saved = [r[0]["path"] for r in replies]
             if args.stop_at == step:
                 for g in groups.values():
                     g.kill()
@@ -446,7 +470,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"newest committed step: {newest.step if newest else 'none'}; run the same command "
                       "without --stop-at to resume", flush=True)
                 return 0
-            path = manager.maybe_save(step, {"driver": driver})
+            if any(r["preempted"] for rs in replies for r in rs):
+                manager.request_preemption()             # a worker saw the signal: the driver follows
+            try:
+                path = manager.maybe_save(step, {"driver": driver})
+            except Preempted as exc:
+                # every component saves this very step (the workers are still at it): it commits whole
+                for p in [actor.call("preempt", step), critic.call("preempt", step)]:
+                    p.get()
+                for g in groups.values():
+                    g.call("finish", None).get()
+                newest = layout.latest(manager.storage, manager.root)
+                print(f"*** preempted at step {step}: every component saved it; newest committed step: "
+                      f"{newest.step if newest else 'none'} ***", flush=True)
+                raise SystemExit(exc.exit_code) from None
             if path is not None:
                 newest = layout.latest(manager.storage, manager.root)
                 done = newest is not None and newest.step == step and newest.run == run_name

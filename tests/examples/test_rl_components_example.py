@@ -105,3 +105,54 @@ def test_ray_sketch_compiles() -> None:
     for call in ("new_run_name()", "CheckpointManager(cfg, component=\"pipeline\")", "manager.resume(",
                  "manager.maybe_save(", "manager.close()", "ray.init(", "ray.get("):
         assert call in source, call
+
+
+def test_sigterm_to_every_process_stops_the_job_at_one_whole_step(tmp_path: Path) -> None:
+    """A scheduler's SIGTERM reaches the driver and every worker at once: the driver has every
+    component save the step it is at, the step commits whole, and the next launch resumes
+    from it exactly."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from helpers.launch import child_env
+    from roll_ckpt import layout
+    from roll_ckpt_fs import LocalStorage
+
+    full_dir, job_dir = tmp_path / "full", tmp_path / "job"
+    full_cmd = job(full_dir)
+    full = start(full_cmd)
+    proc = subprocess.Popen(job(job_dir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=child_env(), start_new_session=True)
+    try:
+        lines: list[str] = []
+        deadline = time.monotonic() + TIMEOUT
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if line.startswith("step   6 "):  # between steps 6 and 7, or during 7: wherever it lands
+                os.killpg(proc.pid, signal.SIGTERM)
+        rc = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        full_out = finish(full, full_cmd, TIMEOUT)
+    out = "".join(lines)
+    assert rc == 0, out
+    found = re.search(r"\*\*\* preempted at step (\d+): every component saved it; newest committed step: (\d+)", out)
+    assert found, out
+    stopped = int(found.group(1))
+    assert stopped >= 6 and int(found.group(2)) == stopped
+    ckpt = job_dir / "checkpoints"
+    newest = layout.latest(LocalStorage(str(ckpt)), str(ckpt))
+    assert newest.step == stopped
+    assert sorted(p.name for p in Path(newest.path).iterdir() if p.is_dir()) == ["actor_train", "critic", "pipeline"]
+    assert steps(out) == steps(full_out)[:stopped]
+    second = run(job(job_dir))
+    assert f"actor_train at {stopped}, critic at {stopped}, pipeline at {stopped}" in second
+    assert steps(second) == steps(full_out)[stopped:]
+    assert DIGEST_RE.findall(second) == DIGEST_RE.findall(full_out)

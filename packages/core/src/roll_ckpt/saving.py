@@ -23,6 +23,7 @@ it is committed and the next save tries again. Final saves always raise.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import errno
 import json
 import logging
 import time
@@ -321,8 +322,8 @@ class SavePipeline:
         if isinstance(cause, PermissionError):
             return StorageError(f"permission denied while writing {where}: {cause}; choose a writable "
                                 "checkpoint_config.output_dir")
-        if isinstance(cause, OSError) and not isinstance(cause, RollCkptError):
-            return StorageError(f"cannot write {where}: {cause.strerror or cause}; nothing of it was committed "
+        if isinstance(cause, OSError) and cause.errno == errno.EROFS:
+            return StorageError(f"cannot write {where}: {cause.strerror}; nothing of it was committed "
                                 "and earlier checkpoints are intact; choose a writable checkpoint_config.output_dir")
         if isinstance(exc, RollCkptError):
             return exc
