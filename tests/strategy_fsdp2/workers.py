@@ -72,7 +72,10 @@ def result(out: str, name: str, body: dict) -> None:
 
 
 def resume_exact(out: str, mode: str, die_at: str) -> None:
-    """Train 8 steps with the offload cycle, async save every 3; maybe die after a save."""
+    """Train 11 steps with the offload cycle, async save every 3; maybe die after a save.
+
+    Resumed at 6, the run goes through offload cycles and an async save from the store (9)
+    before it ends: a resume must leave the parameters as FSDP2 computes from them."""
     die_at = int(die_at)
     model, opt, sched = build()
     torch.manual_seed(1 + dist.get_rank())
@@ -83,7 +86,7 @@ def resume_exact(out: str, mode: str, die_at: str) -> None:
     state = {"model": model, "optimizer": opt, "scheduler": sched}
     start = m.resume(state)
     losses = {}
-    for step in range(start + 1, 9):
+    for step in range(start + 1, 12):
         losses[step] = train_step(model, opt, sched, data).hex()
         m.strategy.offload_states(state, optimizer=True)  # rollout phase: the store holds it
         m.maybe_save(step, state)
@@ -93,7 +96,7 @@ def resume_exact(out: str, mode: str, die_at: str) -> None:
             dist.barrier()
             os._exit(0)  # abrupt: no close, no final save
     periodic = m.wait() or m.last_save  # the last periodic (async) save
-    m.save(8, state, final=True)
+    m.save(11, state, final=True)
     m.close()
     params = full(model)
     result(out, f"resume_exact-{mode}", {"start": start, "losses": losses,
