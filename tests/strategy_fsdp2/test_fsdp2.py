@@ -97,7 +97,7 @@ def test_zero_copy_staging_copies_nothing_from_the_store(tmp_path: Path) -> None
     for rank in r["ranks"]:
         # only the few tensors outside the store (RNG, optimizer step counters) are copied
         assert rank["zc_bytes_copied"] < 64 * 1024
-        assert rank["copy_calls"] == rank["regular_tensors"]
+        assert 0 < rank["copied_by_calls"] < 64 * 1024, "only the tensors outside the store are copied"
         assert rank["zc_extra_rss"] < 0.05 * rank["state_bytes"]
         assert rank["reg_bytes_copied"] >= rank["state_bytes"]
 

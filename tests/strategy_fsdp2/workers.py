@@ -168,11 +168,18 @@ def zero_copy_bytes(out: str, width: str) -> None:
     copies = {"n": 0}
     from torch.overrides import TorchFunctionMode
 
+    def nbytes(x) -> int:
+        if isinstance(x, torch.Tensor):
+            return x.numel() * x.element_size()
+        return sum(nbytes(v) for v in x) if isinstance(x, (list, tuple)) else 0
+
     class CountCopies(TorchFunctionMode):
+        """The bytes every copying call reads (copy_'s source, clone's, cat's inputs...)."""
+
         def __torch_function__(self, func, types, args=(), kwargs=None):
             name = getattr(func, "__name__", "")
-            if name in ("copy_", "clone", "contiguous", "to", "cpu", "detach_copy"):
-                copies["n"] += 1
+            if name in ("copy_", "clone", "contiguous", "to", "cpu", "detach_copy", "cat"):
+                copies["n"] += nbytes(args[1] if name == "copy_" else args[0]) if args else 0
             return func(*args, **(kwargs or {}))
 
     with PeakRSS() as rss:
@@ -198,7 +205,7 @@ def zero_copy_bytes(out: str, width: str) -> None:
     dist.all_gather(gathered, stats)
     result(out, "zero_copy_bytes", {
         "ranks": [dict(zip(["state_bytes", "zc_bytes_copied", "zc_extra_rss", "reg_bytes_copied",
-                            "reg_extra_rss", "copy_calls", "regular_tensors"], g.tolist())) for g in gathered],
+                            "reg_extra_rss", "copied_by_calls", "regular_tensors"], g.tolist())) for g in gathered],
         "zc_policies": dict(zc.policies), "zc_blocked_s": zc.blocked_s, "reg_blocked_s": reg.blocked_s,
         "zc_total_bytes": zc.bytes})
 

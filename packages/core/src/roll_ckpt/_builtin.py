@@ -6,7 +6,7 @@ from typing import Any
 
 from .contracts import StagingPolicyRecord, Strategy, StrategyRecord
 from .hookspecs import hookimpl
-from .staging import RegularCopy
+from .regular_copy import RegularCopy
 
 FALLBACK = -(2 ** 31)
 """The regular copy's priority: every plugin's policy is asked before it."""

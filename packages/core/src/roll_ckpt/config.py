@@ -22,6 +22,7 @@ from .errors import ConfigError
 from .interpolation import interpolate, key_path
 from .layout import RUN_RE
 from .preemption import PreemptionConfig, parse_preemption
+from .units import parse_bytes
 
 __all__ = ["Config", "CheckpointConfig", "BackupConfig", "PreemptionConfig", "StrategyConfig", "load_config",
            "read_yaml"]
@@ -93,6 +94,9 @@ class StrategyConfig:
     """Return from ``save`` once the state is staged; write in the background."""
     strategy_name: str | None = None
     """Force a strategy (``dcp``, ``fsdp2``); by default it is chosen from the state."""
+    max_staging_bytes: int = 0
+    """The most regular staging holds at once (``2GiB``, ``512MB`` or bytes); 0: no bound. An
+    asynchronous save then stages in waves and returns once the last is staged."""
     extra: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -344,8 +348,15 @@ def _strategy(value: Any, owned: Mapping[str, Any]) -> StrategyConfig:
     name = value.get("strategy_name")
     if name is not None:
         name = _string(f"{key}.strategy_name", name)
-    extra = {k: v for k, v in value.items() if k not in ("async_save_ckpt", "strategy_name") and k not in owned}
-    return StrategyConfig(async_save_ckpt=asv, strategy_name=name, extra=extra)
+    budget = value.get("max_staging_bytes", 0)
+    try:
+        budget = parse_bytes(budget)
+    except ValueError:
+        raise ConfigError(f"{key}.max_staging_bytes", "is not a size", budget,
+                          "a number of bytes >= 0, or a size such as 512MB or 2GiB (0: no bound)") from None
+    ours = ("async_save_ckpt", "strategy_name", "max_staging_bytes")
+    extra = {k: v for k, v in value.items() if k not in ours and k not in owned}
+    return StrategyConfig(async_save_ckpt=asv, strategy_name=name, max_staging_bytes=budget, extra=extra)
 
 
 def _plugin_options(raw: Mapping[str, Any], keys: Mapping[str, Any]) -> tuple[dict[str, Any], set[str], set[str]]:

@@ -146,6 +146,13 @@ class SaveContext:
     reuse: MutableMapping[str, Any] = field(default_factory=dict)
     """What staging policies keep from one save to the next, by policy name (staging
     buffers...); owned by the manager, emptied when it closes."""
+    budget: int = 0
+    """Bytes regular staging may hold (``strategy_config.max_staging_bytes``); 0: no bound."""
+    gate: Any = None
+    """Set by a policy that stages in waves (within ``budget``): the writer asks it the
+    order to write in and waits for each tensor to be staged; the caller fills it after
+    the write has started (``roll_ckpt.regular_copy.WaveGate``)."""
+    _before_write: list[Callable[[], None]] = field(default_factory=list)
     _finished: list[Callable[[], None]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -153,6 +160,16 @@ class SaveContext:
         """Run ``callback`` once the write has finished (or failed): release staged memory."""
         with self._lock:
             self._finished.append(callback)
+
+    def before_write(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` in the writing thread before anything is written (a policy's
+        work that must not block the caller: rebuilding shards...)."""
+        self._before_write.append(callback)
+
+    def run_before_write_callbacks(self) -> None:
+        callbacks, self._before_write = self._before_write, []
+        for cb in callbacks:
+            cb()
 
     def run_finished_callbacks(self) -> None:
         with self._lock:
@@ -214,9 +231,11 @@ class Strategy(Protocol):
         """The size of a checkpoint of ``sd`` (every process's files together)."""
 
     def write(self, sd: dict[str, Any], storage: Storage, path: str,
-              on_bytes: Callable[[int], None] | None = None) -> dict[str, tuple[int, str]]:
+              on_bytes: Callable[[int], None] | None = None, *,
+              save: SaveContext | None = None) -> dict[str, tuple[int, str]]:
         """Write the staged ``sd`` into ``path``; on the coordinator, every file of every
-        process (relative to ``path``) as ``(size, checksum)``."""
+        process (relative to ``path``) as ``(size, checksum)``. ``save.gate``, when set,
+        orders the tensors and says when each is ready."""
 
     def load(self, state: MutableMapping[str, Any], storage: Storage, path: str,
              on_bytes: Callable[[int], None] | None = None, *,

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from .contracts import Storage
 from .dcp_fs import StorageFileSystem
+from .memory import exact_alias
 from .torch_compat import save_tensor_without_crc, storage_info, storage_prefix
 from .unpickle import METADATA_NAME
 
@@ -54,11 +55,17 @@ def _buckets(items: list[Any], n: int) -> list[list[Any]]:
     return [b for b in buckets if b] or [[]]
 
 
-def _write_file(fs: StorageFileSystem, path: str, name: str, items: list[Any], planner: Any) -> list[WriteResult]:
+def _write_file(fs: StorageFileSystem, path: str, name: str, items: list[Any], planner: Any,
+                gate: Any = None) -> list[WriteResult]:
     results = []
+    items = sorted(items, key=lambda i: i.type != WriteItemType.BYTE_IO)  # values first
+    if gate is not None:  # staged in waves: write them in the order they are staged
+        items = [items[i] for i in gate.order([i.index.fqn for i in items])]
     with fs.create_stream(path, "wb") as stream:
-        for item in sorted(items, key=lambda i: i.type != WriteItemType.BYTE_IO):  # values first
+        for item in items:
             offset = stream.tell()
+            if gate is not None:
+                gate.before(item.index.fqn)
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
                 stream.write(data.getbuffer())
@@ -67,9 +74,13 @@ def _write_file(fs: StorageFileSystem, path: str, name: str, items: list[Any], p
                 if tensor.device.type != "cpu":
                     tensor = tensor.cpu()
                 if tensor.untyped_storage().nbytes() != tensor.nbytes:
-                    tensor = tensor.clone()  # a view: torch.save would write the whole storage
+                    # a view (an arena's slice, a padded shard): torch.save would write the
+                    # whole storage; an exact-size alias of the same memory needs no copy
+                    tensor = exact_alias(tensor) if tensor.is_contiguous() else tensor.clone()
                 save_tensor_without_crc(tensor, stream)
             length = stream.tell() - offset
+            if gate is not None:
+                gate.after(item.index.fqn)
             results.append(WriteResult(index=item.index, size_in_bytes=length,
                                        storage_data=storage_info(name, offset, length)))
     return results
@@ -83,7 +94,7 @@ class DigestingWriter(FileSystemWriter):
     """
 
     def __init__(self, storage: Storage, path: str, *, thread_count: int = 1,
-                 on_bytes: Callable[[int], None] | None = None) -> None:
+                 on_bytes: Callable[[int], None] | None = None, gate: Any = None) -> None:
         # sync_files=False: durability comes from the backend's close(), never from the
         # system-wide os.sync() DCP falls back to for streams without a file descriptor.
         super().__init__(path, single_file_per_rank=True, sync_files=False,
@@ -91,6 +102,8 @@ class DigestingWriter(FileSystemWriter):
         self.fs = StorageFileSystem(storage, on_bytes)
         self.path = str(path)
         self.file_digests: dict[str, tuple[int, str]] = {}
+        self.gate = gate
+        """Regular staging in waves (``roll_ckpt.regular_copy.WaveGate``), or ``None``."""
 
     def _relative(self) -> dict[str, tuple[int, str]]:
         root = self.path.rstrip("/") + "/"
@@ -100,6 +113,8 @@ class DigestingWriter(FileSystemWriter):
         from torch.futures import Future
 
         prefix = storage_prefix(plan)
+        if self.gate is not None:
+            self.gate.expect([i.index.fqn for i in plan.items if i.type != WriteItemType.BYTE_IO])
         files = [(self.fs.concat_path(self.path, f"{prefix}{k}.distcp"), f"{prefix}{k}.distcp", bucket)
                  for k, bucket in enumerate(_buckets(list(plan.items), max(1, self.thread_count)))]
         results: list[list[WriteResult]] = [[] for _ in files]
@@ -107,7 +122,7 @@ class DigestingWriter(FileSystemWriter):
 
         def run(k: int) -> None:
             try:
-                results[k] = _write_file(self.fs, *files[k], planner)
+                results[k] = _write_file(self.fs, *files[k], planner, self.gate)
             except BaseException as exc:  # raised below, once every thread is done
                 errors.append(exc)
 

@@ -130,8 +130,10 @@ class SavePipeline:
             json.dumps(user)
         except TypeError as exc:
             raise RollCkptError(f"save(metadata=...) must hold JSON values: {exc}") from None
-        ctx = SaveContext(step=step, path=final_path, is_async=job.config.strategy_config.async_save_ckpt and not final,
-                          rank=strategy.rank, world_size=strategy.world_size, strategy=strategy, reuse=self._reuse)
+        sc = job.config.strategy_config
+        ctx = SaveContext(step=step, path=final_path, is_async=sc.async_save_ckpt and not final, rank=strategy.rank,
+                          world_size=strategy.world_size, strategy=strategy, reuse=self._reuse,
+                          budget=sc.max_staging_bytes)
         job.plugins.hook.roll_ckpt_save(save=ctx)
         sd = strategy.state_dict(state)
         refusal = self._check_space(sd, ctx, user) if strategy.is_coordinator else None
@@ -141,10 +143,18 @@ class SavePipeline:
             self._policies = job.plugins.staging_order()
         staged = stage_state_dict(sd, ctx, self._policies)
         if ctx.is_async:
-            ctx.blocked_s = time.perf_counter() - t0
             if self._executor is None:
                 self._executor = cf.ThreadPoolExecutor(1, thread_name_prefix="roll-ckpt-save")
+            if ctx.gate is None:
+                ctx.blocked_s = time.perf_counter() - t0
             self._inflight = self._executor.submit(self.write_and_commit, staged, ctx, user, t0)
+            if ctx.gate is not None:  # staged in waves within the budget, as the write goes on
+                try:
+                    ctx.gate.fill()
+                except BaseException:  # the write failed; its error surfaces at the next wait
+                    pass
+                ctx.blocked_s = time.perf_counter() - t0
+                ctx.gate.caller_done.set()
         else:
             self.last_save = self.write_and_commit(staged, ctx, user, t0)
         return final_path
@@ -220,13 +230,17 @@ class SavePipeline:
             # DCP's planning step, before any data is written, and DCP carries the refusal to
             # every rank: none is left waiting in a collective for a coordinator that gave up.
             target = storage if refuse is None else _refusing(storage, refuse)
+            ctx.run_before_write_callbacks()
             with job.progress(f"save step {ctx.step}") as progress:
-                digests = strategy.write(sd, target, storage.join(pending.write_path, strategy.data_dir), progress)
+                digests = strategy.write(sd, target, storage.join(pending.write_path, strategy.data_dir), progress,
+                                         save=ctx)
             if strategy.is_coordinator:
                 total = self._commit(pending, ctx, user, digests)
             self.committed_steps.add(ctx.step)
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             error = exc
+            if ctx.gate is not None:
+                ctx.gate.abort(exc)  # the caller may be waiting to stage the next wave
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
             try:
@@ -240,6 +254,8 @@ class SavePipeline:
         finally:
             ctx.run_finished_callbacks()
             job.plugins.hook.roll_ckpt_save_finished(save=ctx, error=error)
+        if ctx.gate is not None:  # the caller records how long it was blocked once the last wave is in
+            ctx.gate.caller_done.wait(60)
         stats = SaveStats(step=ctx.step, path=ctx.path, is_async=ctx.is_async,
                           blocked_s=ctx.blocked_s if ctx.is_async else time.perf_counter() - t0,
                           total_s=time.perf_counter() - t0, bytes=total, bytes_copied=ctx.bytes_copied,

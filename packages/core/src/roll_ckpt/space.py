@@ -36,7 +36,7 @@ from .contracts import SpaceEstimate, Storage
 from .errors import StorageFullError
 from .units import human_bytes
 
-__all__ = ["estimate_checkpoint_bytes", "SpaceGuard", "RefusingStorage", "committed_sizes"]
+__all__ = ["estimate_checkpoint_bytes", "estimate_items", "SpaceGuard", "RefusingStorage", "committed_sizes"]
 
 log = logging.getLogger("roll_ckpt")
 
@@ -133,11 +133,13 @@ def _shards(t: Any) -> int:
 
 def estimate_checkpoint_bytes(sd: Mapping[str, Any], *, world_size: int = 1,
                               user: Mapping[str, Any] | None = None,
-                              per_rank_key: str = "per_rank") -> SpaceEstimate:
+                              per_rank_key: str = "per_rank", base: SpaceEstimate | None = None) -> SpaceEstimate:
     """Estimate the bytes a save of ``sd`` writes (every process's files together).
 
     ``sd`` is the strategy's state dict (live tensors); nothing is copied. Non-tensor
-    values are serialised into a counter, as DCP will serialise them.
+    values are serialised into a counter, as DCP will serialise them. ``base``, the
+    estimate of the rest of the state dict made with :func:`estimate_items`, is added (a
+    strategy estimates the parts that keep their structure once).
     """
     import torch
 
@@ -189,10 +191,19 @@ def estimate_checkpoint_bytes(sd: Mapping[str, Any], *, world_size: int = 1,
     for key, value in sd.items():
         walk(value, len(str(key)), world_size if key == per_rank_key else 1)
     total, tensor_bytes, items = acc
+    if base is not None:
+        total, tensor_bytes, items = total + base.total, tensor_bytes + base.tensor_bytes, items + base.items
     files = world_size + 3  # one .distcp per process, .metadata, trainer_state.json, manifest.json
     user_bytes = len(json.dumps(dict(user or {}), indent=1, sort_keys=True)) if user else 0
     total += _FIXED_BYTES + user_bytes + files * _MANIFEST_PER_FILE
     return SpaceEstimate(total=total, tensor_bytes=tensor_bytes, items=items, files=files)
+
+
+def estimate_items(sd: Mapping[str, Any], *, world_size: int = 1) -> SpaceEstimate:
+    """The bytes the items of ``sd`` take, without a checkpoint's fixed files (a ``base``)."""
+    whole = estimate_checkpoint_bytes(sd, world_size=world_size)
+    fixed = _FIXED_BYTES + whole.files * _MANIFEST_PER_FILE
+    return SpaceEstimate(total=whole.total - fixed, tensor_bytes=whole.tensor_bytes, items=whole.items, files=0)
 
 
 # --------------------------------------------------------------------------- the check

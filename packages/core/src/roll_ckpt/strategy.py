@@ -27,6 +27,7 @@ import torch
 from .contracts import SpaceEstimate, Storage
 from .errors import RollCkptError, carried_roll_error
 from .rng import capture_rng, restore_rng
+from .state_dict_cache import StateDictCache
 from .torch_compat import local_tensor, set_element
 
 __all__ = ["DCPStrategy", "PER_RANK", "RNG_KEY"]
@@ -51,6 +52,8 @@ class DCPStrategy:
 
         self._dist = dist if dist.is_available() and dist.is_initialized() else None
         self._control: Any = None
+        self._state_dicts = StateDictCache()
+        self._estimate: tuple[int, Any] = (-1, None)
         self.rank = self._dist.get_rank() if self._dist else 0
         self.world_size = self._dist.get_world_size() if self._dist else 1
 
@@ -114,18 +117,21 @@ class DCPStrategy:
         """The DCP state dict of ``state``: live tensors, nothing copied."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-        owners = self._pairs(state)
-        out: dict[str, Any] = {}
-        mine: dict[str, Any] = {RNG_KEY: capture_rng()}
-        for key, obj in state.items():
+        def build(key: str, obj: Any) -> dict[str, Any]:
+            if isinstance(obj, torch.nn.Module):
+                return get_model_state_dict(obj)
+            return get_optimizer_state_dict(state[self._pairs(state)[key]], obj)
+
+        for key in state:
             if not isinstance(key, str) or not key or "." in key or key == PER_RANK:
                 raise RollCkptError(f"state key {key!r} must be a non-empty string without '.' "
                                     f"and not '{PER_RANK}'")
-            if isinstance(obj, torch.nn.Module):
-                out[key] = get_model_state_dict(obj)
-            elif isinstance(obj, torch.optim.Optimizer):
-                out[key] = get_optimizer_state_dict(state[owners[key]], obj)
-            elif _is_stateful(obj):
+        out: dict[str, Any] = self._state_dicts.get(state, torch.nn.Module, torch.optim.Optimizer, build)
+        mine: dict[str, Any] = {RNG_KEY: capture_rng()}
+        for key, obj in state.items():
+            if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
+                continue
+            if _is_stateful(obj):
                 mine[key] = _box(obj.state_dict())
             else:
                 mine[key] = _box(obj)
@@ -135,26 +141,38 @@ class DCPStrategy:
     # ------------------------------------------------------------ write / read
 
     def write(self, sd: dict[str, Any], storage: Storage, dcp_path: str,
-              on_bytes: Any = None) -> dict[str, tuple[int, str]]:
-        """Write ``sd`` as a standard DCP folder; returns per-file (size, checksum) on the coordinator."""
+              on_bytes: Any = None, *, save: Any = None) -> dict[str, tuple[int, str]]:
+        """Write ``sd`` as a standard DCP folder; returns per-file (size, checksum) on the coordinator.
+
+        DCP's plan is cached while the state keeps its structure (DCP's own plan caching,
+        keyed to this strategy so that two managers of one process never share it).
+        """
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import DefaultSavePlanner
 
         from .dcp_write import DigestingWriter
 
-        writer = DigestingWriter(storage, dcp_path, thread_count=self.writer_threads(_local_bytes(sd)),
-                                 on_bytes=on_bytes)
+        gate = getattr(save, "gate", None)
+        threads = 1 if gate is not None else self.writer_threads(_local_bytes(sd))
+        writer = DigestingWriter(storage, dcp_path, thread_count=threads, on_bytes=on_bytes, gate=gate)
+        planner = DefaultSavePlanner(enable_plan_caching=True)
+        planner._cached_plans_key = f"roll-ckpt-{id(self)}"
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            dcp.save(sd, storage_writer=writer, planner=DefaultSavePlanner(),
+            dcp.save(sd, storage_writer=writer, planner=planner,
                      process_group=self.process_group, no_dist=self._dist is None)
         return writer.file_digests
 
     def estimate(self, sd: dict[str, Any], user: Mapping[str, Any] | None = None) -> SpaceEstimate:
-        """The size of a save of ``sd`` (every process's files)."""
-        from .space import estimate_checkpoint_bytes
+        """The size of a save of ``sd`` (every process's files). The modules' and optimizers'
+        part is estimated once per structure of the state (:class:`StateDictCache`)."""
+        from .space import estimate_checkpoint_bytes, estimate_items
 
-        return estimate_checkpoint_bytes(sd, world_size=self.world_size, user=user)
+        if self._estimate[0] != self._state_dicts.builds:
+            tensors = {k: v for k, v in sd.items() if k != PER_RANK}
+            self._estimate = (self._state_dicts.builds, estimate_items(tensors, world_size=self.world_size))
+        return estimate_checkpoint_bytes({PER_RANK: sd[PER_RANK]}, world_size=self.world_size, user=user,
+                                         base=self._estimate[1])
 
     def writer_threads(self, nbytes: int = 0) -> int:
         """Files this process writes at once (DCP's ``thread_count``) for ``nbytes`` of tensors.
@@ -271,7 +289,7 @@ class DCPStrategy:
         raise RollCkptError("the checkpoint holds no per-process state (RNG, scheduler...)")
 
     def close(self) -> None:
-        pass
+        self._state_dicts.clear()
 
 
 def _local_bytes(node: Any) -> int:

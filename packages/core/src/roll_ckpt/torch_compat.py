@@ -20,7 +20,7 @@ from .errors import RollCkptError
 
 __all__ = ["TorchCompatError", "local_tensor", "set_local_tensor", "rewrap_dtensor", "save_tensor_without_crc",
            "weights_only_load", "file_reader", "storage_info", "set_element", "get_element",
-           "load_state_dict_no_dist", "empty_state_dict_load_planner", "planner_set_value", "storage_prefix",
+           "load_state_dict_no_dist", "module_tensor_ids", "empty_state_dict_load_planner", "planner_set_value", "storage_prefix",
            "narrow_tensor_by_index", "CHECKED_ON"]
 
 CHECKED_ON = ("2.6", "2.9", "2.11", "2.13")
@@ -62,6 +62,17 @@ def rewrap_dtensor(like: Any, local: Any) -> Any:
 
     return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
                               shape=like.shape, stride=like.stride())
+
+
+def module_tensor_ids(module: Any) -> tuple[int, ...]:
+    """The identity of every parameter and buffer of ``module`` and its submodules, in one
+    pass (``nn.Module._parameters``/``_buffers``): what a cached state dict
+    depends on, compared on every save, so it must be cheap; torch 2.0-2.13."""
+    try:
+        return tuple(id(t) for m in module.modules() for d in (m._parameters, m._buffers)
+                     for t in d.values() if t is not None)
+    except AttributeError as exc:
+        raise _missing("nn.Module._parameters / _buffers", exc) from None
 
 
 # --------------------------------------------------------------------------- serialization

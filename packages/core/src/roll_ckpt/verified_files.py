@@ -7,7 +7,6 @@ check filled) or in memory (backends without file descriptors) until the load is
 
 from __future__ import annotations
 
-import ctypes
 import io
 import os
 import sys
@@ -16,6 +15,7 @@ from typing import Any
 import torch
 
 from . import torch_compat
+from .memory import writable_view
 
 __all__ = ["Verified", "MemoryReader", "load_tensor", "pread_into", "verify_budget", "READ_CHUNK", "CHECK_STREAMS"]
 
@@ -164,18 +164,6 @@ class _Storages:
         return storage
 
 
-def _writable(storage: Any, nbytes: int) -> memoryview:
-    """The first ``nbytes`` of a CPU storage as a writable memoryview.
-
-    Not through NumPy: ``Tensor.numpy()`` marks the storage non-resizable for good, and a
-    target's storage is a live parameter's (the offload store frees parameters by
-    resizing their storage to 0, which FSDP2's views of it survive).
-    """
-    if nbytes == 0:
-        return memoryview(bytearray(0))
-    return memoryview((ctypes.c_char * nbytes).from_address(storage.data_ptr())).cast("B")
-
-
 def load_tensor(data: Verified, offset: int, length: int, target: torch.Tensor | None) -> torch.Tensor:
     """``torch.load(weights_only=True)`` of one DCP item, without its intermediate copy.
 
@@ -205,7 +193,7 @@ def load_tensor(data: Verified, offset: int, length: int, target: torch.Tensor |
             tensor = torch_compat.weights_only_load(reader, storages)
         for start, nbytes, storage in storages.spans:
             # the record's bytes only: a target's storage may be longer (FSDP pads shards)
-            pread_into(data.fd, _writable(storage, nbytes), offset + start)
+            pread_into(data.fd, writable_view(storage, nbytes), offset + start)
         return tensor
     except (AttributeError, TypeError):  # torch's loader is not what this was written against
         return plain()
