@@ -103,7 +103,7 @@ class SavePipeline:
             json.dumps(user)
         except TypeError as exc:
             raise RollCkptError(f"save(metadata=...) must hold JSON values: {exc}") from None
-        ctx = SaveContext(step=step, path=final_path, is_async=job.config.strategy_config.async_save_ckpt and not final,
+        ctx = SaveContext(step=step, path=final_path, is_async=job.config.async_save and not final,
                           rank=strategy.rank, world_size=strategy.world_size, strategy=strategy, reuse=self._reuse)
         job.plugins.hook.roll_ckpt_save(save=ctx)
         sd = strategy.state_dict(state)
