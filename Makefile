@@ -7,9 +7,10 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
+# tests/plugins/example_backend: the third-party backend the plugin tests load through its entry point.
 PACKAGES := -e packages/core -e packages/backend-fs -e packages/strategy-fsdp2 -e packages/demo \
-            -e ".[all,dev]"
-SOURCES := pyproject.toml packages/*/pyproject.toml
+            -e tests/plugins/example_backend -e ".[all,dev]"
+SOURCES := pyproject.toml packages/*/pyproject.toml tests/plugins/example_backend/pyproject.toml
 
 .PHONY: venv demo test test-reliability bench bench-check wheels clean
 
