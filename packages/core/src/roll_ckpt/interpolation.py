@@ -77,12 +77,13 @@ def _error(where: str, raw: Any, exc: Exception) -> ConfigError:
 
 
 def _get(node: Any, k: Any, here: str) -> Any:
+    from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     try:
         return node[k]
     except OmegaConfBaseException as exc:
-        raise _error(here, node._get_node(k)._value(), exc) from None
+        raise _error(here, OmegaConf.to_container(node, resolve=False)[k], exc) from None
 
 
 def _plain(node: Any, where: str) -> Any:
@@ -110,5 +111,10 @@ def interpolate(root: Mapping[str, Any]) -> dict[str, Any]:
         if isinstance(exc, GrammarParseError):
             raise _error(where, None, exc) from None
         raise ConfigError(where, f"cannot be read as a config ({(str(exc).splitlines() or [''])[0]})") from None
-    return {k: copy.deepcopy(root[k]) if k == HYDRA_SECTION else _plain(_get(conf, k, key_path("", k)), key_path("", k))
-            for k in conf.keys()}
+    out = {}
+    for k in conf.keys():
+        if k == HYDRA_SECTION:
+            out[k] = copy.deepcopy(root[k])
+        else:
+            out[k] = _plain(_get(conf, k, key_path("", k)), key_path("", k))
+    return out
