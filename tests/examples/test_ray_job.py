@@ -118,7 +118,12 @@ def ray_cluster(monkeypatch: pytest.MonkeyPatch) -> Any:
     finally:
         ray.shutdown()
         ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
-        shutil.rmtree(temp, ignore_errors=True)
+        # Ray's agents may still write their last files while they exit: remove until gone.
+        deadline = time.monotonic() + 30
+        while Path(temp).exists() and time.monotonic() < deadline:
+            shutil.rmtree(temp, ignore_errors=True)
+            time.sleep(0.2)
+        assert not Path(temp).exists(), f"Ray's files are still in {temp}"
 
 
 def job_config(output: Path) -> dict:
