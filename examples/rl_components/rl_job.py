@@ -30,7 +30,8 @@ next launch resumes from it exactly. No component goes past that step, so none c
 saved a different one.
 
 ``ActorTrain`` and ``Critic`` are plain classes: here each rank runs one in a process
-fed through a pipe; ``ray_sketch.py`` makes the same classes Ray actors.
+fed through a pipe; ``ray_job.py`` makes the same classes Ray actors and drives them with
+the same :func:`rl_step`.
 """
 
 from __future__ import annotations
@@ -379,6 +380,34 @@ def next_batch(driver: Any, prompts: int, size: int) -> list[int]:
     return idx
 
 
+def rl_step(driver: Any, step: int, rl: dict[str, Any], answers: np.ndarray, actor: Any, critic: Any) -> dict[str, Any]:
+    """One PPO step, driven from the driver: the actor generates, the critic estimates
+    values, the driver scores and computes advantages, both groups train. ``actor`` and
+    ``critic`` are groups whose ``call(method, *args)`` starts the method on every rank and
+    returns a handle whose ``get()`` waits for the replies (a :class:`Group` here, a
+    ``RayGroup`` in ray_job.py). Returns the step's entry of ``driver["history"]``."""
+    idx = next_batch(driver, int(rl["prompts"]), int(rl["batch_size"]))
+    gen, val = actor.call("generate", idx), critic.call("values", idx)
+    parts = gen.get()
+    arms = unshard([a for a, _ in parts])
+    old_logp = unshard([lp for _, lp in parts])
+    values = np.array(unshard(val.get()), dtype=np.float64)
+    rewards = (np.array(arms) == answers[idx]).astype(np.float64)
+    adv = rewards - values
+    adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+    a = actor.call("train", idx, arms, old_logp, adv.tolist())
+    c = critic.call("train", idx, rewards.tolist())
+    entry = {"step": step, "reward": float(rewards.mean()), "actor_loss": a.get()[0], "critic_loss": c.get()[0]}
+    driver["step"] = step
+    driver["history"].append(entry)
+    return entry
+
+
+def step_line(entry: dict[str, Any], driver: Any) -> str:
+    return (f"step {entry['step']:3d}  reward={entry['reward']:.4f}  actor_loss={entry['actor_loss']:+.6f}  "
+            f"critic_loss={entry['critic_loss']:.6f}  consumed={driver['consumed_samples']}")
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="An actor + critic + driver RL job saved as one checkpoint per step.")
     p.add_argument("--config", default=str(DEFAULT_CONFIG), help="the job's YAML (default: config.yaml here)")
@@ -440,23 +469,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("fresh start (no step committed by every component yet)", flush=True)
 
         for step in range(start + 1, cfg.max_steps + 1):
-            idx = next_batch(driver, int(rl["prompts"]), int(rl["batch_size"]))
-            gen, val = actor.call("generate", idx), critic.call("values", idx)
-            parts = gen.get()
-            arms = unshard([a for a, _ in parts])
-            old_logp = unshard([lp for _, lp in parts])
-            values = np.array(unshard(val.get()), dtype=np.float64)
-            rewards = (np.array(arms) == answers[idx]).astype(np.float64)
-            adv = rewards - values
-            adv = (adv - adv.mean()) / (adv.std() + 1e-8)
-            a = actor.call("train", idx, arms, old_logp, adv.tolist())
-            c = critic.call("train", idx, rewards.tolist())
-            actor_loss, critic_loss = a.get()[0], c.get()[0]
-            driver["step"] = step
-            driver["history"].append({"step": step, "reward": float(rewards.mean()), "actor_loss": actor_loss,
-                                      "critic_loss": critic_loss})
-            print(f"step {step:3d}  reward={rewards.mean():.4f}  actor_loss={actor_loss:+.6f}  "
-                  f"critic_loss={critic_loss:.6f}  consumed={driver['consumed_samples']}", flush=True)
+            print(step_line(rl_step(driver, step, rl, answers, actor, critic), driver), flush=True)
 
             saves = [actor.call("save", step), critic.call("save", step)]
             replies = [s.get() for s in saves]

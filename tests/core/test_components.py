@@ -23,7 +23,7 @@ from helpers.launch import run_python
 from helpers.training import config, train_step
 from roll_ckpt import (CheckpointCorruptError, CheckpointManager, CheckpointNotFoundError, ConfigError,
                        DriverState, RollCkptError, hookimpl, layout, load_config, new_run_name)
-from roll_ckpt.components import components_of, step_manifest, try_complete
+from roll_ckpt.components import step_manifest, try_complete
 from roll_ckpt.plugins import Plugins
 from roll_ckpt.testing import assert_same_state, state_snapshot, tiny_state
 
@@ -313,6 +313,18 @@ def test_retention_removes_whole_steps_and_steps_that_can_no_longer_complete(tmp
     assert present == ["checkpoint-3", "checkpoint-4", "checkpoint-5"]
     assert _steps(tmp_path) == [3, 4]
     assert sorted(p.name for p in (tmp_path / run / "checkpoint-3").iterdir()) == ["actor", "manifest.json", "pipeline"]
+
+
+def test_retention_judges_pending_steps_without_the_steps_it_just_removed(tmp_path: Path) -> None:
+    """An earlier launch left whole step 4 and step 8 with the actor's part only. The next
+    launch's first whole step makes retention remove step 4, then judge step 8 by what is
+    left: no whole step of its launch any more, so the newest whole step decides (found by
+    the Ray job test, where the driver of both launches is one process)."""
+    run1, run2 = "20250101-000000", "20250101-000100"
+    _save_steps(tmp_path, run1, [4, 8], actor_only=(8,))
+    _save_steps(tmp_path, run2, [8], max_ckpt_to_keep=1)
+    assert [(r.run, r.step) for r in layout.committed(layout_storage(tmp_path), str(tmp_path))] == [(run2, 8)]
+    assert not (tmp_path / run1 / "checkpoint-4").exists() and not (tmp_path / run1 / "checkpoint-8").exists()
 
 
 def test_removing_a_step_uncommits_its_parts_first(tmp_path: Path) -> None:

@@ -20,12 +20,15 @@ from hypothesis import strategies as st  # noqa: E402
 from roll_ckpt.config import BackupConfig, CheckpointConfig, Config, load_config  # noqa: E402
 from roll_ckpt.errors import ConfigError  # noqa: E402
 
+# OmegaConf warns about `${env:,}` (empty arguments) before the value is judged: expected here.
+pytestmark = pytest.mark.filterwarnings("ignore:In the sequence:UserWarning")
+
 SETTINGS = settings(max_examples=200, deadline=None, derandomize=False,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                            HealthCheck.function_scoped_fixture])
 
 TOP_KEYS = ["exp_name", "seed", "output_dir", "checkpoint_config", "resume_from_checkpoint", "max_steps",
-            "save_steps", "strategy_config", "offload_backend"]
+            "save_steps", "max_ckpt_to_keep", "strategy_config", "offload_backend", "defaults"]
 CKPT_KEYS = [f.name for f in dataclasses.fields(CheckpointConfig)]
 BACKUP_KEYS = [f.name for f in dataclasses.fields(BackupConfig)]
 
@@ -69,6 +72,9 @@ PLAUSIBLE = {
     "exp_name": st.one_of(st.text(max_size=10), st.integers()),
     "async_save_ckpt": st.booleans(),
     "strategy_name": st.sampled_from(["dcp", "fsdp2", "", None]),
+    "async_upload": st.booleans(),
+    "keep_local_file": st.one_of(st.booleans(), st.none()),
+    "defaults": st.lists(st.sampled_from(["_self_", "../config/traj_envs@_here_"]), max_size=2),
 }
 
 
@@ -144,10 +150,12 @@ def _slots(node: Any, out: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
     return out
 
 
-def check(source: Any) -> str:
+def check(source: Any, component: str | None = None) -> str:
     """The contract: a Config, or a ConfigError that names its key. Returns the outcome."""
     try:
         cfg = load_config(source)
+        if component is not None:
+            cfg = cfg.for_component(component)
     except ConfigError as exc:
         assert isinstance(exc.key, str) and exc.key, f"ConfigError without a key: {exc!r}"
         assert exc.key in str(exc), f"the message does not name the key {exc.key!r}: {exc}"
@@ -173,6 +181,23 @@ def _env(monkeypatch: pytest.MonkeyPatch) -> None:
 @given(CONFIGS)
 def test_fuzzed_mapping_is_accepted_or_names_the_bad_key(raw: dict[Any, Any]) -> None:
     check(raw)
+
+
+# ROLL worker sections, for Config.for_component: mostly the shape ROLL writes, sometimes anything.
+WORKER = st.one_of(
+    st.fixed_dictionaries({"strategy_args": st.one_of(
+        st.fixed_dictionaries({"strategy_name": st.sampled_from(["fsdp2_train", "megatron_train", "sglang"])},
+                              optional={"strategy_config": st.one_of(st.none(), section(
+                                  ["async_save_ckpt", "offload_backend", "fsdp_size"]), ANY)}),
+        ANY)}, optional={"device_mapping": st.just("list(range(0,2))")}),
+    ANY)
+
+
+@SETTINGS
+@given(st.fixed_dictionaries({}, optional={"actor_train": WORKER, "strategy_config": STRATEGY,
+                                           "offload_backend": value_for("offload_backend")}))
+def test_fuzzed_worker_section_is_accepted_or_names_the_bad_key(raw: dict[str, Any]) -> None:
+    check(raw, component="actor_train")
 
 
 @SETTINGS

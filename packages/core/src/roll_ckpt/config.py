@@ -1,28 +1,31 @@
-"""Configuration: ROLL-compatible keys, ``${...}`` interpolation and validation.
+"""Configuration: ROLL's keys, ``${...}`` interpolation (OmegaConf) and validation.
 
-A training config holds many keys roll-ckpt does not own (model, data, rollout...);
-those are kept in :attr:`Config.extra` untouched. Keys inside ``checkpoint_config`` are
-ours alone, so an unknown one there is an error that names it. Plugins own keys of their
-own (``roll_ckpt_config_keys``: fsdp2's offload store): core validates them with the
-plugin's record and keeps them in :attr:`Config.options`, never interpreting them.
+A training config holds many keys roll-ckpt does not own (model, data, rollout, ROLL's
+worker sections...); those are kept in :attr:`Config.extra` untouched. Keys inside
+``checkpoint_config`` are ours alone, so an unknown one there is an error that names it.
+Plugins own keys of their own (``roll_ckpt_config_keys``: fsdp2's offload store): core
+validates them with the plugin's record and keeps them in :attr:`Config.options`, never
+interpreting them. :meth:`Config.for_component` applies a ROLL worker section's
+``strategy_args.strategy_config`` over the top-level one.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import math
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from .config_values import (count, expect, field_names, location, options as options_map, reject_unknown, seconds,
+                            staging_budget, string)
 from .errors import ConfigError
 from .interpolation import interpolate, key_path
 from .layout import RUN_RE
 from .preemption import PreemptionConfig, parse_preemption
-from .units import parse_bytes
+from .roll_keys import keep_local_file, log_keys_without_effect, max_ckpt_to_keep, worker_overrides
+
 
 __all__ = ["Config", "CheckpointConfig", "BackupConfig", "PreemptionConfig", "StrategyConfig", "load_config",
            "read_yaml"]
@@ -63,7 +66,9 @@ class CheckpointConfig:
     timestamp_subdir: bool = True
     """Write each run into ``<output_dir>/<YYYYmmdd-HHMMSS>/`` so runs never mix."""
     max_ckpt_to_keep: int = 0
-    """Committed checkpoints kept under ``output_dir`` (newest by run, then step); 0 keeps all."""
+    """Committed checkpoints kept under ``output_dir`` (newest by run, then step); 0 keeps all.
+
+    ROLL's top-level ``max_ckpt_to_keep`` sets it too (both set differently is an error)."""
     storage_options: Mapping[str, Any] = field(default_factory=dict)
     """Passed to the backend (fsspec ``storage_options``)."""
     backup: BackupConfig | None = None
@@ -84,6 +89,16 @@ class CheckpointConfig:
     """``raise`` (a failed save raises) or ``warn``: a failed periodic save is logged and
     counted in ``manager.failed_saves``, and training goes on; final and preemption saves
     always raise."""
+    async_upload: bool = False
+    """ROLL's key. roll-ckpt writes straight to ``output_dir``: that write is the upload, so
+    ``true`` makes every save asynchronous, as ``strategy_config.async_save_ckpt: true`` does
+    (replication to a ``backup`` always runs in the background). ``false`` changes nothing
+    (logged)."""
+    keep_local_file: bool | None = None
+    """ROLL's key, meaningful with a ``backup``: ``false`` keeps only the newest local
+    checkpoint once replicated (``backup.keep_local: 1``), ``true`` keeps them all
+    (``backup.keep_local: 0``). Without a backup there is no local copy apart from
+    ``output_dir`` itself, and it has no effect (logged). ``None``: not set."""
 
 
 @dataclass(frozen=True)
@@ -127,6 +142,25 @@ class Config:
         raise AttributeError(f"'Config' object has no attribute {name!r}")
 
     @property
+    def async_save(self) -> bool:
+        """Whether periodic saves are asynchronous: ``strategy_config.async_save_ckpt`` (a
+        worker's own, after :meth:`for_component`) or ``checkpoint_config.async_upload``."""
+        return self.strategy_config.async_save_ckpt or self.checkpoint_config.async_upload
+
+    def for_component(self, name: str, *, plugins: Any = None) -> "Config":
+        """This config as the processes of component ``name`` (a ROLL worker section such as
+        ``actor_train``) see it: ``<name>.strategy_args.strategy_config.async_save_ckpt`` and
+        the plugins' keys there (fsdp2's offload store...) win over the top-level ones.
+
+        Other keys of the worker's ``strategy_config`` (Megatron's parallel sizes...) and its
+        ``strategy_args.strategy_name`` (ROLL's engine, not a roll-ckpt strategy) are not read.
+        A config without that section is returned unchanged.
+        """
+        strategy, opts = worker_overrides(self.extra, name, self.strategy_config, self.options,
+                                          _plugin_keys(plugins))
+        return dataclasses.replace(self, strategy_config=strategy, options=opts)
+
+    @property
     def resume_target(self) -> str | None:
         """``None`` (fresh start), ``"latest"`` or an explicit checkpoint path."""
         r = self.resume_from_checkpoint
@@ -165,11 +199,17 @@ def read_yaml(path: Path) -> dict[str, Any]:
 
 
 def load_config(source: str | os.PathLike[str] | Mapping[str, Any], *, plugins: Any = None) -> Config:
-    """Read (a YAML path) or take (a mapping), interpolate and validate a config.
+    """Read (a YAML path) or take (a mapping, an OmegaConf ``DictConfig`` as Hydra composes
+    it), interpolate and validate a config.
 
-    ``plugins`` (default: the process's plugin manager) provides the keys plugins own.
+    ``plugins`` (default: the process's plugin manager) provides the keys plugins own. Keys
+    that have no effect here are named in one log line each.
     """
-    if isinstance(source, Mapping):
+    if _is_omegaconf(source):
+        from omegaconf import OmegaConf
+
+        raw = OmegaConf.to_container(source, resolve=False)  # resolved below, with errors naming the key
+    elif isinstance(source, Mapping):
         raw = dict(source)
     elif isinstance(source, (str, os.PathLike)):
         raw = read_yaml(Path(source))
@@ -179,96 +219,54 @@ def load_config(source: str | os.PathLike[str] | Mapping[str, Any], *, plugins: 
     for k in raw:
         if not isinstance(k, str):
             raise ConfigError(key_path("", k), "top-level keys must be strings", k)
+    if isinstance(raw.get("defaults"), list):
+        raise ConfigError("defaults", "is a Hydra defaults list: roll-ckpt reads one composed config, not the "
+                          "files it lists", None, "compose it with Hydra first: pass the DictConfig your "
+                          "@hydra.main function gets (or hydra.compose(...)) to load_config, or write it out "
+                          "with `python your_app.py --cfg job > composed.yaml`")
+    try:
+        cfg = _build(interpolate(raw), _plugin_keys(plugins))
+    except RecursionError:
+        raise ConfigError("<config>", "is nested too deeply, or its ${...} references chain too far") from None
+    log_keys_without_effect(cfg, raw)
+    return cfg
+
+
+def _is_omegaconf(source: Any) -> bool:
+    import sys
+
+    omegaconf = sys.modules.get("omegaconf")  # a DictConfig exists only once omegaconf is imported
+    return omegaconf is not None and isinstance(source, omegaconf.DictConfig)
+
+
+def _plugin_keys(plugins: Any) -> Mapping[str, Any]:
     if plugins is None:
         from .plugins import get_plugins
 
         plugins = get_plugins()
-    try:
-        return _build(interpolate(raw), plugins.config_keys())
-    except RecursionError:
-        raise ConfigError("<config>", "is nested too deeply, or its ${...} references chain too far") from None
+    return plugins.config_keys()
 
 
 # --------------------------------------------------------------------------- validation
-
-
-def _expect(key: str, value: Any, kind: type | tuple[type, ...], allowed: str) -> Any:
-    # bool is an int in Python; a YAML `true` where a count is expected is a mistake.
-    if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
-        raise ConfigError(key, "has the wrong type", value, allowed)
-    if not isinstance(value, kind):
-        raise ConfigError(key, "has the wrong type", value, allowed)
-    return value
-
-
-def _count(key: str, value: Any) -> int:
-    _expect(key, value, int, "an integer >= 0")
-    if value < 0:
-        raise ConfigError(key, "must not be negative", value, "an integer >= 0")
-    return value
-
-
-def _string(key: str, value: Any, *, empty_ok: bool = False) -> str:
-    _expect(key, value, str, "a string")
-    if not empty_ok and not value.strip():
-        raise ConfigError(key, "must not be empty", value, "a non-empty string")
-    return value
-
-
-def _location(key: str, value: Any) -> str:
-    """A path or URL: a non-empty string without NUL characters (no file system takes one)."""
-    _string(key, value)
-    if "\x00" in value:
-        raise ConfigError(key, "contains a NUL character", value, "a path or URL")
-    return value
-
-
-def _options(key: str, value: Any) -> dict[str, Any]:
-    if value is None:
-        return {}
-    _expect(key, value, Mapping, "a mapping of options")
-    for k in value:
-        if not isinstance(k, str):
-            raise ConfigError(key_path(key, k), "option names must be strings", k)
-    return dict(value)
-
-
-def _reject_unknown(section: str, given: Mapping[str, Any], known: list[str]) -> None:
-    for k in given:
-        if k not in known:
-            close = difflib.get_close_matches(str(k), known, n=1)
-            hint = f"did you mean '{close[0]}'? " if close else ""
-            raise ConfigError(key_path(section, k), f"unknown key; {hint}known keys are {', '.join(known)}")
-
-
-def _field_names(cls: type) -> list[str]:
-    return [f.name for f in dataclasses.fields(cls)]
 
 
 def _backup(value: Any) -> BackupConfig | None:
     if value is None:
         return None
     key = "checkpoint_config.backup"
-    _expect(key, value, Mapping, "a mapping with type, output_dir, storage_options, keep_local, "
-                                 "max_wait_s, retries")
-    _reject_unknown(key, value, _field_names(BackupConfig))
+    expect(key, value, Mapping, "a mapping with type, output_dir, storage_options, keep_local, "
+                                "max_wait_s, retries")
+    reject_unknown(key, value, field_names(BackupConfig))
     if "output_dir" not in value:
         raise ConfigError(f"{key}.output_dir", "is required when a backup is configured")
     return BackupConfig(
-        type=_string(f"{key}.type", value.get("type", "file_system")),
-        output_dir=_location(f"{key}.output_dir", value["output_dir"]),
-        storage_options=_options(f"{key}.storage_options", value.get("storage_options")),
-        keep_local=_count(f"{key}.keep_local", value.get("keep_local", 0)),
-        max_wait_s=_seconds(f"{key}.max_wait_s", value.get("max_wait_s", 5.0)),
-        retries=_count(f"{key}.retries", value.get("retries", 3)),
+        type=string(f"{key}.type", value.get("type", "file_system")),
+        output_dir=location(f"{key}.output_dir", value["output_dir"]),
+        storage_options=options_map(f"{key}.storage_options", value.get("storage_options")),
+        keep_local=count(f"{key}.keep_local", value.get("keep_local", 0)),
+        max_wait_s=seconds(f"{key}.max_wait_s", value.get("max_wait_s", 5.0)),
+        retries=count(f"{key}.retries", value.get("retries", 3)),
     )
-
-
-def _seconds(key: str, value: Any) -> float:
-    _expect(key, value, (int, float), "a number of seconds >= 0")
-    if not math.isfinite(value) or value < 0:
-        raise ConfigError(key, "must be a finite number >= 0", value, "a number of seconds >= 0")
-    return float(value)
 
 
 def _same_location(a: str, b: str) -> bool:
@@ -283,16 +281,16 @@ def _same_location(a: str, b: str) -> bool:
     return norm(a) == norm(b)
 
 
-def _checkpoint(value: Any, default_root: str) -> CheckpointConfig:
+def _checkpoint(value: Any, default_root: str, raw: Mapping[str, Any]) -> CheckpointConfig:
     key = "checkpoint_config"
     if value is None:
         value = {}
-    _expect(key, value, Mapping, "a mapping (type, output_dir, ...)")
-    _reject_unknown(key, value, _field_names(CheckpointConfig))
+    expect(key, value, Mapping, "a mapping (type, output_dir, ...)")
+    reject_unknown(key, value, field_names(CheckpointConfig))
     components = value.get("components")
     if components is not None:
-        _expect(f"{key}.components", components, list, "a list of component names")
-        names = tuple(_string(f"{key}.components[{i}]", c) for i, c in enumerate(components))
+        expect(f"{key}.components", components, list, "a list of component names")
+        names = tuple(string(f"{key}.components[{i}]", c) for i, c in enumerate(components))
         if len(set(names)) != len(names):
             raise ConfigError(f"{key}.components", "lists a component twice", components)
         for n in names:
@@ -301,34 +299,37 @@ def _checkpoint(value: Any, default_root: str) -> CheckpointConfig:
                                   components, "letters, digits, '_', '-', '.'")
         components = names or None
     timestamp_subdir = value.get("timestamp_subdir", True)
-    _expect(f"{key}.timestamp_subdir", timestamp_subdir, bool, "true or false")
+    expect(f"{key}.timestamp_subdir", timestamp_subdir, bool, "true or false")
     run_name = value.get("run_name")
     if run_name in ("", None):
         run_name = None
     else:
-        run_name = _string(f"{key}.run_name", run_name)
+        run_name = string(f"{key}.run_name", run_name)
         if not RUN_RE.match(run_name):
             raise ConfigError(f"{key}.run_name", "is not a run folder name", run_name,
                               "YYYYmmdd-HHMMSS or YYYYmmdd-HHMMSS-<n> (roll_ckpt.new_run_name() makes one)")
         if not timestamp_subdir:
             raise ConfigError(f"{key}.run_name", "names a run folder, but timestamp_subdir is false",
                               run_name, "timestamp_subdir: true, or no run_name")
-    output_dir = _location(f"{key}.output_dir", value.get("output_dir", default_root))
+    output_dir = location(f"{key}.output_dir", value.get("output_dir", default_root))
     backup = _backup(value.get("backup"))
     if backup is not None and _same_location(backup.output_dir, output_dir):
         raise ConfigError(f"{key}.backup.output_dir", "is the same location as checkpoint_config.output_dir",
                           backup.output_dir, "a second location (another disk, a bucket...)")
+    keep_local, backup = keep_local_file(value, backup)
     return CheckpointConfig(
-        type=_string(f"{key}.type", value.get("type", "file_system")),
+        type=string(f"{key}.type", value.get("type", "file_system")),
         output_dir=output_dir,
         timestamp_subdir=timestamp_subdir,
-        max_ckpt_to_keep=_count(f"{key}.max_ckpt_to_keep", value.get("max_ckpt_to_keep", 0)),
-        storage_options=_options(f"{key}.storage_options", value.get("storage_options")),
+        max_ckpt_to_keep=max_ckpt_to_keep(raw, value),
+        storage_options=options_map(f"{key}.storage_options", value.get("storage_options")),
         backup=backup,
         components=components,
         run_name=run_name,
         preemption=parse_preemption(value.get("preemption")),
         on_save_error=_choice(f"{key}.on_save_error", value.get("on_save_error", "raise"), ("raise", "warn")),
+        async_upload=expect(f"{key}.async_upload", value.get("async_upload", False), bool, "true or false"),
+        keep_local_file=keep_local,
     )
 
 
@@ -342,18 +343,13 @@ def _strategy(value: Any, owned: Mapping[str, Any]) -> StrategyConfig:
     key = "strategy_config"
     if value is None:
         value = {}
-    _expect(key, value, Mapping, "a mapping")
+    expect(key, value, Mapping, "a mapping")
     asv = value.get("async_save_ckpt", False)
-    _expect(f"{key}.async_save_ckpt", asv, bool, "true or false")
+    expect(f"{key}.async_save_ckpt", asv, bool, "true or false")
     name = value.get("strategy_name")
     if name is not None:
-        name = _string(f"{key}.strategy_name", name)
-    budget = value.get("max_staging_bytes", 0)
-    try:
-        budget = parse_bytes(budget)
-    except ValueError:
-        raise ConfigError(f"{key}.max_staging_bytes", "is not a size", budget,
-                          "a number of bytes >= 0, or a size such as 512MB or 2GiB (0: no bound)") from None
+        name = string(f"{key}.strategy_name", name)
+    budget = staging_budget(f"{key}.max_staging_bytes", value.get("max_staging_bytes", 0))
     ours = ("async_save_ckpt", "strategy_name", "max_staging_bytes")
     extra = {k: v for k, v in value.items() if k not in ours and k not in owned}
     return StrategyConfig(async_save_ckpt=asv, strategy_name=name, max_staging_bytes=budget, extra=extra)
@@ -372,10 +368,10 @@ def _plugin_options(raw: Mapping[str, Any], keys: Mapping[str, Any]) -> tuple[di
         if where not in ("", "strategy_config"):
             raise ConfigError(record.key, f"plugin {record.distribution} declares a key roll-ckpt cannot place "
                               "(a top-level key or one inside strategy_config)")
-        section = strategy if where else raw
+        place = strategy if where else raw
         (in_strategy if where else top).add(name)
-        if name in section:
-            options[name] = record.validate(record.key, section[name])
+        if name in place:
+            options[name] = record.validate(record.key, place[name])
         else:
             options.setdefault(name, record.default)
     return options, top, in_strategy
@@ -402,22 +398,22 @@ def _resume(value: Any) -> bool | str:
 def _build(raw: dict[str, Any], plugin_keys: Mapping[str, Any]) -> Config:
     options, top, in_strategy = _plugin_options(raw, plugin_keys)
     known = {"exp_name", "seed", "output_dir", "checkpoint_config", "resume_from_checkpoint",
-             "max_steps", "save_steps", "strategy_config"} | top
+             "max_steps", "save_steps", "max_ckpt_to_keep", "strategy_config"} | top
     exp_name = raw.get("exp_name", "roll-ckpt")
     if not isinstance(exp_name, (str, int)) or isinstance(exp_name, bool):
         raise ConfigError("exp_name", "has the wrong type", exp_name, "a string")
-    output_dir = _location("output_dir", raw.get("output_dir", "./output"))
+    output_dir = location("output_dir", raw.get("output_dir", "./output"))
     seed = raw.get("seed", 42)
-    _expect("seed", seed, int, "an integer")
+    expect("seed", seed, int, "an integer")
     default_root = f"{output_dir.rstrip('/')}/checkpoints/{exp_name}"
     return Config(
-        checkpoint_config=_checkpoint(raw.get("checkpoint_config"), default_root),
+        checkpoint_config=_checkpoint(raw.get("checkpoint_config"), default_root, raw),
         exp_name=str(exp_name),
         seed=seed,
         output_dir=output_dir,
         resume_from_checkpoint=_resume(raw.get("resume_from_checkpoint", False)),
-        max_steps=_count("max_steps", raw.get("max_steps", 0)),
-        save_steps=_count("save_steps", raw.get("save_steps", 0)),
+        max_steps=count("max_steps", raw.get("max_steps", 0)),
+        save_steps=count("save_steps", raw.get("save_steps", 0)),
         strategy_config=_strategy(raw.get("strategy_config"), in_strategy),
         options=options,
         extra={k: v for k, v in raw.items() if k not in known},

@@ -57,6 +57,8 @@ class CheckpointManager:
         cc = config.checkpoint_config
         component = check_component(component, cc)
         plugins = plugins or get_plugins()
+        if component is not None:  # the worker section's strategy_config (ROLL's actor_train...) first
+            config = config.for_component(component, plugins=plugins)
         storage = open_storage(plugins, cc.type, cc.output_dir, cc.storage_options)
         self.config = config
         self.component = component
@@ -174,7 +176,8 @@ class CheckpointManager:
              metadata: Mapping[str, Any] | None = None) -> str | None:
         """Save ``state`` as ``checkpoint-<step>``; returns the path it is committed at.
 
-        With ``strategy_config.async_save_ckpt`` this returns once the state is staged
+        With ``strategy_config.async_save_ckpt`` (or ``checkpoint_config.async_upload``;
+        :attr:`Config.async_save`) this returns once the state is staged
         and the write goes on in the background; ``final=True`` always returns after
         the checkpoint is committed. ``metadata`` (JSON values) goes to
         ``trainer_state.json`` under ``user``. Saving a step this manager has already

@@ -104,6 +104,7 @@ def apply_retention(storage: Storage, output_dir: str, keep: int, protect: set[s
     for ref in plan_retention(refs, keep, protect):
         remove_checkpoint(storage, ref.path)
         removed.append(ref.path)
+    refs = [r for r in refs if r.path not in removed]  # pending steps are judged by what is left
     for ref in _abandoned_steps(storage, refs, protect):
         remove_checkpoint(storage, ref.path)
         removed.append(ref.path)

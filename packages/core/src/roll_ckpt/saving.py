@@ -131,7 +131,7 @@ class SavePipeline:
         except TypeError as exc:
             raise RollCkptError(f"save(metadata=...) must hold JSON values: {exc}") from None
         sc = job.config.strategy_config
-        ctx = SaveContext(step=step, path=final_path, is_async=sc.async_save_ckpt and not final, rank=strategy.rank,
+        ctx = SaveContext(step=step, path=final_path, is_async=job.config.async_save and not final, rank=strategy.rank,
                           world_size=strategy.world_size, strategy=strategy, reuse=self._reuse,
                           budget=sc.max_staging_bytes)
         job.plugins.hook.roll_ckpt_save(save=ctx)

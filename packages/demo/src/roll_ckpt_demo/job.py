@@ -151,7 +151,7 @@ def train(args: Any) -> int:
             f"({p['arms']} arms, {len(data)} contexts, verifiable 0/1 reward)",
             f"  config       {args.config or '(built-in; same as examples/rlvr_demo.yaml)'}: exp_name {cfg.exp_name}, "
             f"max_steps {cfg.max_steps}, save_steps {cfg.save_steps}, "
-            f"async_save_ckpt {str(cfg.strategy_config.async_save_ckpt).lower()}",
+            f"async_save_ckpt {str(cfg.async_save).lower()}",
             f"  checkpoints  {cc.output_dir}  (type {cc.type})")
         t_resume = time.perf_counter()
         start = manager.resume(state)
@@ -234,7 +234,7 @@ def train(args: Any) -> int:
             path = manager.maybe_save(step, state)
             if path is not None:
                 pending[step] = time.perf_counter() - t0
-                mode = "writing in the background" if cfg.strategy_config.async_save_ckpt else "committed"
+                mode = "writing in the background" if cfg.async_save else "committed"
                 say(f"save {step:4d}  -> {path}  (the loop was blocked {_ms(pending[step])}; {mode})")
             report_commits()
             if args.stop_after is not None and step == args.stop_after:
