@@ -20,12 +20,14 @@ from .hookspecs import hookimpl, hookspec
 from .layout import new_run_name
 
 if TYPE_CHECKING:
+    from .hf_export import export_hf
     from .manager import CheckpointManager, SaveStats
 
 __all__ = [
     "__version__",
     "CheckpointManager",
     "SaveStats",
+    "export_hf",
     "DriverState",
     "new_run_name",
     "load_config",
@@ -61,9 +63,13 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    # The manager pulls in torch; keep `import roll_ckpt` light for entry points and the CLI.
+    # The manager and the export pull in torch; keep `import roll_ckpt` light for entry points and the CLI.
     if name in ("CheckpointManager", "SaveStats"):
         from . import manager
 
         return getattr(manager, name)
+    if name == "export_hf":
+        from . import hf_export
+
+        return hf_export.export_hf
     raise AttributeError(f"module 'roll_ckpt' has no attribute {name!r}")
