@@ -22,7 +22,8 @@ from .errors import ConfigError
 from .interpolation import interpolate, key_path
 from .layout import RUN_RE
 
-__all__ = ["Config", "CheckpointConfig", "BackupConfig", "StrategyConfig", "load_config", "read_yaml"]
+__all__ = ["Config", "CheckpointConfig", "BackupConfig", "InitialLoadConfig", "StrategyConfig", "load_config",
+           "read_yaml"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,18 @@ class BackupConfig:
     replica (nothing of it is committed) and made again by the next run's first save."""
     retries: int = 3
     """Further attempts after a failed copy, with exponential backoff (1 s, 2 s, 4 s...)."""
+
+
+@dataclass(frozen=True)
+class InitialLoadConfig:
+    """Weights a fresh start loads into the state, when no checkpoint is resumed."""
+
+    path: str = ""
+    """A local Hugging Face folder: ``model.safetensors``, or shards and ``model.safetensors.index.json``."""
+    format: str = "hf"
+    """The folder's format; ``hf`` is the only one."""
+    key: str = "model"
+    """The state key of the module the weights go into."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +88,10 @@ class CheckpointConfig:
     makes); by default each manager claims a new one. Components of one job must share it:
     the driver picks it once per launch and passes it to every worker (e.g. through
     ``${env:ROLL_CKPT_RUN_NAME}``)."""
+    initial_load: InitialLoadConfig | None = None
+    """``{path: DIR, format: hf}``: loaded into ``state['model']`` (``key:`` another) by
+    ``resume`` when there is no checkpoint to resume from; ``resume`` then returns 0.
+    Checked as a resume is: missing and unexpected names, shapes; dtypes are converted."""
 
 
 @dataclass(frozen=True)
@@ -252,6 +269,26 @@ def _backup(value: Any) -> BackupConfig | None:
     )
 
 
+def _initial_load(value: Any) -> InitialLoadConfig | None:
+    if value is None:
+        return None
+    key = "checkpoint_config.initial_load"
+    _expect(key, value, Mapping, "a mapping with path, format (hf) and optionally key")
+    _reject_unknown(key, value, _field_names(InitialLoadConfig))
+    if "path" not in value:
+        raise ConfigError(f"{key}.path", "is required: the Hugging Face folder to load")
+    path = _location(f"{key}.path", value["path"])
+    if "://" in path and not path.startswith("file://"):
+        raise ConfigError(f"{key}.path", "must be a local folder (safetensors files are memory-mapped)", path,
+                          "a local path; copy the folder from the store first")
+    if "format" not in value:
+        raise ConfigError(f"{key}.format", "is required", None, "hf")
+    if value["format"] != "hf":
+        raise ConfigError(f"{key}.format", "is not a format roll-ckpt loads", value["format"], "hf")
+    return InitialLoadConfig(path=path.removeprefix("file://"), format="hf",
+                             key=_string(f"{key}.key", value.get("key", "model")))
+
+
 def _seconds(key: str, value: Any) -> float:
     _expect(key, value, (int, float), "a number of seconds >= 0")
     if not math.isfinite(value) or value < 0:
@@ -315,6 +352,7 @@ def _checkpoint(value: Any, default_root: str) -> CheckpointConfig:
         backup=backup,
         components=components,
         run_name=run_name,
+        initial_load=_initial_load(value.get("initial_load")),
     )
 
 
