@@ -151,7 +151,7 @@ def _fsync(path: str) -> None:
 
 
 def _copy_configs(files: list[str], tmp: str, dtype: Any) -> list[str]:
-    """Copy ``files`` into ``tmp``; ``config.json`` says the dtype actually written."""
+    """Copy ``files`` into ``tmp``; with ``dtype`` (``--dtype``), ``config.json`` says it."""
     copied = []
     for src in files:
         name = os.path.basename(src)
@@ -280,7 +280,7 @@ def export_hf(path: str, out: str | os.PathLike[str], *, component: str | None =
         floating = {md.state_dict_metadata[k].properties.dtype for k in names.values()}
         floating = {d for d in floating if d.is_floating_point}
         written = out_dtype or (floating.pop() if len(floating) == 1 else None)
-        copied = _copy_configs(configs, tmp, written)
+        copied = _copy_configs(configs, tmp, out_dtype)  # a config says what --dtype wrote
         _put_in_place(tmp, out)
     except OSError as exc:
         if disk_full(exc):
