@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
-from .config import BackupConfig, CheckpointConfig, Config, StrategyConfig, load_config
+from .config import BackupConfig, CheckpointConfig, Config, InitialLoadConfig, StrategyConfig, load_config
 from .errors import (BackupError, CheckpointCorruptError, CheckpointNotFoundError, ConfigError, PluginError,
                      RollCkptError, SaveError, StorageError, StorageFullError, UnknownPluginError,
                      UnsafeCheckpointError)
@@ -34,6 +34,7 @@ __all__ = [
     "Config",
     "CheckpointConfig",
     "BackupConfig",
+    "InitialLoadConfig",
     "StrategyConfig",
     "hookimpl",
     "hookspec",

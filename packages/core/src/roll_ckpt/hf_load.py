@@ -14,7 +14,9 @@ module ``state[key]``, plain or FSDP2, on any number of processes:
    slice at a time is allocated; no collective is needed.
 
 Tied weights (``lm_head.weight`` and the input embeddings) are one tensor under several
-names: a folder holding any of the names loads it (``save_pretrained`` writes one).
+names: a folder holding any of the names loads it (``save_pretrained`` writes one; ``roll-ckpt
+export`` writes all, equal). A folder holding several that differ was saved from an untied
+model and is refused.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any, Callable, Mapping
 from .errors import CheckpointCorruptError, CheckpointNotFoundError, RollCkptError
 from .hf_export import INDEX_NAME, SINGLE_NAME
 
-__all__ = ["HFFolder", "HFLoadReport", "read_hf_folder", "load_hf", "load_initial"]
+__all__ = ["HFFolder", "HFLoadReport", "read_hf_folder", "check_against", "check_tied", "load_hf", "load_initial"]
 
 log = logging.getLogger("roll_ckpt")
 
@@ -151,8 +153,10 @@ def check_against(folder: HFFolder, targets: Mapping[str, Any], groups: list[lis
     missing = [g[0] for g in groups if not any(n in folder.files for n in g)]
     unexpected = sorted(n for n in folder.files if n not in targets)
     if missing or unexpected:
-        parts = ([f"missing {len(missing)} key(s): {_listed(missing)}"] if missing else []) + \
-                ([f"unexpected {len(unexpected)} key(s): {_listed(unexpected)}"] if unexpected else [])
+        parts = ([f"missing {len(missing)} key(s) (the module's, not in the folder): {_listed(missing)}"]
+                 if missing else []) + \
+                ([f"unexpected {len(unexpected)} key(s) (the folder's, not in the module): {_listed(unexpected)}"]
+                 if unexpected else [])
         raise RollCkptError(f"{where}: {'; '.join(parts)}; load the folder saved from this model's architecture")
     wrong = [f"'{n}' is {list(folder.shapes[n])} in {folder.files[n]}, the module's is {list(targets[n].shape)}"
              for n in folder.files if tuple(targets[n].shape) != folder.shapes[n]]
@@ -160,6 +164,47 @@ def check_against(folder: HFFolder, targets: Mapping[str, Any], groups: list[lis
         more = f" (+{len(wrong) - 3} more)" if len(wrong) > 3 else ""
         raise RollCkptError(f"{where}: shape mismatch: {'; '.join(wrong[:3])}{more}; load the folder saved from "
                             "a model of this configuration")
+
+
+def check_tied(folder: HFFolder, groups: list[list[str]], key: str, chunk_bytes: int = 64 << 20) -> None:
+    """Raise when the folder holds several names of one tied tensor with different values
+    (a folder saved from an untied model): loading it would keep one and drop the other.
+    Compared a block of rows at a time."""
+    from safetensors import safe_open
+
+    for names in groups:
+        present = [n for n in names if n in folder.files]
+        if len(present) < 2:
+            continue
+        first = present[0]
+        shape = folder.shapes[first]
+        rows = max(1, chunk_bytes // max(1, 4 * _numel(shape[1:]))) if shape else 1
+        with safe_open(os.path.join(folder.path, folder.files[first]), framework="pt") as a:
+            for other in present[1:]:
+                with safe_open(os.path.join(folder.path, folder.files[other]), framework="pt") as b:
+                    same = folder.shapes[other] == shape and all(
+                        _equal(a.get_slice(first), b.get_slice(other), start, rows, shape)
+                        for start in range(0, max(1, shape[0] if shape else 1), rows))
+                if not same:
+                    raise RollCkptError(
+                        f"initial_load: '{first}' and '{other}' are one tensor in state['{key}'] (tied weights) "
+                        f"but differ in {folder.path}: it was saved from an untied model; load it into a model "
+                        "configured without tie_word_embeddings")
+
+
+def _numel(shape: Any) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _equal(a: Any, b: Any, start: int, rows: int, shape: tuple[int, ...]) -> bool:
+    import torch
+
+    if not shape:
+        return torch.equal(a[...], b[...])
+    return torch.equal(a[start:start + rows], b[start:start + rows])
 
 
 def load_hf(module: Any, folder: HFFolder, key: str = "model",
@@ -228,6 +273,7 @@ def load_initial(state: Mapping[str, Any], initial: Any, strategy: Any,
     def check() -> HFFolder:
         folder = read_hf_folder(initial.path)
         check_against(folder, targets, groups, key)
+        check_tied(folder, groups, key)
         return folder
 
     folder = decide(strategy, check, where=f"cannot read the initial weights at {initial.path}")
