@@ -18,9 +18,9 @@ NPROC = int(os.environ.get("ROLL_CKPT_TEST_NPROC", "2"))
 ON_GPU = os.environ.get("ROLL_CKPT_TEST_DEVICE", "cpu") == "cuda"
 
 
-def torchrun(nproc: int, *args: str, timeout: int = 180, check: bool = True) -> None:
+def torchrun(nproc: int, *args: str, timeout: int = 180, check: bool = True, workers: Path = WORKERS) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(WORKERS), *args]
+           str(workers), *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", ROLL_CKPT_QUIET="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if check:
