@@ -175,11 +175,11 @@ def _copy_configs(files: list[str], tmp: str, dtype: Any) -> list[str]:
     return copied
 
 
-def _write_shard(tensors: dict[str, Any], dst: str, metadata: dict[str, str]) -> None:
+def _write_shard(tensors: dict[str, Any], dst: str) -> None:
     from safetensors.torch import save_file
 
     try:
-        save_file(tensors, dst, metadata=metadata)
+        save_file(tensors, dst, metadata={"format": "pt"})  # the metadata transformers checks for
     except OSError:
         raise
     except Exception as exc:  # safetensors' own error, which also carries the I/O errors of its writer
@@ -189,8 +189,21 @@ def _write_shard(tensors: dict[str, Any], dst: str, metadata: dict[str, str]) ->
     _fsync(dst)
 
 
+def _write_index(plan: Any, dst: str) -> None:
+    index = {"metadata": {"total_size": plan.metadata["total_size"]},
+             "weight_map": dict(sorted(plan.tensor_to_filename.items()))}
+    with open(dst, "w", encoding="utf-8") as f:
+        json.dump(index, f, indent=2)
+        f.write("\n")
+    _fsync(dst)
+
+
 def _put_in_place(tmp: str, out: str) -> None:
-    """Rename the finished folder ``tmp`` to ``out`` (replacing an old one), durably."""
+    """Rename the finished folder ``tmp`` to ``out`` (replacing an old one), durably.
+
+    With an old folder, there is a moment between the two renames when ``out`` is
+    missing; a crash then leaves the old folder as ``<out>.old-*`` and the new one as
+    ``<out>.tmp-*``, neither under the name ``out``."""
     parent = os.path.dirname(os.path.abspath(out))
     _fsync(tmp)
     old = None
@@ -255,9 +268,11 @@ def export_hf(path: str, out: str | os.PathLike[str], *, component: str | None =
     import torch
 
     out_dtype = getattr(torch, dtype) if dtype else None
-    tmp = f"{out}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    metadata = {"format": "pt"}  # what transformers checks for in each shard
+    saved = {md.state_dict_metadata[k].properties.dtype for k in names.values()}
+    saved = {d for d in saved if d.is_floating_point}
+    written = out_dtype or (saved.pop() if len(saved) == 1 else None)  # for the report
     read_total = sum(info.length for idx, info in md.storage_data.items() if idx.fqn in set(names.values()))
+    tmp = f"{out}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         os.makedirs(tmp)
         with Progress("export", read_total, enabled=not quiet) as progress:
@@ -268,28 +283,20 @@ def export_hf(path: str, out: str | os.PathLike[str], *, component: str | None =
                 for n in shard:
                     t = full.pop(names[n])
                     tensors[n] = t.to(out_dtype) if out_dtype is not None and t.is_floating_point() else t
-                _write_shard(tensors, os.path.join(tmp, filename), metadata)
-                del tensors, full
+                _write_shard(tensors, os.path.join(tmp, filename))
+                del tensors, full  # one shard in memory at a time
         if plan.is_sharded:
-            index = {"metadata": {"total_size": plan.metadata["total_size"]},
-                     "weight_map": dict(sorted(plan.tensor_to_filename.items()))}
-            with open(os.path.join(tmp, INDEX_NAME), "w", encoding="utf-8") as f:
-                json.dump(index, f, indent=2)
-                f.write("\n")
-            _fsync(os.path.join(tmp, INDEX_NAME))
-        floating = {md.state_dict_metadata[k].properties.dtype for k in names.values()}
-        floating = {d for d in floating if d.is_floating_point}
-        written = out_dtype or (floating.pop() if len(floating) == 1 else None)
-        copied = _copy_configs(configs, tmp, out_dtype)  # a config says what --dtype wrote
+            _write_index(plan, os.path.join(tmp, INDEX_NAME))
+        copied = _copy_configs(configs, tmp, out_dtype)  # config.json says what --dtype wrote
         _put_in_place(tmp, out)
     except OSError as exc:
         if disk_full(exc):
             raise StorageFullError(f"no space left on the device of {out} while exporting "
                                    f"{human_bytes(plan.metadata['total_size'])}; nothing was left there: free "
                                    "space or choose another --out") from None
-        raise StorageError(f"cannot write {out}: {exc.strerror or exc}; nothing was left there") from None
+        raise StorageError(f"cannot export to {out}: {exc.strerror or exc}; nothing was left there") from None
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already when the export succeeded
     return HFExportReport(checkpoint=target, out=out, step=manifest.step, key=key, tensors=len(names),
                           bytes=plan.metadata["total_size"], shards=list(plan.filename_to_tensors),
                           component=manifest.component, dtype=str(written or "").removeprefix("torch."),
