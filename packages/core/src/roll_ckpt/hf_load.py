@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -169,42 +170,28 @@ def check_against(folder: HFFolder, targets: Mapping[str, Any], groups: list[lis
 def check_tied(folder: HFFolder, groups: list[list[str]], key: str, chunk_bytes: int = 64 << 20) -> None:
     """Raise when the folder holds several names of one tied tensor with different values
     (a folder saved from an untied model): loading it would keep one and drop the other.
-    Compared a block of rows at a time."""
+    Compared a block of rows at a time, so an embedding never needs two full copies."""
+    import torch
     from safetensors import safe_open
 
     for names in groups:
         present = [n for n in names if n in folder.files]
-        if len(present) < 2:
-            continue
-        first = present[0]
-        shape = folder.shapes[first]
-        rows = max(1, chunk_bytes // max(1, 4 * _numel(shape[1:]))) if shape else 1
-        with safe_open(os.path.join(folder.path, folder.files[first]), framework="pt") as a:
-            for other in present[1:]:
-                with safe_open(os.path.join(folder.path, folder.files[other]), framework="pt") as b:
-                    same = folder.shapes[other] == shape and all(
-                        _equal(a.get_slice(first), b.get_slice(other), start, rows, shape)
-                        for start in range(0, max(1, shape[0] if shape else 1), rows))
-                if not same:
-                    raise RollCkptError(
-                        f"initial_load: '{first}' and '{other}' are one tensor in state['{key}'] (tied weights) "
-                        f"but differ in {folder.path}: it was saved from an untied model; load it into a model "
-                        "configured without tie_word_embeddings")
-
-
-def _numel(shape: Any) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _equal(a: Any, b: Any, start: int, rows: int, shape: tuple[int, ...]) -> bool:
-    import torch
-
-    if not shape:
-        return torch.equal(a[...], b[...])
-    return torch.equal(a[start:start + rows], b[start:start + rows])
+        for other in present[1:]:
+            first = present[0]
+            shape = folder.shapes[first]
+            with safe_open(os.path.join(folder.path, folder.files[first]), framework="pt") as a, \
+                    safe_open(os.path.join(folder.path, folder.files[other]), framework="pt") as b:
+                if not shape:  # one value
+                    same = torch.equal(a.get_tensor(first), b.get_tensor(other))
+                else:
+                    rows = max(1, chunk_bytes // max(1, 4 * math.prod(shape[1:])))
+                    same = all(torch.equal(a.get_slice(first)[i:i + rows], b.get_slice(other)[i:i + rows])
+                               for i in range(0, shape[0], rows))
+            if not same:
+                raise RollCkptError(
+                    f"initial_load: '{first}' and '{other}' are one tensor in state['{key}'] (tied weights) "
+                    f"but differ in {folder.path}: it was saved from an untied model; load it into a model "
+                    "configured without tie_word_embeddings")
 
 
 def load_hf(module: Any, folder: HFFolder, key: str = "model",
