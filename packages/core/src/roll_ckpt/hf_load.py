@@ -251,7 +251,8 @@ def load_initial(state: Mapping[str, Any], initial: Any, strategy: Any,
         held = ", ".join(repr(k) for k in state) or "nothing"
         what = "has no such key" if key not in state else f"holds a {type(module).__name__}, not a torch.nn.Module"
         raise RollCkptError(f"checkpoint_config.initial_load.key '{key}': the state {what} (it holds {held}); "
-                            "set initial_load.key to the module's state key")
+                            "set initial_load.key to the module's state key, or leave initial_load out of the "
+                            "config of processes whose state holds no such module (a driver component)")
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     targets = get_model_state_dict(module)  # on every process: no rank calls into torch.distributed alone
