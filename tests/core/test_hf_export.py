@@ -182,6 +182,12 @@ def test_hf_config_without_config_json_is_refused(capsys, tmp_path: Path, traine
     assert_one_line_error(rc, err, 1, "no config.json")
 
 
+def test_out_must_be_a_local_folder(capsys, trained) -> None:
+    _, ckpt = trained
+    rc, _, err = run_cli(capsys, "export", str(ckpt), "--format", "hf", "--out", "s3://bucket/model")
+    assert_one_line_error(rc, err, 1, "--out s3://bucket/model", "writes a local folder")
+
+
 def test_a_damaged_checkpoint_is_refused_before_anything_is_written(capsys, tmp_path: Path, trained) -> None:
     _, ckpt = trained
     data = next((ckpt / "dcp").glob("*.distcp"))

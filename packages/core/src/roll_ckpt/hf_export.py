@@ -114,9 +114,6 @@ def plan_shards(sizes: Mapping[str, tuple[tuple[int, ...], Any]], max_shard_size
 
 
 def _check_out(out: str, overwrite: bool) -> None:
-    if "://" in out:
-        raise RollCkptError(f"--out {out}: the Hugging Face export writes a local folder; copy it to the store "
-                            "afterwards")
     if not os.path.lexists(out):
         return
     if not overwrite:
@@ -235,7 +232,11 @@ def export_hf(path: str, out: str | os.PathLike[str], *, component: str | None =
     """
     from .progress import Progress
 
-    out = os.path.normpath(os.fspath(out))
+    out = os.fspath(out)
+    if "://" in out:
+        raise RollCkptError(f"--out {out}: the Hugging Face export writes a local folder; copy it to the store "
+                            "afterwards")
+    out = os.path.normpath(out)  # "DIR/" and "DIR" name one folder, whose sibling is the temporary one
     if dtype is not None and dtype not in DTYPES:
         raise RollCkptError(f"--dtype {dtype}: not a dtype the export writes; choose one of {', '.join(DTYPES)}")
     try:
