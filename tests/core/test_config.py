@@ -237,3 +237,26 @@ def test_config_is_frozen() -> None:
     cfg = load_config({})
     with pytest.raises(Exception):
         cfg.save_steps = 3  # type: ignore[misc]
+
+
+def test_initial_load_parses_with_its_defaults() -> None:
+    from roll_ckpt import InitialLoadConfig
+
+    cc = load_config({"checkpoint_config": {"initial_load": {"path": "file:///models/base", "format": "hf"}}})
+    assert cc.checkpoint_config.initial_load == InitialLoadConfig(path="/models/base", format="hf", key="model")
+    assert load_config({}).checkpoint_config.initial_load is None
+
+
+@pytest.mark.parametrize("value,key,fragment", [
+    ({"format": "hf"}, "initial_load.path", "is required"),
+    ({"path": "/m"}, "initial_load.format", "is required; allowed: hf"),
+    ({"path": "/m", "format": "dcp"}, "initial_load.format", "(got 'dcp'); allowed: hf"),
+    ({"path": "s3://bucket/m", "format": "hf"}, "initial_load.path", "must be a local folder"),
+    ({"path": "/m", "format": "hf", "keys": "model"}, "initial_load.keys", "did you mean 'key'?"),
+    ({"path": "/m", "format": "hf", "key": ""}, "initial_load.key", "must not be empty"),
+    ("/m", "initial_load", "a mapping with path, format (hf)"),
+])
+def test_bad_initial_load_names_the_key(value, key, fragment) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config({"checkpoint_config": {"initial_load": value}})
+    assert f"'checkpoint_config.{key}'" in str(info.value) and fragment in str(info.value), str(info.value)

@@ -19,8 +19,8 @@ NPROC = int(os.environ.get("ROLL_CKPT_TEST_NPROC", "2"))
 ON_GPU = os.environ.get("ROLL_CKPT_TEST_DEVICE", "cpu") == "cuda"
 
 
-def torchrun(nproc: int, *args: str, timeout: int = 180, check: bool = True) -> None:
-    launch.torchrun(WORKERS, *args, nproc=nproc, timeout=timeout, check=check)
+def torchrun(nproc: int, *args: str, timeout: int = 180, check: bool = True, workers: Path = WORKERS) -> None:
+    launch.torchrun(workers, *args, nproc=nproc, timeout=timeout, check=check)
 
 
 def result(out: Path, name: str) -> dict:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
-from .config import BackupConfig, CheckpointConfig, Config, PreemptionConfig, StrategyConfig, load_config
+from .config import BackupConfig, CheckpointConfig, Config, InitialLoadConfig, PreemptionConfig, StrategyConfig, load_config
 from .errors import (BackupError, CheckpointCorruptError, CheckpointNotFoundError, ConfigError, PluginError,
                      RollCkptError, SaveError, StorageError, StorageFullError, UnknownPluginError,
                      UnsafeCheckpointError)
@@ -21,12 +21,14 @@ from .layout import new_run_name
 from .preemption import Preempted
 
 if TYPE_CHECKING:
+    from .hf_export import export_hf
     from .manager import CheckpointManager, SaveStats
 
 __all__ = [
     "__version__",
     "CheckpointManager",
     "SaveStats",
+    "export_hf",
     "DriverState",
     "Preempted",
     "new_run_name",
@@ -35,6 +37,7 @@ __all__ = [
     "CheckpointConfig",
     "BackupConfig",
     "PreemptionConfig",
+    "InitialLoadConfig",
     "StrategyConfig",
     "hookimpl",
     "hookspec",
@@ -64,9 +67,13 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    # The manager pulls in torch; keep `import roll_ckpt` light for entry points and the CLI.
+    # The manager and the export pull in torch; keep `import roll_ckpt` light for entry points and the CLI.
     if name in ("CheckpointManager", "SaveStats"):
         from . import manager
 
         return getattr(manager, name)
+    if name == "export_hf":
+        from . import hf_export
+
+        return hf_export.export_hf
     raise AttributeError(f"module 'roll_ckpt' has no attribute {name!r}")

@@ -23,12 +23,12 @@ from .config_values import (count, expect, field_names, location, options as opt
 from .errors import ConfigError
 from .interpolation import interpolate, key_path
 from .layout import RUN_RE
+from .initial_load import InitialLoadConfig, parse_initial_load
 from .preemption import PreemptionConfig, parse_preemption
 from .roll_keys import keep_local_file, log_keys_without_effect, max_ckpt_to_keep, worker_overrides
 
-
-__all__ = ["Config", "CheckpointConfig", "BackupConfig", "PreemptionConfig", "StrategyConfig", "load_config",
-           "read_yaml"]
+__all__ = ["Config", "CheckpointConfig", "BackupConfig", "InitialLoadConfig", "PreemptionConfig", "StrategyConfig",
+           "load_config",           "read_yaml"]
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,10 @@ class CheckpointConfig:
     checkpoint once replicated (``backup.keep_local: 1``), ``true`` keeps them all
     (``backup.keep_local: 0``). Without a backup there is no local copy apart from
     ``output_dir`` itself, and it has no effect (logged). ``None``: not set."""
+    initial_load: InitialLoadConfig | None = None
+    """``{path: DIR, format: hf}``: loaded into ``state['model']`` (``key:`` another) by
+    ``resume`` when there is no checkpoint to resume from; ``resume`` then returns 0.
+    Checked as a resume is: missing and unexpected names, shapes; dtypes are converted."""
 
 
 @dataclass(frozen=True)
@@ -330,6 +334,7 @@ def _checkpoint(value: Any, default_root: str, raw: Mapping[str, Any]) -> Checkp
         on_save_error=_choice(f"{key}.on_save_error", value.get("on_save_error", "raise"), ("raise", "warn")),
         async_upload=expect(f"{key}.async_upload", value.get("async_upload", False), bool, "true or false"),
         keep_local_file=keep_local,
+        initial_load=parse_initial_load(value.get("initial_load")),
     )
 
 

@@ -58,10 +58,10 @@ def options(key: str, value: Any) -> dict[str, Any]:
 
 def staging_budget(key: str, value: Any) -> int:
     """``max_staging_bytes``: bytes (``512MB``, ``2GiB`` or a number); 0 means no bound."""
-    from .units import parse_bytes
+    from .units import parse_size
 
     try:
-        return parse_bytes(value)
+        return parse_size(value, minimum=0)
     except ValueError:
         raise ConfigError(key, "is not a size", value,
                           "a number of bytes >= 0, or a size such as 512MB or 2GiB (0: no bound)") from None

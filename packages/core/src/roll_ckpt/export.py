@@ -28,7 +28,7 @@ from .manifest import Manifest
 from .contracts import Storage
 
 __all__ = ["ExportReport", "select_tensor_keys", "load_full_tensors", "export_safetensors", "require_tensors",
-]
+           "read_full_tensors"]
 
 
 @dataclass(frozen=True)
@@ -106,12 +106,7 @@ def load_full_tensors(storage: Storage, path: str, *, only: Sequence[str] | None
     Returns ``(tensors, manifest, skipped_non_tensor_keys)``. Runs without a process
     group, whatever world size wrote the checkpoint.
     """
-    import warnings
-
     from .dcp_read import SafeReader
-    from .errors import carried_roll_error
-    from .torch_compat import get_element, load_state_dict_no_dist
-    from .unpickle import SafeEmptyLoadPlanner
     from .verify import read_manifest, verify
 
     manifest = read_manifest(storage, path)
@@ -121,18 +116,31 @@ def load_full_tensors(storage: Storage, path: str, *, only: Sequence[str] | None
     reader = SafeReader(storage, storage.join(path, DCP_DIR), on_bytes, checkpoint=path)
     md = reader.read_metadata()
     keys, skipped = select_tensor_keys(md, only)
+    out = read_full_tensors(reader, md, keys, path) if keys else {}
+    return out, manifest, skipped
+
+
+def read_full_tensors(reader: Any, md: Any, keys: Sequence[str], path: str) -> dict[str, Any]:
+    """The tensors ``keys`` of the DCP folder ``reader`` reads, each a full CPU tensor
+    reassembled from the shards of every saving rank, by dotted DCP key (``md``: its
+    metadata). Only these keys are allocated and read; no process group is needed."""
+    import warnings
+
+    from .errors import carried_roll_error
+    from .torch_compat import get_element, load_state_dict_no_dist
+    from .unpickle import SafeEmptyLoadPlanner
+
     sd: dict[str, Any] = {}
-    if keys:
-        reader.reset(storage.join(path, DCP_DIR))
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            try:
-                load_state_dict_no_dist(sd, reader, SafeEmptyLoadPlanner(keys=set(keys)))
-            except BaseException as exc:  # DCP wraps errors in a CheckpointException
-                ours = carried_roll_error(exc)
-                if ours is None:
-                    raise
-                raise ours from None
+    reader.reset(reader.path)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        try:
+            load_state_dict_no_dist(sd, reader, SafeEmptyLoadPlanner(keys=set(keys)))
+        except BaseException as exc:  # DCP wraps errors in a CheckpointException
+            ours = carried_roll_error(exc)
+            if ours is None:
+                raise
+            raise ours from None
     planner_data = md.planner_data or {}
     out: dict[str, Any] = {}
     for key in keys:
@@ -140,7 +148,7 @@ def load_full_tensors(storage: Storage, path: str, *, only: Sequence[str] | None
         if value is None:
             raise RollCkptError(f"{path}: the tensor '{key}' listed in the DCP metadata was not loaded")
         out[key] = value.detach().contiguous()
-    return out, manifest, skipped
+    return out
 
 
 def export_safetensors(storage: Storage, path: str, out: str | os.PathLike[str], *,

@@ -6,6 +6,8 @@
         agreed_candidates        coordinator lists, every rank takes its choice
         resume_from              coordinator verifies the manifest and small files; the
                                  strategy loads, checking each data file as it reads it
+        _initial_load            nothing to resume: checkpoint_config.initial_load's
+                                 Hugging Face weights, if configured (hf_load.py)
 
 ``"latest"`` is the newest committed checkpoint under ``output_dir`` (run, then step)
 and, with ``checkpoint_config.backup``, at the backup location; when both hold it, the
@@ -42,6 +44,8 @@ class Resumer:
         self.job = job
         self.trainer_state: dict[str, Any] = {}
         self.resumed_from_backup = False
+        self.initial_load: Any = None
+        """What ``checkpoint_config.initial_load`` loaded (an ``HFLoadReport``), on a fresh start."""
 
     # ------------------------------------------------------------------ where from
 
@@ -148,6 +152,15 @@ class Resumer:
                 job.resumed_from = replica_url(storage, path)
                 log.info("roll-ckpt: resumed step %d from the backup %s", step, job.resumed_from)
             return step
+        return self._initial_load(state)
+
+    def _initial_load(self, state: MutableMapping[str, Any]) -> int:
+        """A fresh start: ``checkpoint_config.initial_load``'s weights, if any, into ``state``. Returns 0."""
+        initial = self.job.config.checkpoint_config.initial_load
+        if initial is not None:
+            from .hf_load import load_initial
+
+            self.initial_load = load_initial(state, initial, self.job.strategy, self.job.progress)
         return 0
 
     def _verify_part(self, storage: Storage, path: str, strategy: Strategy) -> tuple[str, Manifest]:

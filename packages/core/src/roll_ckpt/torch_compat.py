@@ -21,7 +21,7 @@ from .errors import RollCkptError
 __all__ = ["TorchCompatError", "local_tensor", "set_local_tensor", "rewrap_dtensor", "save_tensor_without_crc",
            "weights_only_load", "file_reader", "storage_info", "set_element", "get_element",
            "load_state_dict_no_dist", "module_tensor_ids", "empty_state_dict_load_planner", "planner_set_value", "storage_prefix",
-           "narrow_tensor_by_index", "CHECKED_ON"]
+           "narrow_tensor_by_index", "local_chunk", "CHECKED_ON"]
 
 CHECKED_ON = ("2.6", "2.9", "2.11", "2.13")
 """torch releases these accessors were checked against (the test suite runs on 2.13)."""
@@ -53,6 +53,21 @@ def set_local_tensor(t: Any, local: Any) -> None:
     if not hasattr(t, "_local_tensor"):
         raise _missing("DTensor._local_tensor", AttributeError("_local_tensor"))
     t._local_tensor = local
+
+
+def local_chunk(t: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Where this process's shard of the DTensor ``t`` lies in the global tensor: its
+    ``(offsets, sizes)``, for any placements (``Shard``, ``Replicate``, FSDP2's strided
+    shards). ``DTensor.__create_chunk_list__``, the call DCP's planner makes for every
+    DTensor it saves (since torch 2.2; checked on torch 2.13, with uneven and empty shards)."""
+    try:
+        chunks = t.__create_chunk_list__()
+    except AttributeError as exc:
+        raise _missing("DTensor.__create_chunk_list__", exc) from None
+    if len(chunks) != 1:
+        raise _missing("DTensor.__create_chunk_list__ (one chunk per process)",
+                       ValueError(f"{len(chunks)} chunks"))
+    return tuple(chunks[0].offsets), tuple(chunks[0].sizes)
 
 
 def rewrap_dtensor(like: Any, local: Any) -> Any:

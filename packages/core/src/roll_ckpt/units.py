@@ -1,8 +1,13 @@
-"""Quantities as people read them."""
+"""Quantities as people read and write them."""
 
 from __future__ import annotations
 
-__all__ = ["human_bytes", "parse_bytes"]
+import re
+
+__all__ = ["human_bytes", "parse_size"]
+
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*", re.IGNORECASE)
+_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
 
 
 def human_bytes(n: int | float | None) -> str:
@@ -17,24 +22,22 @@ def human_bytes(n: int | float | None) -> str:
     return f"{x:.1f} PiB"  # pragma: no cover
 
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000 ** 2, "mb": 1000 ** 2, "g": 1000 ** 3, "gb": 1000 ** 3,
-          "t": 1000 ** 4, "tb": 1000 ** 4, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+def parse_size(text: str | int, *, minimum: int = 1) -> int:
+    """``"5GB"`` -> 5_000_000_000, ``"500MiB"`` -> 524_288_000, ``"200KB"``, ``"1024"`` (bytes).
 
-
-def parse_bytes(text: str | int) -> int:
-    """``512MB`` -> 512000000, ``2GiB`` -> 2147483648, ``1024`` -> 1024; ``ValueError`` otherwise."""
-    if isinstance(text, bool):
-        raise ValueError(f"not a size: {text!r}")
-    if isinstance(text, int):
-        if text < 0:
-            raise ValueError(f"a size cannot be negative: {text}")
-        return text
-    raw = str(text).strip().lower().replace(" ", "").replace("_", "")
-    number = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = raw[len(number):]
-    if not number or unit not in _UNITS:
-        raise ValueError(f"not a size: {text!r} (e.g. 512MB, 2GiB, 1048576)")
-    value = float(number) * _UNITS[unit]
-    if value < 0:
-        raise ValueError(f"a size cannot be negative: {text!r}")
-    return int(value)
+    KB/MB/GB/TB (and K/M/G/T) are powers of 1000, as Hugging Face's ``max_shard_size``
+    reads them; KiB/MiB/GiB/TiB are powers of 1024. Raises ``ValueError`` with a message
+    saying what is accepted, or when the size is below ``minimum`` bytes.
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
+        value, unit = float(text), ""
+    else:
+        m = _SIZE_RE.fullmatch(str(text))
+        if m is None:
+            raise ValueError(f"{text!r} is not a size; write e.g. 5GB, 500MB, 200KB, 2GiB or a number of bytes")
+        value, unit = float(m.group(1)), (m.group(2) or "").lower()
+    base = 1024 if "i" in unit else 1000
+    n = int(value * base ** _POWERS[unit.rstrip("b")[:1]])
+    if n < minimum or value < 0:
+        raise ValueError(f"{text!r}: a size must be at least {minimum} byte(s)")
+    return n

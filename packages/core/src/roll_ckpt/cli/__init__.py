@@ -8,6 +8,7 @@
     roll-ckpt inspect PATH [--component C] manifest, trainer state, every DCP key
     roll-ckpt prune DIR --keep N           keep the newest N committed checkpoints
     roll-ckpt export PATH [--component C] --out F.safetensors
+    roll-ckpt export PATH [--component C] --format hf --out DIR   a Hugging Face folder of one module
     roll-ckpt copy SRC DST                 one checkpoint or a folder of them, between any two backends
     roll-ckpt COMMAND ...                  commands plugins add (``roll-ckpt demo``: roll-ckpt-demo)
 
@@ -18,7 +19,7 @@ Steps made of components (``checkpoint_config.components``, see
 :mod:`roll_ckpt.components`): ``ls`` shows each step's parts (and, for a step that is
 not committed, which are missing); ``verify`` and ``inspect`` take the step's folder
 (every part) or one part (``--component C``, or the part's folder itself); ``export``
-writes one part's tensors (``--component C``).
+writes one part's tensors (``--component C``), as one file or as a Hugging Face folder.
 
 A user error (a :class:`~roll_ckpt.errors.RollCkptError`, a missing path, a bad
 argument) prints one line ``roll-ckpt: error: ...`` on stderr and exits 2 for usage
