@@ -64,7 +64,9 @@ def stage_state_dict(sd: Mapping[str, Any], save: SaveContext, policies: Sequenc
             for i, v in enumerate(value):
                 items[i] = visit(v, f"{name}.{i}", items, i)
             return items
-        return _freeze(value)  # a tuple is one value to DCP (pickled whole, tensors inside too)
+        if isinstance(value, tuple):  # one value to DCP, pickled whole: its tensors too
+            return _copy_value(value, tensor_type, save.is_async)
+        return _freeze(value)
 
     staged = visit(sd, "", None, None)
     for i, policy in enumerate(policies):
@@ -85,6 +87,20 @@ def _releaser(policy: StagingPolicy, save: SaveContext) -> Callable[[], None]:
 
 
 def _freeze(value: Any) -> Any:
-    """Values DCP pickles whole when it writes them (a tuple, a set...): copied now, tensors
-    inside them too (a deep copy gives each its own exact-size storage)."""
-    return copy.deepcopy(value) if isinstance(value, (dict, list, tuple, set, bytearray)) else value
+    """Non-tensor leaves are pickled by DCP when written: copy mutable ones now."""
+    return copy.deepcopy(value) if isinstance(value, (set, bytearray)) else value
+
+
+def _copy_value(value: Any, tensor_type: Any, clone: bool) -> Any:
+    """A value DCP pickles whole (a tuple), its containers rebuilt and, for an asynchronous
+    save, its tensors cloned: each then has a storage of its own size, which is what
+    ``torch.save`` writes (a view into a larger buffer would drag the whole buffer along).
+    Other objects are kept as they are: copying them could run their code."""
+    if isinstance(value, tensor_type):
+        return value.detach().clone() if clone else value
+    if isinstance(value, Mapping):
+        return {k: _copy_value(v, tensor_type, clone) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        out = [_copy_value(v, tensor_type, clone) for v in value]
+        return out if isinstance(value, list) else tuple(out)
+    return _freeze(value)

@@ -10,7 +10,10 @@
     as ``local``, but for a tensor replicated across ranks (a ``Replicate`` placement on
     a mesh dimension of size > 1, e.g. HSDP) each rank keeps only its segment of the flat
     data, 1/R of it; the local shard is rebuilt with an all-gather over that dimension's
-    group when it is needed again (onload, or a checkpoint).
+    ranks when it is needed again (onload, or a checkpoint). The all-gathers run on gloo
+    groups of the store's own (the same ranks as the mesh dimension's group): a checkpoint
+    rebuilds in its writer thread, where a collective on the training's groups would
+    interleave with the training's own; only one rebuild runs at a time (``rebuild_lock``).
 
 Buffer lifetime: a checkpoint that writes from the store holds it (:meth:`hold`) until
 its write has finished. :meth:`offload` (which overwrites the buffers) and :meth:`free`
@@ -126,6 +129,10 @@ class OffloadStore:
         self._holds = 0
         self._cond = threading.Condition()
         self._told_kept = False
+        self._gather_groups: dict[tuple[int, int], Any] = {}
+        self.rebuild_lock = threading.Lock()
+        """Held while a thread rebuilds the deduplicated slots (all of them, in slot order):
+        the all-gathers of an onload and of a checkpoint's writer never interleave."""
 
     # ----------------------------------------------------------------- lifetime
 
@@ -192,7 +199,7 @@ class OffloadStore:
                 if dim is not None:
                     segments = t.device_mesh.size(dim)
                     segment = t.device_mesh.get_local_rank(dim)
-                    group = t.device_mesh.get_group(dim)
+                    group = self._gather_group(t.device_mesh, dim)
                     numel = -(-local.numel() // segments)
             off = sizes.get(local.dtype, 0)
             slots[name] = Slot(name, t, local.dtype, off, numel, local.shape, local.untyped_storage().nbytes(),
@@ -247,7 +254,7 @@ class OffloadStore:
         if not self.offloaded:
             return 0
         moved = 0
-        with torch.no_grad():
+        with torch.no_grad(), self.rebuild_lock:
             for slot in self.slots.values():
                 local = _restore(slot)
                 local.reshape(-1).copy_(self.rebuild(slot), non_blocking=True)
@@ -264,9 +271,26 @@ class OffloadStore:
         seg = self._slice(slot)
         if slot.segments == 1:
             return seg
-        parts = [torch.empty_like(seg) for _ in range(slot.segments)]
+        out = torch.empty(slot.segments * slot.numel, dtype=slot.dtype)
+        return self.rebuild_into(slot, out)
+
+    def rebuild_into(self, slot: Slot, out: torch.Tensor) -> torch.Tensor:
+        """All-gather a deduplicated slot's segments straight into ``out`` (flat, at least
+        ``segments * numel`` elements); its first ``local_numel`` elements are the shard."""
+        seg = self._slice(slot)
+        parts = list(out[: slot.segments * slot.numel].view(slot.segments, slot.numel).unbind(0))
         dist.all_gather(parts, seg.contiguous(), group=slot.group)
-        return torch.cat(parts)[: slot.local_numel]
+        return out[: slot.local_numel]
+
+    def _gather_group(self, mesh: Any, dim: int) -> Any:
+        """A gloo group of the ranks of ``mesh``'s dimension ``dim`` this rank is in (made once)."""
+        key = (id(mesh), dim)
+        group = self._gather_groups.get(key)
+        if group is None:
+            ranks = dist.get_process_group_ranks(mesh.get_group(dim))
+            group = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+            self._gather_groups[key] = group
+        return group
 
     def lookup(self, name: str) -> Slot | None:
         """The slot of an offloaded tensor, by its state-dict key."""

@@ -10,8 +10,9 @@ live tensors then hold no memory, the store holds the only copy):
   until the write has finished; ``offload_states`` waits for that before it overwrites
   the buffers.
 * :class:`LocalDedup` (``local_dedup``) — a slot the ``local_dedup`` store keeps one
-  segment of per rank: the local shard is rebuilt by an all-gather over the replicated
-  mesh dimension, into fresh memory the write then owns.
+  segment of per rank: ``save`` only reserves the staging buffers (reused across saves)
+  and holds the store; the local shard is rebuilt into them by an all-gather over the
+  replicated mesh dimension in the writer thread, before anything is written.
 
 This module imports no torch: the plugin's registration stays cheap.
 """
@@ -56,24 +57,48 @@ class ZeroCopy:
 class LocalDedup:
     name = "local_dedup"
     description = ("tensors the 'local_dedup' store keeps one segment of per rank: the local shard is "
-                   "rebuilt by an all-gather over the replicated mesh dimension, into memory of its own")
+                   "rebuilt by an all-gather in the writer thread, into staging buffers reused across saves")
 
     def claims(self, name: str, tensor: Any, save: SaveContext) -> bool:
         slot = _slot(name, save)
         return slot is not None and slot.segments > 1
 
     def stage(self, items: Sequence[tuple[str, Any]], save: SaveContext) -> list[Any]:
+        import torch
+
         from roll_ckpt.torch_compat import rewrap_dtensor
 
         store = save.strategy.store
-        out = []
+        buffers = save.reuse.setdefault(self.name, {})
+        out, jobs = [], []
         for name, _ in items:
             slot = store.lookup(name)
-            local = store.rebuild(slot).view(slot.local_shape)
-            out.append(rewrap_dtensor(slot.dtensor, local))
+            size = slot.segments * slot.numel
+            buf = buffers.get(name)
+            if buf is None or buf.numel() != size or buf.dtype != slot.dtype:
+                buf = buffers[name] = torch.empty(size, dtype=slot.dtype)
+            jobs.append((slot, buf))
+            out.append(rewrap_dtensor(slot.dtensor, buf[: slot.local_numel].view(slot.local_shape)))
             if save.is_async:
-                save.note_staged(name, self.name, local.numel() * local.element_size())
+                save.note_staged(name, self.name, slot.local_numel * buf.element_size())
+        store.hold()  # the segments stay as they are until they are gathered
+        pending = [True]
+
+        def rebuild() -> None:
+            try:
+                with store.rebuild_lock:
+                    for slot, buf in jobs:
+                        store.rebuild_into(slot, buf)
+            finally:
+                pending[0] = False
+                store.release()
+
+        save.before_write(rebuild)
+        save.reuse[f"{self.name}.pending"] = (pending, store)
         return out
 
     def release(self, save: SaveContext) -> None:
-        """The rebuilt shards are the write's own memory: nothing to give back."""
+        pending, store = save.reuse.pop(f"{self.name}.pending", ([False], None))
+        if pending[0]:  # the write ended before it rebuilt anything
+            pending[0] = False
+            store.release()
