@@ -232,7 +232,7 @@ class Strategy(Protocol):
 
     def write(self, sd: dict[str, Any], storage: Storage, path: str,
               on_bytes: Callable[[int], None] | None = None, *,
-              save: SaveContext | None = None) -> dict[str, tuple[int, str]]:
+              save: SaveContext | None = None) -> dict[str, tuple]:
         """Write the staged ``sd`` into ``path``; on the coordinator, every file of every
         process (relative to ``path``) as ``(size, checksum)``. ``save.gate``, when set,
         orders the tensors and says when each is ready."""

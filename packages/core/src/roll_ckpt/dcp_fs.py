@@ -16,7 +16,7 @@ from typing import Any, Callable, Generator
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 
 from .contracts import Storage
-from .digest import Hasher
+from .digest import FileHasher
 
 __all__ = ["StorageFileSystem"]
 
@@ -26,10 +26,10 @@ _WRITE_PIECE = 1 << 20
 class _HashingStream(io.RawIOBase):
     """Write-through stream that counts and hashes; ``tell`` is what DCP records as offsets."""
 
-    def __init__(self, inner: Any, on_close: Callable[[int, str], None],
+    def __init__(self, inner: Any, on_close: Callable[[tuple[int, str, tuple[str, ...]]], None],
                  on_bytes: Callable[[int], None] | None) -> None:
         self._inner = inner
-        self._hasher = Hasher()
+        self._hasher = FileHasher()
         self._on_close = on_close
         self._on_bytes = on_bytes
 
@@ -67,7 +67,7 @@ class _HashingStream(io.RawIOBase):
             self._inner.close()  # the backend makes it durable here
         finally:
             super().close()
-        self._on_close(self._hasher.size, self._hasher.hexdigest())
+        self._on_close(self._hasher.digest())
 
 
 class StorageFileSystem(FileSystemBase):
@@ -76,20 +76,21 @@ class StorageFileSystem(FileSystemBase):
     def __init__(self, storage: Storage, on_bytes: Callable[[int], None] | None = None) -> None:
         self.storage = storage
         self.on_bytes = on_bytes
-        self.digests: dict[str, tuple[int, str]] = {}
+        self.digests: dict[str, tuple[int, str, tuple[str, ...]]] = {}
+        """Per file written: ``(size, checksum, chunk checksums)``."""
         self.errors: list[BaseException] = []
         self._lock = threading.Lock()
 
-    def _record(self, path: str, size: int, digest: str) -> None:
+    def _record(self, path: str, digest: tuple[int, str, tuple[str, ...]]) -> None:
         with self._lock:
-            self.digests[path] = (size, digest)
+            self.digests[path] = digest
 
     @contextmanager
     def create_stream(self, path: Any, mode: str) -> Generator[io.IOBase, None, None]:
         path = str(path)
         if mode == "wb":
             stream = _HashingStream(self.storage.open_write(path),
-                                    lambda s, d: self._record(path, s, d), self.on_bytes)
+                                    lambda d: self._record(path, d), self.on_bytes)
             try:
                 yield stream  # type: ignore[misc]
             except BaseException as exc:

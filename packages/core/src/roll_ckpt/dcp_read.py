@@ -25,9 +25,11 @@ from .digest import Hasher, hash_bytes, hash_stream
 from .errors import CheckpointCorruptError, UnsafeCheckpointError
 from .torch_compat import narrow_tensor_by_index
 from .unpickle import METADATA_NAME, pickle_reason, safe_load_metadata
-from .verified_files import READ_CHUNK, CHECK_STREAMS, Verified, load_tensor, verify_budget
+from .verified_files import CHECK_STREAMS, READ_CHUNK, Verified, check_chunks, load_tensor, verify_budget
 
 __all__ = ["SafeReader"]
+
+_LOAD_THREADS = 4
 
 
 def _item_key(req: Any) -> Any:
@@ -100,6 +102,11 @@ class SafeReader(FileSystemReader):
                 fd = f.fileno()
             except (AttributeError, OSError, ValueError):
                 fd = -1
+            if fd >= 0 and entry.chunks:  # its pieces, several at once: one pass, more requests in flight
+                faults = check_chunks(fd, entry, self._on_bytes)
+                if faults:
+                    raise self._fault(name, faults[0][1])
+                return Verified(file=os.fdopen(os.dup(fd), "rb", buffering=0))
             if fd >= 0 or not keep:
                 if fd >= 0:
                     try:  # one sequential pass: let the kernel read further ahead
@@ -333,6 +340,7 @@ class SafeReader(FileSystemReader):
         per_file: dict[str, list[Any]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        direct = []
         for name, reqs in per_file.items():
             data = self._verified.get(name)
             if data is None and self._expected(name).size and self._keeps_files:
@@ -341,29 +349,49 @@ class SafeReader(FileSystemReader):
                 # checked but not kept (too large for memory): DCP reads it again
                 super().read_data(dataclasses.replace(plan, items=reqs), planner)
                 continue
-            # in file order: the pages are touched sequentially
-            for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
-                info = self.storage_data[req.storage_index]
-                if req.type == LoadItemType.BYTE_IO:
-                    planner.load_bytes(req, io.BytesIO(data.bytes(info.offset, info.length)))
-                    continue
-                target = self._targets.pop(_item_key(req), None)
-                if target is None:
-                    target = planner.resolve_tensor(req).detach()
-                whole = not any(req.storage_offsets) and tuple(req.lengths) == tuple(target.shape)
-                tensor = narrow_tensor_by_index(
-                    load_tensor(data, info.offset, info.length, target if whole else None),
-                    req.storage_offsets, req.lengths)
-                if target.size() != tensor.size():
-                    raise AssertionError(f"req {req.storage_index} mismatch sizes {target.size()} vs {tensor.size()}")
-                if tensor.data_ptr() != target.data_ptr() or tensor.dtype != target.dtype \
-                        or tensor.stride() != target.stride():
-                    target.copy_(tensor)  # else it was read straight into the target
-                del tensor
-                planner.commit_tensor(req, target)
+            direct.append((data, reqs))
+        tensors = []
+        for data, reqs in direct:  # read_data hands values and tensors over apart
+            if any(q.type == LoadItemType.BYTE_IO for q in reqs):
+                self._load_items(data, reqs, planner)
+            else:
+                tensors.append((data, reqs))
+        if len(tensors) > 1:  # one thread per file: the preads release the GIL
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(min(len(tensors), _LOAD_THREADS), thread_name_prefix="roll-ckpt-load") as pool:
+                for done in [pool.submit(self._load_items, data, reqs, planner) for data, reqs in tensors]:
+                    done.result()
+        elif tensors:
+            self._load_items(*tensors[0], planner)
         fut: Future = Future()
         fut.set_result(None)
         return fut
+
+    def _load_items(self, data: Verified, reqs: list[Any], planner: Any) -> None:
+        """Load ``reqs`` of one checked file into their targets, in file order (the pages are
+        touched sequentially)."""
+        from torch.distributed.checkpoint.planner import LoadItemType
+
+        for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
+            info = self.storage_data[req.storage_index]
+            if req.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(req, io.BytesIO(data.bytes(info.offset, info.length)))
+                continue
+            target = self._targets.pop(_item_key(req), None)
+            if target is None:
+                target = planner.resolve_tensor(req).detach()
+            whole = not any(req.storage_offsets) and tuple(req.lengths) == tuple(target.shape)
+            tensor = narrow_tensor_by_index(
+                load_tensor(data, info.offset, info.length, target if whole else None),
+                req.storage_offsets, req.lengths)
+            if target.size() != tensor.size():
+                raise AssertionError(f"req {req.storage_index} mismatch sizes {target.size()} vs {tensor.size()}")
+            if tensor.data_ptr() != target.data_ptr() or tensor.dtype != target.dtype \
+                    or tensor.stride() != target.stride():
+                target.copy_(tensor)  # else it was read straight into the target
+            del tensor
+            planner.commit_tensor(req, target)
 
     def reset(self, checkpoint_id: Any = None) -> None:
         if checkpoint_id is not None and str(checkpoint_id) != self.path:

@@ -101,11 +101,11 @@ class DigestingWriter(FileSystemWriter):
                          thread_count=thread_count, overwrite=True)
         self.fs = StorageFileSystem(storage, on_bytes)
         self.path = str(path)
-        self.file_digests: dict[str, tuple[int, str]] = {}
+        self.file_digests: dict[str, tuple] = {}
         self.gate = gate
         """Regular staging in waves (``roll_ckpt.regular_copy.WaveGate``), or ``None``."""
 
-    def _relative(self) -> dict[str, tuple[int, str]]:
+    def _relative(self) -> dict[str, tuple]:
         root = self.path.rstrip("/") + "/"
         return {k[len(root):] if k.startswith(root) else k: v for k, v in self.fs.digests.items()}
 
@@ -144,7 +144,7 @@ class DigestingWriter(FileSystemWriter):
         return out
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        digests: dict[str, tuple[int, str]] = {}
+        digests: dict[str, tuple] = {}
         clean = []
         for rank_results in results:
             keep = []

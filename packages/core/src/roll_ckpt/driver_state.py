@@ -134,7 +134,7 @@ class JSONStrategy:
         return SpaceEstimate(total=len(sd[STATE_FILE]) + overhead, tensor_bytes=0, items=1, files=3)
 
     def write(self, sd: dict[str, Any], storage: Storage, path: str,
-              on_bytes: Any = None, *, save: Any = None) -> dict[str, tuple[int, str]]:
+              on_bytes: Any = None, *, save: Any = None) -> dict[str, tuple]:
         data = sd[STATE_FILE]
         storage.makedirs(path)
         with storage.open_write(storage.join(path, STATE_FILE)) as f:

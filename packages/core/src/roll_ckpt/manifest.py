@@ -17,7 +17,7 @@ import posixpath
 from dataclasses import dataclass, field
 from typing import Any
 
-from .digest import ALGORITHM, hash_bytes
+from .digest import ALGORITHM, CHUNK_SIZE, hash_bytes
 
 __all__ = ["Manifest", "FileEntry", "MANIFEST_NAME", "FORMAT", "FORMAT_VERSION", "safe_relpath",
            "seal", "UnsafeManifestError"]
@@ -64,6 +64,11 @@ def seal(body: dict[str, Any]) -> bytes:
 class FileEntry:
     size: int
     checksum: str
+    chunks: tuple[str, ...] = ()
+    """Checksums of the file's ``chunk_size`` pieces (files of roll-ckpt's own writer;
+    empty for others and for checkpoints written before they were recorded)."""
+    chunk_size: int = CHUNK_SIZE
+    """The manifest's ``chunk_size`` (kept with each entry for the readers that check pieces)."""
 
 
 def safe_relpath(name: str) -> bool:
@@ -76,6 +81,13 @@ def safe_relpath(name: str) -> bool:
     return all(p not in ("", ".", "..") for p in parts)
 
 
+def _file_body(entry: FileEntry) -> dict[str, Any]:
+    body: dict[str, Any] = {"size": entry.size, "checksum": entry.checksum}
+    if entry.chunks:
+        body["chunks"] = list(entry.chunks)
+    return body
+
+
 @dataclass
 class Manifest:
     step: int
@@ -85,6 +97,8 @@ class Manifest:
     component: str | None = None
     plugins: dict[str, str] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    chunk_size: int = CHUNK_SIZE
+    """The size of the pieces the files' chunk checksums cover."""
 
     def _body(self) -> dict[str, Any]:
         return {
@@ -95,7 +109,8 @@ class Manifest:
             "world_size": self.world_size,
             "component": self.component,
             "checksum_algorithm": ALGORITHM,
-            "files": {k: {"size": v.size, "checksum": v.checksum} for k, v in sorted(self.files.items())},
+            "chunk_size": self.chunk_size,
+            "files": {k: _file_body(v) for k, v in sorted(self.files.items())},
             "plugins": dict(sorted(self.plugins.items())),
             "extra": self.extra,
         }
@@ -142,6 +157,9 @@ class Manifest:
                              f"(this roll-ckpt reads {FORMAT_VERSION}); upgrade roll-ckpt")
         if body.get("checksum_algorithm") != ALGORITHM:
             raise ValueError(f"unknown checksum algorithm {body.get('checksum_algorithm')!r}")
+        chunk_size = body.get("chunk_size", CHUNK_SIZE)
+        if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+            raise ValueError("malformed 'chunk_size'")
         files_raw = body.get("files")
         step = body.get("step")
         if not isinstance(files_raw, dict) or not isinstance(step, int) or isinstance(step, bool):
@@ -152,7 +170,11 @@ class Manifest:
             if (not isinstance(ent, dict) or not isinstance(ent.get("size"), int)
                     or not isinstance(ent.get("checksum"), str)):
                 raise ValueError(f"malformed entry for {name!r}")
-            files[name] = FileEntry(ent["size"], ent["checksum"])
+            chunks = ent.get("chunks", [])
+            if not isinstance(chunks, list) or not all(isinstance(c, str) for c in chunks) or (
+                    chunks and len(chunks) != -(-ent["size"] // chunk_size)):
+                raise ValueError(f"malformed chunk checksums for {name!r}")
+            files[name] = FileEntry(ent["size"], ent["checksum"], tuple(chunks), chunk_size)
         if signature is not None:
             body["signature"] = signature
         body[CHECKSUM_FIELD] = stored
@@ -164,7 +186,7 @@ class Manifest:
                 or not (component is None or isinstance(component, str))):
             raise ValueError("malformed 'world_size', 'component', 'plugins' or 'extra'")
         m = cls(step=step, files=files, created=str(body.get("created", "")), world_size=world_size,
-                component=component, plugins=dict(plugins), extra=dict(extra))
+                component=component, plugins=dict(plugins), extra=dict(extra), chunk_size=chunk_size)
         return m, problems
 
     @classmethod

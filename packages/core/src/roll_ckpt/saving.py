@@ -264,11 +264,11 @@ class SavePipeline:
         return stats
 
     def _commit(self, pending: PendingCheckpoint, ctx: SaveContext, user: dict[str, Any],
-                digests: dict[str, tuple[int, str]]) -> int:
+                digests: dict[str, tuple]) -> int:
         """Coordinator: trainer state, manifest, commit; then the step, retention, replication."""
         job = self.job
         storage, strategy = job.storage, job.strategy
-        files = {f"{strategy.data_dir}/{name}": FileEntry(size, digest) for name, (size, digest) in digests.items()}
+        files = {f"{strategy.data_dir}/{name}": FileEntry(*digest) for name, digest in digests.items()}
         ts = self._trainer_state(ctx, user)
         with storage.open_write(storage.join(pending.write_path, TRAINER_STATE)) as f:
             f.write(ts)

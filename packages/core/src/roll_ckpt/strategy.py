@@ -141,7 +141,7 @@ class DCPStrategy:
     # ------------------------------------------------------------ write / read
 
     def write(self, sd: dict[str, Any], storage: Storage, dcp_path: str,
-              on_bytes: Any = None, *, save: Any = None) -> dict[str, tuple[int, str]]:
+              on_bytes: Any = None, *, save: Any = None) -> dict[str, tuple]:
         """Write ``sd`` as a standard DCP folder; returns per-file (size, checksum) on the coordinator.
 
         DCP's plan is cached while the state keeps its structure (DCP's own plan caching,

@@ -10,14 +10,17 @@ from __future__ import annotations
 import io
 import os
 import sys
+import threading
 from typing import Any
 
 import torch
 
 from . import torch_compat
+from .digest import hash_chunk
 from .memory import writable_view
 
-__all__ = ["Verified", "MemoryReader", "load_tensor", "pread_into", "verify_budget", "READ_CHUNK", "CHECK_STREAMS"]
+__all__ = ["Verified", "MemoryReader", "load_tensor", "pread_into", "verify_budget", "check_chunks", "READ_CHUNK",
+           "CHECK_STREAMS"]
 
 class _WindowReader(io.RawIOBase):
     """A seekable read-only stream over ``length`` bytes; subclasses say where they come from."""
@@ -197,3 +200,46 @@ def load_tensor(data: Verified, offset: int, length: int, target: torch.Tensor |
         return tensor
     except (AttributeError, TypeError):  # torch's loader is not what this was written against
         return plain()
+
+
+_pool: Any = None
+_pool_lock = threading.Lock()
+_CHECK_THREADS = 4
+"""Pieces read and hashed at once (pread and xxhash release the GIL): the disk gets several
+requests in flight, the hashing several cores."""
+
+
+def _checker() -> Any:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _pool = ThreadPoolExecutor(_CHECK_THREADS, thread_name_prefix="roll-ckpt-check")
+        return _pool
+
+
+def check_chunks(fd: int, entry: Any, on_bytes: Any = None) -> list[tuple[int, str]]:
+    """Read every piece of the open file ``fd`` and compare it with ``entry.chunks``, several
+    pieces at once; the faults found (offset, what), empty when the file is sound. The pages
+    read stay in the page cache for the load that follows."""
+    size = os.fstat(fd).st_size
+    if size != entry.size:
+        return [(0, f"size {size} bytes, the manifest says {entry.size} (truncated or altered)")]
+    local = threading.local()
+
+    def one(k: int) -> tuple[int, str] | None:
+        buf = getattr(local, "buf", None)
+        if buf is None:
+            buf = local.buf = memoryview(bytearray(entry.chunk_size))
+        offset = k * entry.chunk_size
+        n = min(entry.chunk_size, entry.size - offset)
+        pread_into(fd, buf[:n], offset)
+        if on_bytes is not None:
+            on_bytes(n)
+        if hash_chunk(buf[:n]) != entry.chunks[k]:
+            return (offset, f"checksum mismatch (the content changed after it was written) in the piece at "
+                            f"byte {offset}")
+        return None
+
+    return [f for f in _checker().map(one, range(len(entry.chunks))) if f is not None]
