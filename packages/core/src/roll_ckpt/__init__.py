@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
 from .config import BackupConfig, CheckpointConfig, Config, InitialLoadConfig, PreemptionConfig, StrategyConfig, load_config
-from .errors import (BackupError, CheckpointCorruptError, CheckpointNotFoundError, ConfigError, PluginError,
-                     RollCkptError, SaveError, StorageError, StorageFullError, UnknownPluginError,
+from .errors import (BackupError, CheckpointCorruptError, CheckpointNotFoundError, ConfigError, PartlyLoadedError,
+                     PluginError, RollCkptError, SaveError, StorageError, StorageFullError, UnknownPluginError,
                      UnsafeCheckpointError)
 from .contracts import (BackendRecord, CommandRecord, CommitInfo, ConfigKeyRecord, Entry, SaveContext,
                         StagingPolicy, StagingPolicyRecord, Storage, Strategy, StrategyRecord)
@@ -60,6 +60,7 @@ __all__ = [
     "StorageFullError",
     "CheckpointNotFoundError",
     "CheckpointCorruptError",
+    "PartlyLoadedError",
     "UnsafeCheckpointError",
     "SaveError",
     "BackupError",

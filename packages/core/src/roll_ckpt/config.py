@@ -99,6 +99,12 @@ class CheckpointConfig:
     checkpoint once replicated (``backup.keep_local: 1``), ``true`` keeps them all
     (``backup.keep_local: 0``). Without a backup there is no local copy apart from
     ``output_dir`` itself, and it has no effect (logged). ``None``: not set."""
+    verify_before_load: bool = True
+    """``true``: resume checks every file it loads before any of the state changes (a
+    damaged checkpoint leaves the state untouched; a checkpoint larger than the page cache
+    is read twice). ``false``: one pass, each 8 MiB piece checked just before its bytes are
+    used, memory bounded; damage then raises ``PartlyLoadedError`` with the state partly
+    loaded (resume falls back to a backup replica when there is one, which overwrites it)."""
     initial_load: InitialLoadConfig | None = None
     """``{path: DIR, format: hf}``: loaded into ``state['model']`` (``key:`` another) by
     ``resume`` when there is no checkpoint to resume from; ``resume`` then returns 0.
@@ -333,6 +339,8 @@ def _checkpoint(value: Any, default_root: str, raw: Mapping[str, Any]) -> Checkp
         preemption=parse_preemption(value.get("preemption")),
         on_save_error=_choice(f"{key}.on_save_error", value.get("on_save_error", "raise"), ("raise", "warn")),
         async_upload=expect(f"{key}.async_upload", value.get("async_upload", False), bool, "true or false"),
+        verify_before_load=expect(f"{key}.verify_before_load", value.get("verify_before_load", True), bool,
+                                  "true or false"),
         keep_local_file=keep_local,
         initial_load=parse_initial_load(value.get("initial_load")),
     )

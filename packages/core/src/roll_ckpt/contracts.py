@@ -239,9 +239,15 @@ class Strategy(Protocol):
 
     def load(self, state: MutableMapping[str, Any], storage: Storage, path: str,
              on_bytes: Callable[[int], None] | None = None, *,
-             files: Mapping[str, Any] | None = None, checkpoint: str | None = None) -> None:
+             files: Mapping[str, Any] | None = None, checkpoint: str | None = None,
+             stream: bool = False) -> None:
         """Load the folder ``path`` into ``state`` in place, checking each file against
-        ``files`` (the manifest's entries, relative to ``path``) before any of it is used."""
+        ``files`` (the manifest's entries, relative to ``path``) before any of it is used.
+
+        By default nothing of ``state`` changes unless every file checks out. ``stream``
+        (``checkpoint_config.verify_before_load: false``) allows one pass instead: each
+        piece checked just before use, damage raising
+        :class:`~roll_ckpt.errors.PartlyLoadedError` with ``state`` partly loaded."""
 
     def close(self) -> None:
         """Release what the strategy holds (process groups stay: they belong to the job)."""

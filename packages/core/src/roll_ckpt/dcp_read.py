@@ -22,10 +22,12 @@ from torch.distributed.checkpoint.metadata import Metadata
 from .contracts import Storage
 from .dcp_fs import StorageFileSystem
 from .digest import Hasher, hash_bytes, hash_stream
-from .errors import CheckpointCorruptError, UnsafeCheckpointError
+from .errors import CheckpointCorruptError, PartlyLoadedError, UnsafeCheckpointError
 from .torch_compat import narrow_tensor_by_index
 from .unpickle import METADATA_NAME, pickle_reason, safe_load_metadata
-from .verified_files import CHECK_STREAMS, READ_CHUNK, Verified, check_chunks, load_tensor, verify_budget
+from .streamed_files import MAX_PIECE, StreamedFile
+from .verified_files import (CHECK_STREAMS, READ_CHUNK, Verified, check_chunks, load_tensor, piece_pool,
+                             verify_budget)
 
 __all__ = ["SafeReader"]
 
@@ -54,7 +56,7 @@ class SafeReader(FileSystemReader):
 
     def __init__(self, storage: Storage, path: str, on_bytes: Callable[[int], None] | None = None, *,
                  files: Mapping[str, Any] | None = None, checkpoint: str | None = None,
-                 prefix: str = "dcp/") -> None:
+                 prefix: str = "dcp/", stream: bool = False) -> None:
         super().__init__(path)
         self.fs = StorageFileSystem(storage)
         self.path = str(path)
@@ -63,7 +65,7 @@ class SafeReader(FileSystemReader):
         self._files = dict(files) if files is not None else None
         self._checkpoint = checkpoint or self.path
         self._prefix = prefix
-        self._verified: dict[str, Verified] = {}
+        self._verified: dict[str, Verified | StreamedFile] = {}
         self._early: dict[str, tuple[Verified | None, BaseException | None]] = {}
         self._early_thread: threading.Thread | None = None
         self._early_done: dict[str, threading.Event] = {}
@@ -74,6 +76,9 @@ class SafeReader(FileSystemReader):
         self.planner: Any = None
         """The load planner (set by ``DCPStrategy``): targets are looked up while files are checked."""
         self._metadata_bytes: bytes | None = None
+        self._stream = stream
+        self._pool: Any = None
+        self._pool_lock = threading.Lock()
 
     # ------------------------------------------------------------ checks
 
@@ -86,6 +91,35 @@ class SafeReader(FileSystemReader):
 
     def _fault(self, name: str, what: str) -> CheckpointCorruptError:
         return CheckpointCorruptError(self._checkpoint, [(self._prefix + name, what)])
+
+    def _piece_pool(self) -> Any:
+        with self._pool_lock:  # the early checks and the planner may both ask first
+            if self._pool is None:
+                self._pool = piece_pool()
+            return self._pool
+
+    def _streams(self, name: str) -> bool:
+        """Whether ``name`` is loaded in one pass, each piece checked just before use
+        (``stream``; files whose manifest entry has piece checksums)."""
+        if not self._stream or self._files is None:
+            return False
+        entry = self._files.get(name)
+        return entry is not None and bool(entry.chunks) and entry.chunk_size <= MAX_PIECE
+
+    def _open_streamed(self, name: str) -> StreamedFile:
+        entry = self._expected(name)
+
+        def fault(what: str) -> CheckpointCorruptError:
+            return PartlyLoadedError(self._checkpoint, [(self._prefix + name, what)])
+
+        f = self._storage.open_read(self._storage.join(self.path, name))
+        try:
+            data = StreamedFile(f, entry, fault, self._piece_pool(), self._on_bytes)
+        except BaseException:
+            f.close()
+            raise
+        self._verified[name] = data
+        return data
 
     def _check(self, name: str, size: int, digest: str) -> None:
         entry = self._expected(name)
@@ -103,7 +137,7 @@ class SafeReader(FileSystemReader):
             except (AttributeError, OSError, ValueError):
                 fd = -1
             if fd >= 0 and entry.chunks:  # its pieces, several at once: one pass, more requests in flight
-                faults = check_chunks(fd, entry, self._on_bytes)
+                faults = check_chunks(fd, entry, self._piece_pool(), self._on_bytes)
                 if faults:
                     raise self._fault(name, faults[0][1])
                 return Verified(file=os.fdopen(os.dup(fd), "rb", buffering=0))
@@ -144,12 +178,16 @@ class SafeReader(FileSystemReader):
         for data, _ in self._take_early().values():
             if data is not None:
                 data.close()
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
 
     def start_checks(self, names: list[str]) -> None:
         """Start reading and checking ``names`` (the files this process will most likely
         load) in the background, so the disk works while the load is being planned.
         ``prepare_local_plan`` waits for the ones its plan needs; it checks others itself."""
-        names = [n for n in names if self._files is not None and n in self._files]
+        names = [n for n in names if self._files is not None and n in self._files and not self._streams(n)]
         if not names or self._early_thread is not None:
             return
         keep = sum(self._expected(n).size for n in names) <= verify_budget()
@@ -258,14 +296,15 @@ class SafeReader(FileSystemReader):
         if self._files is None:
             return plan
         reads = self._plan_bytes(plan)
-        mine = sorted(n for n, b in reads.items() if 2 * b >= self._expected(n).size)
+        streamed = sorted(n for n in reads if self._streams(n))  # checked piece by piece as they load
+        mine = sorted(n for n, b in reads.items() if 2 * b >= self._expected(n).size and n not in streamed)
         self._resolve_targets(plan)  # while the early checks read the disk
         # the files this plan reads that are being checked early: wait for those only
         self._verify_plan(sorted(set(mine) | {n for n in reads if n in self._early_done}))
         for name in sorted(reads):
             if name in self._failed:  # an early check found it damaged
                 raise self._failed[name]
-        return dataclasses.replace(plan, storage_data={"roll_ckpt_checked": sorted(self._verified)})
+        return dataclasses.replace(plan, storage_data={"roll_ckpt_checked": sorted(set(self._verified) | set(streamed))})
 
     def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
         import dataclasses
@@ -276,7 +315,7 @@ class SafeReader(FileSystemReader):
         checked = {n for p in plans for n in ((p.storage_data or {}).get("roll_ckpt_checked") or ())}
         needed = {n for p in plans for n in self._plan_bytes(p)}
         # files no process reads much of: the coordinator checks them, before anyone reads
-        self._verify_plan(sorted(needed - checked))
+        self._verify_plan(sorted(n for n in needed - checked if not self._streams(n)))
         checked |= needed
         return [dataclasses.replace(p, storage_data={"roll_ckpt_checked": sorted(checked)}) for p in plans]
 
@@ -343,9 +382,13 @@ class SafeReader(FileSystemReader):
         direct = []
         for name, reqs in per_file.items():
             data = self._verified.get(name)
+            if data is None and self._streams(name):
+                data = self._open_streamed(name)
             if data is None and self._expected(name).size and self._keeps_files:
                 data = self._checked_elsewhere(name, plan)
             if data is None or any(self.storage_data[r.storage_index].transform_descriptors for r in reqs):
+                if isinstance(data, StreamedFile):  # DCP decodes it itself: check the whole file first
+                    self._read_verified(name, False)
                 # checked but not kept (too large for memory): DCP reads it again
                 super().read_data(dataclasses.replace(plan, items=reqs), planner)
                 continue
@@ -368,13 +411,16 @@ class SafeReader(FileSystemReader):
         fut.set_result(None)
         return fut
 
-    def _load_items(self, data: Verified, reqs: list[Any], planner: Any) -> None:
+    def _load_items(self, data: Verified | StreamedFile, reqs: list[Any], planner: Any) -> None:
         """Load ``reqs`` of one checked file into their targets, in file order (the pages are
         touched sequentially)."""
         from torch.distributed.checkpoint.planner import LoadItemType
 
+        release = getattr(data, "release_before", None)
         for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
             info = self.storage_data[req.storage_index]
+            if release is not None:
+                release(info.offset)
             if req.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(req, io.BytesIO(data.bytes(info.offset, info.length)))
                 continue

@@ -144,7 +144,8 @@ class JSONStrategy:
         return {STATE_FILE: hash_bytes(data)}
 
     def load(self, state: MutableMapping[str, Any], storage: Storage, path: str, on_bytes: Any = None, *,
-             files: Mapping[str, Any] | None = None, checkpoint: str | None = None) -> None:
+             files: Mapping[str, Any] | None = None, checkpoint: str | None = None, stream: bool = False) -> None:
+        # One small JSON file: checked whole before use, whatever ``stream`` says.
         where = checkpoint or path
         name = f"{self.data_dir}/{STATE_FILE}"
         try:

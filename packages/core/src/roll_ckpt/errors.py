@@ -22,6 +22,7 @@ __all__ = [
     "StorageFullError",
     "CheckpointNotFoundError",
     "CheckpointCorruptError",
+    "PartlyLoadedError",
     "UnsafeCheckpointError",
     "SaveError",
     "BackupError",
@@ -126,6 +127,17 @@ class CheckpointCorruptError(RollCkptError):
             f"checkpoint {checkpoint} is damaged: {shown}{more}. "
             "Resume from an earlier checkpoint or from a backup copy."
         )
+
+
+class PartlyLoadedError(CheckpointCorruptError):
+    """Damage found part-way through a load with ``checkpoint_config.verify_before_load:
+    false``: the state may already hold some of the checkpoint's tensors."""
+
+    def __init__(self, checkpoint: str, faults: list[tuple[str, str]]) -> None:
+        super().__init__(checkpoint, faults)
+        self.args = (self.args[0] + " The state being loaded may already hold part of it "
+                     "(checkpoint_config.verify_before_load: false checks each piece as it is loaded): "
+                     "load a sound checkpoint into it, or rebuild it, before training on.",)
 
 
 class UnsafeCheckpointError(CheckpointCorruptError):

@@ -194,7 +194,8 @@ class Resumer:
         with storage.open_read(storage.join(part, TRAINER_STATE)) as f:
             trainer_state = json.loads(f.read().decode())
         with job.progress(f"load step {trainer_state.get('step')}") as progress:
-            strategy.load(state, storage, storage.join(part, data_dir), progress, files=files, checkpoint=part)
+            strategy.load(state, storage, storage.join(part, data_dir), progress, files=files, checkpoint=part,
+                          stream=not job.config.checkpoint_config.verify_before_load)
         self.trainer_state = trainer_state
         job.resumed_from = storage.url if storage is not job.storage else path
         job.plugins.hook.roll_ckpt_load(path=path, state=state)

@@ -185,20 +185,23 @@ class DCPStrategy:
 
     def load(self, state: MutableMapping[str, Any], storage: Storage, dcp_path: str,
              on_bytes: Any = None, *, files: Mapping[str, Any] | None = None,
-             checkpoint: str | None = None) -> None:
+             checkpoint: str | None = None, stream: bool = False) -> None:
         """Load the DCP folder at ``dcp_path`` into ``state`` in place.
 
         ``files`` (the manifest's entries for this folder, by name) makes every file be
         checked as it is read, before anything of it is deserialized; a mismatch raises
         :class:`~roll_ckpt.errors.CheckpointCorruptError` on every rank with ``state``
-        untouched. Without it the folder must have been verified already.
+        untouched. Without it the folder must have been verified already. ``stream``:
+        one pass, each piece checked just before its bytes are used
+        (:mod:`roll_ckpt.streamed_files`); damage then raises
+        :class:`~roll_ckpt.errors.PartlyLoadedError`.
         """
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
 
         from .dcp_read import SafeReader
 
-        reader = SafeReader(storage, dcp_path, on_bytes, files=files, checkpoint=checkpoint)
+        reader = SafeReader(storage, dcp_path, on_bytes, files=files, checkpoint=checkpoint, stream=stream)
         try:
             self._load(state, reader, dcp_path, files, set_model_state_dict, set_optimizer_state_dict,
                        get_model_state_dict, get_optimizer_state_dict)

@@ -20,7 +20,7 @@ from .digest import hash_chunk
 from .memory import writable_view
 
 __all__ = ["Verified", "MemoryReader", "load_tensor", "pread_into", "verify_budget", "check_chunks", "READ_CHUNK",
-           "CHECK_STREAMS"]
+           "CHECK_STREAMS", "piece_pool"]
 
 class _WindowReader(io.RawIOBase):
     """A seekable read-only stream over ``length`` bytes; subclasses say where they come from."""
@@ -122,6 +122,13 @@ class Verified:
         pread_into(self.fd, buf, offset)
         return buf
 
+    def read_into(self, dst: memoryview, offset: int) -> None:
+        """Copy the file's bytes ``[offset, offset + len(dst))`` into ``dst``."""
+        if self.view is not None:
+            dst[:] = self.view[offset:offset + len(dst)]
+        else:
+            pread_into(self.fd, dst, offset)
+
     def stream(self, offset: int, length: int) -> io.RawIOBase:
         if self.view is not None:
             return MemoryReader(self.view[offset:offset + length])
@@ -167,9 +174,10 @@ class _Storages:
         return storage
 
 
-def load_tensor(data: Verified, offset: int, length: int, target: torch.Tensor | None) -> torch.Tensor:
+def load_tensor(data: Any, offset: int, length: int, target: torch.Tensor | None) -> torch.Tensor:
     """``torch.load(weights_only=True)`` of one DCP item, without its intermediate copy.
 
+    ``data`` is a :class:`Verified` file or a :class:`~roll_ckpt.streamed_files.StreamedFile`.
     The same unpickler and the same mechanism as ``torch.load(..., mmap=True)`` (torch's
     loader with an ``overall_storage``): in memory, the tensor aliases the checked bytes;
     from a file, its bytes are read with one ``pread`` into the target tensor itself when
@@ -179,6 +187,9 @@ def load_tensor(data: Verified, offset: int, length: int, target: torch.Tensor |
     def plain() -> torch.Tensor:
         return torch.load(MemoryReader(data.bytes(offset, length)), map_location="cpu", weights_only=True)
 
+    check_ends = getattr(data, "check_ends", None)
+    if check_ends is not None:
+        check_ends(offset, length)
     try:
         reader = torch_compat.file_reader(data.stream(offset, length))
         if data.view is not None:
@@ -196,32 +207,28 @@ def load_tensor(data: Verified, offset: int, length: int, target: torch.Tensor |
             tensor = torch_compat.weights_only_load(reader, storages)
         for start, nbytes, storage in storages.spans:
             # the record's bytes only: a target's storage may be longer (FSDP pads shards)
-            pread_into(data.fd, writable_view(storage, nbytes), offset + start)
+            data.read_into(writable_view(storage, nbytes), offset + start)
         return tensor
     except (AttributeError, TypeError):  # torch's loader is not what this was written against
         return plain()
 
 
-_pool: Any = None
-_pool_lock = threading.Lock()
-_CHECK_THREADS = 4
+CHECK_THREADS = 4
 """Pieces read and hashed at once (pread and xxhash release the GIL): the disk gets several
 requests in flight, the hashing several cores."""
 
 
-def _checker() -> Any:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            from concurrent.futures import ThreadPoolExecutor
+def piece_pool() -> Any:
+    """Threads that read and hash pieces of checkpoint files, for one load (shut down by its
+    owner when the load is done: no thread outlives it, so a process may fork afterwards)."""
+    from concurrent.futures import ThreadPoolExecutor
 
-            _pool = ThreadPoolExecutor(_CHECK_THREADS, thread_name_prefix="roll-ckpt-check")
-        return _pool
+    return ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="roll-ckpt-check")
 
 
-def check_chunks(fd: int, entry: Any, on_bytes: Any = None) -> list[tuple[int, str]]:
+def check_chunks(fd: int, entry: Any, pool: Any, on_bytes: Any = None) -> list[tuple[int, str]]:
     """Read every piece of the open file ``fd`` and compare it with ``entry.chunks``, several
-    pieces at once; the faults found (offset, what), empty when the file is sound. The pages
+    pieces at once (threads of ``pool``, a :func:`piece_pool`); the faults found (offset, what), empty when the file is sound. The pages
     read stay in the page cache for the load that follows."""
     size = os.fstat(fd).st_size
     if size != entry.size:
@@ -242,4 +249,4 @@ def check_chunks(fd: int, entry: Any, on_bytes: Any = None) -> list[tuple[int, s
                             f"byte {offset}")
         return None
 
-    return [f for f in _checker().map(one, range(len(entry.chunks))) if f is not None]
+    return [f for f in pool.map(one, range(len(entry.chunks))) if f is not None]
