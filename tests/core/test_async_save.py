@@ -173,3 +173,37 @@ def test_blocked_time_of_an_async_save(ckpt_config) -> None:
     assert async_second.is_async and async_second.blocked_s < async_second.total_s
     assert async_second.bytes_copied >= 4 * 8 * 512 * 512 * 3
     assert results[False][1].bytes_copied == 0 and not results[False][1].is_async
+
+
+@pytest.mark.parametrize("nice", [0, 7])
+def test_background_write_runs_at_the_configured_nice_value(tmp_path: Path, nice: int) -> None:
+    """The writer thread lowers its own priority (checkpoint_config.background_nice); the
+    caller's thread keeps its own."""
+    import os
+
+    ctl = {"gate": threading.Event(), "entered": threading.Event()}
+    seen: dict[str, int] = {}
+    inner_enter = ctl["entered"]
+
+    class _Seen(threading.Event):
+        def set(self) -> None:  # called in the writer thread when it opens a DCP file
+            seen["writer"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+            inner_enter.set()
+
+    ctl["entered"] = _Seen()
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    m = _manager(tmp_path, ctl, background_nice=nice)
+    m.save(1, tiny_state(seed=1))
+    assert inner_enter.wait(30)
+    ctl["gate"].set()
+    m.close()
+    assert seen["writer"] == max(before, nice)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
+
+
+def test_background_nice_is_validated(tmp_path: Path) -> None:
+    from roll_ckpt import ConfigError
+
+    for bad in (-1, 20, "high", 2.5):
+        with pytest.raises(ConfigError, match="background_nice"):
+            config(tmp_path, background_nice=bad)

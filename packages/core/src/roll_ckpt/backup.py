@@ -17,12 +17,13 @@ log = logging.getLogger("roll_ckpt")
 
 class BackupLink:
     def __init__(self, local: Callable[[], Storage], replica: Storage, config: Any, *, lock: threading.Lock,
-                 own_run: Callable[[], str | None]) -> None:
+                 own_run: Callable[[], str | None], nice: int = 0) -> None:
         self.local = local
         """The manager's storage (read when replication starts: the manager's may be wrapped until then)."""
         self.replica, self.config = replica, config
         self._lock = lock
         self._own_run = own_run
+        self._nice = nice  # the copying thread's nice value (roll_ckpt.background)
         self._replicator: Any = None
 
     @property
@@ -37,7 +38,7 @@ class BackupLink:
 
             local = self.local()
             self._replicator = Replicator(local, local.root, self.replica, self.config, lock=self._lock,
-                                          own_run=self._own_run)
+                                          own_run=self._own_run, nice=self._nice)
             self._replicator.start(catch_up=True)
         self._replicator.submit(path, step)
 

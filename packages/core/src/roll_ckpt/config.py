@@ -99,6 +99,11 @@ class CheckpointConfig:
     checkpoint once replicated (``backup.keep_local: 1``), ``true`` keeps them all
     (``backup.keep_local: 0``). Without a backup there is no local copy apart from
     ``output_dir`` itself, and it has no effect (logged). ``None``: not set."""
+    background_nice: int = 10
+    """Nice value (0-19) of the threads that write asynchronous saves and replicate to the
+    backup: the training loop's threads win the CPU when both want it, and the write uses
+    what the loop leaves idle (it takes longer under a CPU-bound loop). 0 keeps them at the
+    loop's priority."""
     verify_before_load: bool = True
     """``true``: resume checks every file it loads before any of the state changes (a
     damaged checkpoint leaves the state untouched; a checkpoint larger than the page cache
@@ -339,11 +344,18 @@ def _checkpoint(value: Any, default_root: str, raw: Mapping[str, Any]) -> Checkp
         preemption=parse_preemption(value.get("preemption")),
         on_save_error=_choice(f"{key}.on_save_error", value.get("on_save_error", "raise"), ("raise", "warn")),
         async_upload=expect(f"{key}.async_upload", value.get("async_upload", False), bool, "true or false"),
+        background_nice=_nice(f"{key}.background_nice", value.get("background_nice", 10)),
         verify_before_load=expect(f"{key}.verify_before_load", value.get("verify_before_load", True), bool,
                                   "true or false"),
         keep_local_file=keep_local,
         initial_load=parse_initial_load(value.get("initial_load")),
     )
+
+
+def _nice(key: str, value: Any) -> int:
+    if count(key, value) > 19:
+        raise ConfigError(key, "is not a nice value", value, "an integer from 0 to 19")
+    return value
 
 
 def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> str:

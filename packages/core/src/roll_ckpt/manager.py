@@ -68,7 +68,7 @@ class CheckpointManager:
         if cc.backup is not None:
             replica = open_storage(plugins, cc.backup.type, cc.backup.output_dir, cc.backup.storage_options)
             self._job.backup = BackupLink(lambda: self._job.storage, replica, cc.backup, lock=self._job.local_lock,
-                                          own_run=lambda: self._job.run_dir)
+                                          own_run=lambda: self._job.run_dir, nice=cc.background_nice)
         self._saves = SavePipeline(self._job)
         self._resumer = Resumer(self._job)
         self._closed = False

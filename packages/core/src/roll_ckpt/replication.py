@@ -47,6 +47,7 @@ from .layout import basename, committed, parse_step
 from .manifest import MANIFEST_NAME
 from .owners import clean_stale
 from .retention import _drop_empty_runs, _live_foreign_runs, remove_checkpoint
+from .background import lower_priority
 from .contracts import Storage
 from .transfer import CopyInterrupted, committed_manifest, copy_checkpoint, relative_path, same_checkpoint
 
@@ -139,7 +140,8 @@ class Replicator:
     """Copies committed checkpoints to the backup location, in a thread of its own."""
 
     def __init__(self, local: Storage, local_root: str, replica: Storage, config: BackupConfig, *,
-                 lock: threading.Lock | None = None, own_run: Callable[[], str | None] | None = None) -> None:
+                 lock: threading.Lock | None = None, own_run: Callable[[], str | None] | None = None,
+                 nice: int = 0) -> None:
         self.local = local
         self.local_root = local_root
         self.replica = replica
@@ -147,6 +149,7 @@ class Replicator:
         self.lock = lock or threading.Lock()
         """Held while local checkpoints are removed (shared with the manager's retention)."""
         self._own_run = own_run or (lambda: None)
+        self._nice = nice
         self._cv = threading.Condition()
         self._queue: deque[str] = deque()
         self._items: dict[str, ReplicaStatus] = {}
@@ -252,6 +255,7 @@ class Replicator:
             self._items[path] = replace(old, **changes)
 
     def _run(self, catch_up: bool) -> None:
+        lower_priority(self._nice)
         if catch_up:
             try:
                 self._catch_up()

@@ -34,6 +34,7 @@ from typing import Any, Mapping
 from . import layout
 from .commit import PendingCheckpoint, pending_checkpoint
 from .components import check_part_free, try_complete
+from .background import lower_priority
 from .contracts import SaveContext, Storage
 from .digest import hash_bytes
 from .errors import RollCkptError, SaveError, StorageError, StorageFullError, carried_roll_error, disk_full
@@ -144,7 +145,9 @@ class SavePipeline:
         staged = stage_state_dict(sd, ctx, self._policies)
         if ctx.is_async:
             if self._executor is None:
-                self._executor = cf.ThreadPoolExecutor(1, thread_name_prefix="roll-ckpt-save")
+                self._executor = cf.ThreadPoolExecutor(
+                    1, thread_name_prefix="roll-ckpt-save", initializer=lower_priority,
+                    initargs=(job.config.checkpoint_config.background_nice,))
             if ctx.gate is None:
                 ctx.blocked_s = time.perf_counter() - t0
             self._inflight = self._executor.submit(self.write_and_commit, staged, ctx, user, t0)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
@@ -277,9 +278,11 @@ class OffloadStore:
     def rebuild_into(self, slot: Slot, out: torch.Tensor) -> torch.Tensor:
         """All-gather a deduplicated slot's segments straight into ``out`` (flat, at least
         ``segments * numel`` elements); its first ``local_numel`` elements are the shard."""
-        seg = self._slice(slot)
+        seg = self._slice(slot).contiguous()
         parts = list(out[: slot.segments * slot.numel].view(slot.segments, slot.numel).unbind(0))
-        dist.all_gather(parts, seg.contiguous(), group=slot.group)
+        held = [t._use_count() for t in (seg, *parts)]
+        dist.all_gather(parts, seg, group=slot.group)
+        _until_released((seg, *parts), held)
         return out[: slot.local_numel]
 
     def _gather_group(self, mesh: Any, dim: int) -> Any:
@@ -309,3 +312,18 @@ class OffloadStore:
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())
+
+
+def _until_released(tensors: tuple[torch.Tensor, ...], held: list[int], timeout: float = 2.0) -> None:
+    """Wait until gloo's worker thread has dropped the references its work kept to ``tensors``.
+
+    ``all_gather`` returns once the data is there; the worker thread drops the finished
+    work a moment later, and dropping the last C++ reference to a tensor Python also holds
+    takes the GIL. If that moment falls into interpreter exit (a rebuild right before the
+    job ends, the worker starved of CPU), the thread cannot take the GIL and the process
+    aborts ("terminate called without an active exception"). Waiting here, while Python
+    still holds the tensors, moves that release back into the job's lifetime.
+    """
+    deadline = time.monotonic() + timeout
+    while any(t._use_count() > n for t, n in zip(tensors, held)) and time.monotonic() < deadline:
+        time.sleep(0.0002)
