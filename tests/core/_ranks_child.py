@@ -18,6 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from helpers.launch import exit_worker
 from helpers.training import config
 from roll_ckpt import CheckpointManager, RollCkptError
 
@@ -45,3 +46,4 @@ def main(out: str, run: str, mode: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:4])
+    exit_worker()

@@ -13,7 +13,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import IO, Any, Mapping
+from typing import IO, Any, Mapping, NoReturn
 
 TESTS = Path(__file__).resolve().parent.parent
 REPO = TESTS.parent
@@ -125,3 +125,16 @@ def torchrun(script: str | os.PathLike[str], *args: Any, nproc: int = 2, timeout
     output = out[-3000:] + err[-5000:]
     assert proc.returncode == 0 or not check, output
     return output
+
+
+def exit_worker(code: int = 0) -> NoReturn:
+    """End a torchrun worker now, skipping interpreter exit.
+
+    A gloo collective returns before its worker thread drops the finished work; dropping it
+    takes the GIL, which a thread cannot get once the interpreter is shutting down, and the
+    process aborts ("terminate called without an active exception", seen after a worker's
+    last all-gather). A worker whose results are written has nothing left to clean up.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from workers import build, full, manager, train_step  # noqa: E402
+from workers import build, exit_worker, full, manager, train_step  # noqa: E402
 
 from roll_ckpt import Preempted  # noqa: E402
 
@@ -64,4 +64,4 @@ def main(out: str, max_steps: int, signal_at: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], int(sys.argv[2]), sys.argv[3]))
+    exit_worker(main(sys.argv[1], int(sys.argv[2]), sys.argv[3]))

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
+from helpers.launch import exit_worker
 from roll_ckpt import CheckpointManager, load_config
 
 
@@ -100,3 +101,4 @@ if __name__ == "__main__":
         SCENARIOS[sys.argv[1]](*sys.argv[2:])
     finally:
         dist.destroy_process_group()
+    exit_worker()

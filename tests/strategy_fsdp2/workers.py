@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from helpers import training
+from helpers.launch import exit_worker
 from roll_ckpt import CheckpointManager, load_config
 
 
@@ -332,3 +333,4 @@ if __name__ == "__main__":
         SCENARIOS[sys.argv[1]](*sys.argv[2:])
     finally:
         dist.destroy_process_group()
+    exit_worker()

@@ -28,7 +28,7 @@ from .contracts import SpaceEstimate, Storage
 from .errors import RollCkptError, carried_roll_error
 from .rng import capture_rng, restore_rng
 from .state_dict_cache import StateDictCache
-from .torch_compat import local_tensor, set_element
+from .torch_compat import collective, local_tensor, set_element
 
 __all__ = ["DCPStrategy", "PER_RANK", "RNG_KEY"]
 
@@ -88,7 +88,7 @@ class DCPStrategy:
         if self._control is None:
             self._control = self._dist.new_group(backend="gloo")
         t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-        self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self._control)
+        collective(self._dist.all_reduce, (t,), t, op=self._dist.ReduceOp.MAX, group=self._control)
         return bool(t.item())
 
     # ------------------------------------------------------------ state dicts

@@ -12,6 +12,7 @@ imported by the accessors that need them.
 from __future__ import annotations
 
 import pickle
+import time
 from typing import Any, Callable
 
 import torch
@@ -21,7 +22,7 @@ from .errors import RollCkptError
 __all__ = ["TorchCompatError", "local_tensor", "set_local_tensor", "rewrap_dtensor", "save_tensor_without_crc",
            "weights_only_load", "file_reader", "storage_info", "set_element", "get_element",
            "load_state_dict_no_dist", "module_tensor_ids", "empty_state_dict_load_planner", "planner_set_value", "storage_prefix",
-           "narrow_tensor_by_index", "local_chunk", "CHECKED_ON"]
+           "narrow_tensor_by_index", "local_chunk", "collective", "CHECKED_ON"]
 
 CHECKED_ON = ("2.6", "2.9", "2.11", "2.13")
 """torch releases these accessors were checked against (the test suite runs on 2.13)."""
@@ -213,3 +214,25 @@ def narrow_tensor_by_index(tensor: Any, offsets: Any, sizes: Any) -> Any:
     except ImportError as exc:
         raise _missing("torch.distributed._shard._utils.narrow_tensor_by_index", exc) from None
     return narrow(tensor, offsets, sizes)
+
+
+def collective(call: Callable[..., Any], tensors: tuple[Any, ...], *args: Any, timeout: float = 2.0,
+               **kwargs: Any) -> Any:
+    """``call(*args, **kwargs)``, a blocking collective over ``tensors``, returning only once
+    the process group's worker thread has let go of them. Checked on 2.13 (``_use_count``).
+
+    A gloo collective returns when its data is there; the worker thread drops the finished
+    work a moment later, and dropping the last C++ reference to a tensor that Python also
+    holds takes the GIL. When that moment falls into interpreter exit (a collective right
+    before the job ends, the worker short of CPU), the thread cannot take the GIL and the
+    process aborts ("terminate called without an active exception"). Waiting here, while
+    the caller still holds the tensors, moves the release back into the job's lifetime.
+    """
+    if not hasattr(torch.Tensor, "_use_count"):  # another torch: the collective as it is
+        return call(*args, **kwargs)
+    held = [t._use_count() for t in tensors]
+    result = call(*args, **kwargs)
+    deadline = time.monotonic() + timeout
+    while any(t._use_count() > n for t, n in zip(tensors, held)) and time.monotonic() < deadline:
+        time.sleep(0.0002)
+    return result

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
@@ -32,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from roll_ckpt.torch_compat import local_tensor, rewrap_dtensor, set_local_tensor
+from roll_ckpt.torch_compat import collective, local_tensor, rewrap_dtensor, set_local_tensor
 
 from .alias import exact_alias
 
@@ -280,9 +279,7 @@ class OffloadStore:
         ``segments * numel`` elements); its first ``local_numel`` elements are the shard."""
         seg = self._slice(slot).contiguous()
         parts = list(out[: slot.segments * slot.numel].view(slot.segments, slot.numel).unbind(0))
-        held = [t._use_count() for t in (seg, *parts)]
-        dist.all_gather(parts, seg, group=slot.group)
-        _until_released((seg, *parts), held)
+        collective(dist.all_gather, (seg, *parts), parts, seg, group=slot.group)
         return out[: slot.local_numel]
 
     def _gather_group(self, mesh: Any, dim: int) -> Any:
@@ -313,17 +310,3 @@ class OffloadStore:
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())
 
-
-def _until_released(tensors: tuple[torch.Tensor, ...], held: list[int], timeout: float = 2.0) -> None:
-    """Wait until gloo's worker thread has dropped the references its work kept to ``tensors``.
-
-    ``all_gather`` returns once the data is there; the worker thread drops the finished
-    work a moment later, and dropping the last C++ reference to a tensor Python also holds
-    takes the GIL. If that moment falls into interpreter exit (a rebuild right before the
-    job ends, the worker starved of CPU), the thread cannot take the GIL and the process
-    aborts ("terminate called without an active exception"). Waiting here, while Python
-    still holds the tensors, moves that release back into the job's lifetime.
-    """
-    deadline = time.monotonic() + timeout
-    while any(t._use_count() > n for t, n in zip(tensors, held)) and time.monotonic() < deadline:
-        time.sleep(0.0002)
