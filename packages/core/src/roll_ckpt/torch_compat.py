@@ -219,7 +219,7 @@ def narrow_tensor_by_index(tensor: Any, offsets: Any, sizes: Any) -> Any:
 def collective(call: Callable[..., Any], tensors: tuple[Any, ...], *args: Any, timeout: float = 2.0,
                **kwargs: Any) -> Any:
     """``call(*args, **kwargs)``, a blocking collective over ``tensors``, returning only once
-    the process group's worker thread has let go of them. Checked on 2.13 (``_use_count``).
+    the process group's worker thread has let go of them. Checked on torch 2.13 (``Tensor._use_count``).
 
     A gloo collective returns when its data is there; the worker thread drops the finished
     work a moment later, and dropping the last C++ reference to a tensor that Python also
