@@ -116,7 +116,7 @@ def _loop_md(res: dict[str, Any]) -> list[str]:
     lp = res.get("loop")
     if not lp:
         return []
-    out = ["", f"## T6: training-loop time lost per async save ({lp["ranks"]} rank(s), {lp['tensors']} tensors, "
+    out = ["", f"## T6: training-loop time lost per async save ({lp['ranks']} rank(s), {lp['tensors']} tensors, "
                f"{lp['state_bytes'] / MB:.0f} MiB, {lp['threads']} torch threads; K = {lp['k']} steps of "
                f"{lp['step_s'] * 1e3:.0f} ms; medians)", "",
            "| method | blocked | durable after | loop time lost | CPU s of this process, extra | K steps without |",
@@ -132,7 +132,7 @@ def _many_md(res: dict[str, Any]) -> list[str]:
     if not mn:
         return []
     meths = list(mn["points"][0]["methods"]) if mn["points"] else []
-    out = ["", f"## T7: blocked time vs tensor count ({mn["ranks"]} FSDP2 rank(s), AdamW, LayerNorm(64) + "
+    out = ["", f"## T7: blocked time vs tensor count ({mn['ranks']} FSDP2 rank(s), AdamW, LayerNorm(64) + "
                "Linear(64, 64) blocks between two Linear(64, 8192); medians of the second and later saves)", "",
            "| tensors (state) | " + " | ".join(f"`{m}`" for m in meths) + " | get_state_dict |",
            "|---|" + "---:|" * (len(meths) + 1)]
