@@ -181,6 +181,8 @@ def summarise_loop(group: dict[str, Any]) -> dict[str, Any]:
                 "blocked_s": max(x["with"]["blocked_s"] for x in ranks),
                 "durable_s": max(x["with"]["durable_s"] for x in ranks),
                 "without_s": max(x["without"]["wall_s"] for x in ranks),
+                # the save ended after the K steps: the window then includes waiting for it
+                "tail_s": max(max(0.0, x["with"]["durable_s"] - x["with"]["steps_s"]) for x in ranks),
             })
         row = {k: median([p[k] for p in per]) for k in per[0]}
         row.update(title=group["titles"].get(meth, meth), reps=len(per), raw=per)
