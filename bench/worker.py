@@ -52,6 +52,19 @@ def _timed_update(self: Any, data: Any) -> None:
 
 _digest.Hasher.update = _timed_update  # type: ignore[method-assign]
 
+# roll-ckpt's writer hashes through FileHasher (whole file + 8 MiB pieces); without this the
+# writer's hashing went uncounted and T5 read 0.
+_orig_file_update = _digest.FileHasher.update
+
+
+def _timed_file_update(self: Any, data: Any) -> None:
+    t0 = time.perf_counter()
+    _orig_file_update(self, data)
+    _HASH_S[0] += time.perf_counter() - t0  # summed over writer threads: an upper bound
+
+
+_digest.FileHasher.update = _timed_file_update  # type: ignore[method-assign]
+
 
 # ----------------------------------------------------------------------------- state
 
