@@ -119,8 +119,8 @@ def _loop_md(res: dict[str, Any]) -> list[str]:
     out = ["", f"## T6: training-loop time lost per async save ({lp['ranks']} rank(s), {lp['tensors']} tensors, "
                f"{lp['state_bytes'] / MB:.0f} MiB, {lp['threads']} torch threads; K = {lp['k']} steps of "
                f"{lp['step_s'] * 1e3:.0f} ms; medians)", "",
-           "| method | blocked | durable after | loop time lost | CPU s of this process, extra | K steps without "
-           "| save ended after the steps by |",
+           "| method | blocked | durable after (beside the loop) | loop time lost | CPU s of this process, extra "
+           "| K steps without | save ended after the steps by |",
            "|---|---:|---:|---:|---:|---:|---:|"]
     for meth, r in lp["methods"].items():
         out.append(f"| `{meth}` {r['title']} | {_ms(r['blocked_s'])} | {_ms(r['durable_s'])} | "

@@ -51,7 +51,7 @@ MODES: dict[str, dict[str, Any]] = {
     # loop (T6): Linear(width, width) x depth + AdamW on 1 rank, ~100 MiB in 512 tensors;
     # many (T7): tensor counts of the sweep.
     "quick": {"reps": 4, "target": (2048, 11), "small": (2048, 2), "warmup": False,
-              "loop": {"width": 368, "depth": 64, "reps": 3, "window_s": 1.5},
+              "loop": {"width": 368, "depth": 64, "reps": 4, "window_s": 1.5},
               "many": {"points": [100, 1000, 3000], "reps": 3}},
     "full": {"reps": 6, "target": (4096, 11), "small": (2048, 11), "warmup": True,
              "loop": {"width": 368, "depth": 64, "reps": 5, "window_s": 2.0},
@@ -182,7 +182,8 @@ def summarise_loop(group: dict[str, Any]) -> dict[str, Any]:
                 "durable_s": max(x["with"]["durable_s"] for x in ranks),
                 "without_s": max(x["without"]["wall_s"] for x in ranks),
                 # the save ended after the K steps: the window then includes waiting for it
-                "tail_s": max(max(0.0, x["with"]["durable_s"] - x["with"]["steps_s"]) for x in ranks),
+                "tail_s": max(max(0.0, x["with"]["wall_s"] - x["with"]["steps_s"]) for x in ranks),
+                "window_s": max(x["with"]["wall_s"] for x in ranks),
             })
         row = {k: median([p[k] for p in per]) for k in per[0]}
         row.update(title=group["titles"].get(meth, meth), reps=len(per), raw=per)
