@@ -1,5 +1,7 @@
 """T6: the training loop's time lost per async save (run inside ``worker.py``).
 
+The loop is CPU-bound on purpose and runs on the CPU even with ``--device cuda``.
+
 A CPU-bound loop (FSDP2 Linear layers + AdamW, every core) runs K steps right after an
 async save returns, until both the K steps are done and the save is durable; the same K
 steps run once more without a save, right before. Lost = (with) - (without): the call's

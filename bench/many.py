@@ -69,17 +69,17 @@ class Model(torch.nn.Module):
 
 
 class Point:
-    def __init__(self, tensors: int, scratch: str) -> None:
+    def __init__(self, tensors: int, scratch: str, device: str = "cpu") -> None:
         blocks = max(1, round((tensors - FIXED) / PER_BLOCK))
         self.dir = os.path.join(scratch, f"many-{tensors}")
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        mesh = init_device_mesh(device, (dist.get_world_size(),))
         torch.manual_seed(0)
-        self.model = Model(blocks)
+        self.model = Model(blocks).to(device)
         for b in self.model.blocks:
             fully_shard(b, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
-        self.model(torch.randn(2, 8192)).pow(2).mean().backward()
+        self.model(torch.randn(2, 8192, device=device)).pow(2).mean().backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.state = {"model": self.model, "optimizer": self.opt}
@@ -138,7 +138,7 @@ def run_group(spec: dict[str, Any], scratch: str, out: dict[str, Any]) -> None:
     points = []
     for n in spec["points"]:
         t_build = time.perf_counter()
-        p = Point(n, os.path.join(scratch, spec["name"]))
+        p = Point(n, os.path.join(scratch, spec["name"]), spec.get("device", "cpu"))
         build_s = time.perf_counter() - t_build
         for meth in methods:
             p.save(meth)

@@ -672,7 +672,7 @@ def main() -> None:
             elif kind == "many":
                 import many
 
-                many.run_group(gspec, spec["scratch"], out)
+                many.run_group({"device": DEVICE, **gspec}, spec["scratch"], out)
             else:
                 run_group(gspec, spec["scratch"], out)
             _trim()
