@@ -4,9 +4,9 @@ The loop is CPU-bound on purpose and runs on the CPU even with ``--device cuda``
 
 A CPU-bound loop (FSDP2 Linear layers + AdamW, every core) runs K steps right after an
 async save returns, until both the K steps are done and the save is durable; the same K
-steps run once more without a save, right before. Lost = (with) - (without): the call's
+steps run once more without a save, right next to them. Lost = (with) - (without): the call's
 blocked time plus whatever the background write takes from the loop (CPU, memory
-bandwidth, the GIL). K is sized so that K steps outlast the slowest save (2.5x its time
+bandwidth, the GIL). The pair (with, without) runs in alternating order too. K is sized so that K steps outlast the slowest save (2.5x its time
 alone); where a save still ends after the steps, the report shows that tail. Every method
 runs on the same state, alternating order; the report shows medians.
 """
@@ -180,8 +180,13 @@ def run_group(spec: dict[str, Any], scratch: str, out: dict[str, Any]) -> None:
         order = methods if rep % 2 == 0 else methods[::-1]
         t_rep = time.perf_counter()
         for meth in order:
-            without = lp.once(meth, k, False)
-            with_ = lp.once(meth, k, True)
+            # the pair's order alternates too, so a slow drift of the machine's load cancels
+            if rep % 2 == 0:
+                without = lp.once(meth, k, False)
+                with_ = lp.once(meth, k, True)
+            else:
+                with_ = lp.once(meth, k, True)
+                without = lp.once(meth, k, False)
             mine = {"without": without, "with": with_}
             everyone: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, mine)
