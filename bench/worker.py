@@ -442,6 +442,19 @@ class RCDedup(RCAsync):
         return self.g.dedup_group()[2]
 
 
+class RCDedupCold(RCDedup):
+    """``rc_dedup`` with the manager's reused staging buffers dropped first: the extra RSS
+    then counts the buffers a warm save finds already resident."""
+
+    name, title = "rc_dedup_cold", "roll-ckpt async, local_dedup store, staging buffers dropped first (cold)"
+
+    def prepare(self):
+        m, _ = self.manager()
+        m.wait()
+        m._saves._reuse.clear()
+        super().prepare()
+
+
 class _Limit(Case):
     """The machine's own limits, measured by rank 0 in the same alternation as the cases."""
 
@@ -565,7 +578,7 @@ class DCPLoad(_Load):
 
 CASES: dict[str, type[Case]] = {c.name: c for c in (
     TorchSave, DCPSave, DCPAsync, DCPAsyncStager, RCSave, RCSaveT1, RCAsync, RCAsyncZCModel, RCAsyncZCAll,
-    RCDedup, DCPAsyncHSDP, RCBudget010, RCBudget025, RCBudget050, RCBudgetNone, DCPLoad, RCLoad, RCLoadStream,
+    RCDedup, RCDedupCold, DCPAsyncHSDP, RCBudget010, RCBudget025, RCBudget050, RCBudgetNone, DCPLoad, RCLoad, RCLoadStream,
     LimitWrite, LimitWrite2, LimitRead, LimitRead2, LimitMemcpy, LimitMemcpyFresh)}
 
 

@@ -34,7 +34,7 @@ def test_smoke_run_writes_the_report(tmp_path: Path) -> None:
 
     cases = {r["case"] for r in res["cases"]}
     assert {"torch_save", "dcp_save", "dcp_async", "dcp_async_stager", "rc_save", "rc_async",
-            "rc_async_zc_model", "rc_async_zc_all", "rc_dedup", "dcp_async_hsdp", "dcp_load", "rc_load",
+            "rc_async_zc_model", "rc_async_zc_all", "rc_dedup", "rc_dedup_cold", "dcp_async_hsdp", "dcp_load", "rc_load",
             "rc_load_stream", "rc_budget_0.1", "rc_budget_0.25", "rc_budget_0.5", "rc_budget_none"} <= cases
     for r in res["cases"]:
         for key in ("blocked_s", "durable_s", "extra_rss", "extra_rss_frac", "copied", "gbps"):
