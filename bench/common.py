@@ -7,7 +7,7 @@ import threading
 import time
 from typing import Iterable
 
-__all__ = ["PeakRSS", "rss_bytes", "drop_cache", "tree_bytes", "tree_files", "median"]
+__all__ = ["PeakRSS", "rss_bytes", "drop_cache", "tree_bytes", "tree_files", "median", "io_read_bytes"]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -141,6 +141,19 @@ def drop_cache(paths: Iterable[str]) -> None:
             pass
         finally:
             os.close(fd)
+
+
+def io_read_bytes() -> int:
+    """Bytes this process (all its threads) made the kernel fetch from storage (/proc/self/io
+    ``read_bytes``: page-cache hits do not count); 0 where the kernel does not say."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
 
 
 def median(xs: list[float]) -> float | None:

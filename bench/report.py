@@ -45,6 +45,8 @@ def markdown(res: dict[str, Any]) -> str:
         rss = f"{r['extra_rss'] / MB:.0f} MiB ({r['extra_rss_frac']:.2f}×)" if r.get("extra_rss") is not None else "—"
         copied = f"{r['copied'] / MB:.0f} MiB" if r.get("copied") else "0"
         blocked = _ms(r["blocked_s"]) if r["kind"] != "load" else "(load)"
+        if r["kind"] == "load" and r.get("read_per_byte") is not None:
+            blocked = f"(load; {r['read_per_byte']:.2f} B read from storage / B)"
         if r.get("staged_s") is not None:
             blocked += f" (copy done {_ms(r['staged_s'])})"
         lines.append(f"| {state} | {r['ranks']} | `{r['case']}` {r['title']} | {blocked} | {_ms(r['durable_s'])} | "
@@ -54,17 +56,140 @@ def markdown(res: dict[str, Any]) -> str:
         extra = ""
         if k == "T3":
             extra = f"; vs dcp.save {_f(t['vs_dcp']['value'])} (>= 1.0)"
-        if k == "T4" and t.get("vs_disk_read") is not None:
-            extra = f"; {t['vs_disk_read']:.2f}× the uncached read bandwidth"
+        if k == "T4":
+            if t.get("vs_disk_read") is not None:
+                extra = f"; {t['vs_disk_read']:.2f}× the uncached read bandwidth"
+            st = t.get("stream") or {}
+            extra += f"; one-pass `rc_load_stream` / dcp.load {_f(st.get('value'))} (reported, not the target)"
+        if k == "T6":
+            extra = (f"; regular staging {_f(t.get('regular'))}, DCP process mode {_f(t.get('process_mode'))}, "
+                     f"zero-copy with background_nice 0 {_f(t.get('zc_nice0'))}")
+        if k == "T7":
+            extra = (f"; at {t.get('tensors')} tensors: zero-copy {_f(t.get('zc_ms'), '{:.1f}')} ms, "
+                     f"dcp {_f(t.get('dcp_ms'), '{:.1f}')} ms, regular / dcp {_f(t.get('regular'))} (<= 0.5); "
+                     f"vs DCP plan caching: zero-copy {_f((t.get('vs_plan_caching') or {}).get('zc'))}, "
+                     f"regular {_f((t.get('vs_plan_caching') or {}).get('regular'))}")
+        if k == "T8":
+            extra = "; blocked by budget: " + ", ".join(
+                f"{c.replace('rc_budget_', '')} {_ms(v)}" for c, v in (t.get("blocked_s") or {}).items())
+        if k == "T9":
+            extra = (f"; {_ms(t.get('ours_s'))} vs {_ms(t.get('dcp_s'))}, extra RSS "
+                     f"{_f(t.get('extra_rss_frac'), '{:.2f}')}× (<= 1.1; dcp {_f(t.get('dcp_extra_rss_frac'), '{:.2f}')}×); "
+                     f"cold (staging buffers dropped first): {_ms((t.get('cold') or {}).get('blocked_s'))}, extra RSS "
+                     f"{_f((t.get('cold') or {}).get('extra_rss_frac'), '{:.2f}')}×")
         lines.append(f"| {k} | {_f(t['value'])} | {t['op']} {t['limit']} | {'PASS' if t['pass'] else '**FAIL**'} | "
                      f"{t['what']}{extra} |")
     for problem in res.get("invariants", []):
         lines += ["", f"**Invariant broken:** {problem}"]
+    lines += _loop_md(res) + _many_md(res) + _hash_md(res)
+    for sk in res.get("skipped", []):
+        lines += ["", f"**Skipped** `{sk['case']}`: {sk['reason']}"]
+    lines += ["", "## What limits each figure", ""] + [f"- {x}" for x in LIMITS_TEXT]
     lines += ["", "blocked: what the training loop waits for; durable after: from the call until the checkpoint is "
               "committed (fsynced); GB/s: checkpoint bytes / durable time (loads: bytes / load time, cold page cache); "
               "extra peak RSS: max over ranks of the peak above the RSS just before the call (× the rank's state bytes).",
               ""]
     return "\n".join(lines)
+
+
+LIMITS_TEXT = [
+    "**Machine**: 2 shared cores, a virtual disk; another job may run at the same time. Ratios are taken "
+    "within one run, side by side; absolute times move 2× between runs.",
+    "**T4 (load)**: the disk's uncached read bandwidth for all loaders; B read from storage / B comes from "
+    "/proc/self/io read_bytes (page-cache hits do not count), summed over ranks. With a page cache larger than "
+    "the checkpoint the default verify-first resume reads each byte from storage once too (its second pass hits "
+    "the cache); only a checkpoint larger than the page cache shows the second pass (the --full cgroup case).",
+    "**T6 (loop time lost)**: the difference of two windows of K steps (each ~1.5 s or more): step-time noise "
+    "from other jobs on the 2 cores is of the same order as the loss itself, so single repetitions can be "
+    "negative; the median of a few is shown. The loop uses every core (torch threads = cores), so any CPU "
+    "the background write uses (copy, hash, write syscalls, GIL) comes out of the loop. DCP's process mode "
+    "spends its CPU in another process (not in this process's CPU column).",
+    "**T7 (many tensors)**: Python work per tensor (state-dict traversal, DTensor wrapping, planning); DCP is "
+    "timed with get_state_dict included. Second and later saves of an unchanged structure.",
+    "**T8 (budget)**: measured cold (staging buffers dropped before each save), so the extra RSS counts the "
+    "staging buffers plus the writer's 8 MiB pieces; the blocked time includes their first-touch page "
+    "faults and, with a budget, waiting for earlier waves to be written.",
+    "**T9 (local_dedup)**: HSDP on 2 ranks on 1 host (all-gathers over gloo on loopback). `rc_dedup` is warm "
+    "(like every other save row, T2 included): staging buffers kept from the previous save are already resident "
+    "and do not show as extra RSS; `rc_dedup_cold` drops them first and shows what they hold.",
+    "**Hashing**: one core's xxh3-128 speed; the writer hashes while writing.",
+]
+
+
+def _loop_md(res: dict[str, Any]) -> list[str]:
+    lp = res.get("loop")
+    if not lp:
+        return []
+    out = ["", f"## T6: training-loop time lost per async save ({lp['ranks']} rank(s), {lp['tensors']} tensors, "
+               f"{lp['state_bytes'] / MB:.0f} MiB, {lp['threads']} torch threads; K = {lp['k']} steps of "
+               f"{lp['step_s'] * 1e3:.0f} ms; medians)", "",
+           "| method | blocked | durable after (beside the loop) | loop time lost | CPU s of this process, extra "
+           "| K steps without | save ended after the steps by |",
+           "|---|---:|---:|---:|---:|---:|---:|"]
+    for meth, r in lp["methods"].items():
+        out.append(f"| `{meth}` {r['title']} | {_ms(r['blocked_s'])} | {_ms(r['durable_s'])} | "
+                   f"{_ms(r['lost_s'])} | {_f(r['cpu_s'], '{:.2f}')} | {_ms(r['without_s'])} | "
+                   f"{_ms(r.get('tail_s')) if r.get('tail_s') else '—'} |")
+    out += ["", "loop time lost: (K steps with the save in flight, until both the steps are done and the save is "
+                "durable) − (the same K steps without a save, run just before); blocked time included. "
+                "A non-zero last column means the save outlasted the steps (the loss then includes waiting)."]
+    return out
+
+
+def _many_md(res: dict[str, Any]) -> list[str]:
+    mn = res.get("many")
+    if not mn:
+        return []
+    meths = list(mn["points"][0]["methods"]) if mn["points"] else []
+    out = ["", f"## T7: blocked time vs tensor count ({mn['ranks']} FSDP2 rank(s), AdamW, LayerNorm(64) + "
+               "Linear(64, 64) blocks between two Linear(64, 8192); medians of the second and later saves)", "",
+           "| tensors (state) | " + " | ".join(f"`{m}`" for m in meths) + " | get_state_dict |",
+           "|---|" + "---:|" * (len(meths) + 1)]
+    for pt in mn["points"]:
+        cells = [_ms(pt["methods"][m]["blocked_s"]) for m in meths]
+        gsd = pt["methods"].get("dcp_async", {}).get("get_state_dict_s")
+        out.append(f"| {pt['tensors']:,} ({pt['state_bytes'] / MB:.1f} MiB) | " + " | ".join(cells)
+                   + f" | {_ms(gsd)} |")
+    out += [""] + [f"`{m}`: {mn['titles'].get(m, m)}." for m in meths]
+    return out
+
+
+def _hash_md(res: dict[str, Any]) -> list[str]:
+    h = res.get("hash")
+    if not h:
+        return []
+    return ["", f"**Hash cost**: `roll_ckpt.digest.FileHasher` (whole file + 8 MiB pieces, xxh3-128) on "
+                f"{h['bytes'] / MB:.0f} MiB: {_ms(h['file_hasher_s'])} ({h['file_hasher_gbps']:.1f} GB/s; "
+                f"one xxh3-128 pass {h['xxh3_gbps']:.1f} GB/s), best of 3, one core."]
+
+
+def plot_tensors(res: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mn = res["many"]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    xs = [p["tensors"] for p in mn["points"]]
+    styles = {"dcp_async": ("tab:gray", "o-"), "dcp_async_plancache": ("tab:gray", "s--"),
+              "rc_async": ("tab:blue", "o-"), "rc_async_zc_all": ("tab:cyan", "^-")}
+    for meth in (mn["points"][0]["methods"] if mn["points"] else []):
+        ys = [p["methods"][meth]["blocked_s"] * 1e3 for p in mn["points"]]
+        colour, st = styles.get(meth, ("tab:red", "x-"))
+        ax.plot(xs, ys, st, color=colour, label=f"{meth}")
+    ax.axhline(25, color="tab:red", ls=":", label="T7: zero-copy <= 25 ms")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("tensors in the rank's state (model + AdamW)")
+    ax.set_ylabel("blocked per async save (ms, log)")
+    ax.set_title(f"blocked time vs tensor count — {mn['ranks']} FSDP2 rank, {res['mode']}, "
+                 f"{res['machine'].get('cpus')} cores", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
 
 
 def plot(res: dict[str, Any], path: str) -> None:

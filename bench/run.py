@@ -5,8 +5,10 @@
 Everything is measured in one run, side by side: the machine's limits (durable write,
 uncached read, memcpy) are cases of the same alternation as the checkpoint cases. Each
 case runs ``reps`` times on the same FSDP2 + AdamW state, in alternating order; the
-report shows medians. Writes DIR/latest.json, DIR/latest.md and DIR/latest.png (default
-DIR: bench/results). ``--check`` exits 1 when a target fails.
+report shows medians. Two more groups run on 1 rank: ``loop`` (T6: a CPU-bound training
+loop's time lost per async save, ``loop.py``) and ``many`` (T7: blocked time against the
+number of tensors, ``many.py``). Writes DIR/latest.json, DIR/latest.md, DIR/latest.png and
+DIR/tensors.png (default DIR: bench/results). ``--check`` exits 1 when a target fails.
 """
 
 from __future__ import annotations
@@ -36,20 +38,30 @@ LIMITS = ["limit_write", "limit_write2", "limit_read", "limit_read2", "limit_mem
 # Loads sit between saves, never next to each other: a load right after another one ran
 # measurably slower here (whichever came second), and the alternation would then favour
 # one of them.
-TARGET_CASES = ["dcp_async", "rc_load", "rc_async_zc_all", "dcp_save", "dcp_load", "rc_save", "rc_save_t1"]
+TARGET_CASES = ["dcp_async", "rc_load", "rc_async_zc_all", "dcp_save", "dcp_load", "rc_save", "rc_load_stream",
+                "rc_save_t1"]
+# T8: regular staging within a budget (x the rank's state), cold staging buffers.
+BUDGET_CASES = ["rc_budget_0.1", "rc_budget_0.25", "rc_budget_0.5", "rc_budget_none"]
 ALL_CASES = ["torch_save", "rc_load", "dcp_save", "dcp_async", "dcp_async_stager", "rc_save", "dcp_load",
-             "rc_async", "rc_async_zc_model", "rc_async_zc_all", "rc_dedup"]
+             "rc_async", "rc_async_zc_model", "rc_async_zc_all", "dcp_async_hsdp", "rc_dedup", "rc_dedup_cold"]
 
 # width x depth of Linear(width, width, bias=False) layers; with AdamW the state is 3 x params.
 MODES: dict[str, dict[str, Any]] = {
     # T1/T2 need >= 512 MiB in the store: 11 x 2048^2 x 4 B x 3 = 528 MiB over 2 ranks.
     # 4 repetitions: with the order reversed every other one, each case runs as often
     # before as after its neighbours.
-    "quick": {"reps": 4, "target": (2048, 11), "small": (2048, 2), "warmup": False},
-    "full": {"reps": 6, "target": (4096, 11), "small": (2048, 11), "warmup": True},
+    # loop (T6): Linear(width, width) x depth + AdamW on 1 rank, ~100 MiB in 512 tensors;
+    # many (T7): tensor counts of the sweep.
+    "quick": {"reps": 4, "target": (2048, 11), "small": (2048, 2), "warmup": False,
+              "loop": {"width": 368, "depth": 64, "reps": 4, "window_s": 1.5},
+              "many": {"points": [100, 1000, 3000], "reps": 3}},
+    "full": {"reps": 6, "target": (4096, 11), "small": (2048, 11), "warmup": True,
+             "loop": {"width": 368, "depth": 64, "reps": 5, "window_s": 2.0},
+             "many": {"points": [100, 1000, 3000, 10000], "reps": 5}},
     # Every case once, in one 2-rank group: checks the harness end to end, not the speed.
     "smoke": {"reps": 1, "target": (256, 2), "small": (256, 2), "warmup": False, "one_group": True,
-              "ranks": "2"},
+              "ranks": "2", "loop": {"width": 64, "depth": 4, "reps": 1, "window_s": 0.2},
+              "many": {"points": [100, 300], "reps": 1}},
 }
 
 
@@ -135,8 +147,12 @@ def summarise(group: dict[str, Any], name: str, case: dict[str, Any]) -> dict[st
         blocked = max(x["blocked_s"] for x in ranks)
         durable = max(x["durable_s"] for x in ranks)
         frac = max(x["extra_rss"] / x["state_bytes"] if x["state_bytes"] else 0.0 for x in ranks)
-        hash_frac = max((x.get("hash_s") or 0.0) / x["durable_s"] if x["durable_s"] else 0.0 for x in ranks)
+        # The writer threads hash at the same time: their summed hashing seconds / threads is
+        # what hashing can take of the save's wall time.
+        hash_frac = max((x.get("hash_s") or 0.0) / (x.get("threads") or 1) / x["durable_s"] if x["durable_s"] else 0.0
+                        for x in ranks)
         staged = [x["staged_s"] for x in ranks if x.get("staged_s") is not None]
+        read = [x["read_bytes"] for x in ranks if x.get("read_bytes") is not None]
         per_rep.append({
             "blocked_s": blocked, "durable_s": durable, "bytes": r["bytes"],
             "gbps": r["bytes"] / durable / 1e9 if durable else None,
@@ -144,9 +160,11 @@ def summarise(group: dict[str, Any], name: str, case: dict[str, Any]) -> dict[st
             "copied": sum(x.get("copied") or 0 for x in ranks), "hash_frac": hash_frac,
             "staged_s": max(staged) if staged else None,
             "policies": ranks[0].get("policies"),
+            # bytes fetched from storage (all ranks) per byte of the checkpoint: 1.0 = one pass
+            "read_per_byte": sum(read) / r["bytes"] if read and r["bytes"] else None,
         })
     for key in ("blocked_s", "durable_s", "bytes", "gbps", "extra_rss", "extra_rss_frac", "copied", "hash_frac",
-                "staged_s"):
+                "staged_s", "read_per_byte"):
         row[key] = median([p[key] for p in per_rep])
     row["state_bytes"] = sum(x["state_bytes"] for x in reps[0]["ranks"])
     row["policies"] = per_rep[0]["policies"]
@@ -154,15 +172,120 @@ def summarise(group: dict[str, Any], name: str, case: dict[str, Any]) -> dict[st
     return row
 
 
+def summarise_loop(group: dict[str, Any]) -> dict[str, Any]:
+    """T6: per method, the medians of (window with the save) - (window without), max over ranks."""
+    out: dict[str, Any] = {"tensors": group["tensors"], "state_bytes": group["state_bytes"], "k": group["k"],
+                           "step_s": group["step_s"], "threads": group["threads"], "ranks": group["world_size"],
+                           "methods": {}}
+    for meth, reps in group["methods"].items():
+        per = []
+        for ranks in reps:
+            per.append({
+                "lost_s": max(x["with"]["wall_s"] - x["without"]["wall_s"] for x in ranks),
+                "cpu_s": max(x["with"]["cpu_s"] - x["without"]["cpu_s"] for x in ranks),
+                "blocked_s": max(x["with"]["blocked_s"] for x in ranks),
+                "durable_s": max(x["with"]["durable_s"] for x in ranks),
+                "without_s": max(x["without"]["wall_s"] for x in ranks),
+                # the save ended after the K steps: the window then includes waiting for it
+                "tail_s": max(max(0.0, x["with"]["wall_s"] - x["with"]["steps_s"]) for x in ranks),
+                "window_s": max(x["with"]["wall_s"] for x in ranks),
+            })
+        row = {k: median([p[k] for p in per]) for k in per[0]}
+        row.update(title=group["titles"].get(meth, meth), reps=len(per), raw=per)
+        out["methods"][meth] = row
+    return out
+
+
+def summarise_many(group: dict[str, Any]) -> dict[str, Any]:
+    """T7: per point of the sweep and method, median blocked / durable seconds (max over ranks)."""
+    points = []
+    for pt in group["points"]:
+        ms: dict[str, Any] = {}
+        for meth, reps in pt["methods"].items():
+            per = [{"blocked_s": max(x["blocked_s"] for x in ranks), "durable_s": max(x["durable_s"] for x in ranks),
+                    "get_state_dict_s": max((x.get("get_state_dict_s") or 0.0) for x in ranks) or None}
+                   for ranks in reps]
+            ms[meth] = {k: median([p[k] for p in per]) for k in per[0]}
+            ms[meth]["raw_blocked_s"] = [p["blocked_s"] for p in per]
+        points.append({"tensors": pt["tensors"], "state_bytes": pt["state_bytes"], "methods": ms})
+    return {"ranks": group["world_size"], "titles": group["titles"], "points": points}
+
+
+def hash_cost(nbytes: int = 64 << 20) -> dict[str, Any]:
+    """Seconds of roll_ckpt.digest.FileHasher (whole-file + per-8-MiB-piece xxh3-128) on 64 MiB."""
+    import numpy as np
+    import xxhash
+
+    from roll_ckpt.digest import FileHasher
+
+    data = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+    best: dict[str, float] = {}
+    for _ in range(3):
+        t0 = time.perf_counter()
+        h = FileHasher()
+        h.update(memoryview(data))
+        h.digest()
+        t1 = time.perf_counter()
+        xxhash.xxh3_128(memoryview(data)).hexdigest()
+        t2 = time.perf_counter()
+        best["file_hasher_s"] = min(best.get("file_hasher_s", 1e9), t1 - t0)
+        best["xxh3_s"] = min(best.get("xxh3_s", 1e9), t2 - t1)
+    return {"bytes": nbytes, **best, "file_hasher_gbps": nbytes / best["file_hasher_s"] / 1e9,
+            "xxh3_gbps": nbytes / best["xxh3_s"] / 1e9}
+
+
+def cgroup_memory() -> tuple[bool, str]:
+    """Can this process make a memory-limited cgroup v2 (for a load larger than the page cache)?"""
+    root = "/sys/fs/cgroup"
+    try:
+        with open("/proc/self/mountinfo") as f:
+            mounts = {ln.split()[4]: ln.split(" - ")[1].split()[0] for ln in f}
+    except OSError as e:
+        return False, f"cannot read /proc/self/mountinfo ({e})"
+    if mounts.get(root) != "cgroup2":
+        v2 = [p for p, t in mounts.items() if t == "cgroup2"]
+        where = f"cgroup v2 only at {v2[0]}" if v2 else "no cgroup v2 mounted"
+        ctl = ""
+        if v2:
+            try:
+                with open(os.path.join(v2[0], "cgroup.controllers")) as f:
+                    ctl = f.read().split()
+            except OSError:
+                ctl = []
+            ctl = f" with controllers {ctl or 'none'}"
+        return False, (f"{root} is not cgroup v2 ({mounts.get(root, 'not mounted')}; {where}{ctl}): no memory "
+                       "controller to limit the page cache, and a state larger than free RAM does not fit")
+    try:
+        with open(os.path.join(root, "cgroup.controllers")) as f:
+            if "memory" not in f.read().split():
+                return False, "cgroup v2 has no memory controller"
+    except OSError as e:
+        return False, f"cgroup v2 not readable ({e})"
+    if not os.access(root, os.W_OK):
+        return False, "cgroup v2 is mounted read-only for this user"
+    return False, "cgroup v2 memory controller present, but the case is not implemented yet"
+
+
 def find(rows: list[dict[str, Any]], group: str, case: str) -> dict[str, Any] | None:
     return next((r for r in rows if r["group"] == group and r["case"] == case), None)
 
 
-def targets(rows: list[dict[str, Any]], limits: dict[str, Any]) -> dict[str, Any]:
+def find_case(rows: list[dict[str, Any]], case: str, groups: tuple[str, ...] = ("target", "small")) -> dict[str, Any] | None:
+    """The case in the first of ``groups`` that has it (the smoke run has only "target")."""
+    for g in groups:
+        r = find(rows, g, case)
+        if r is not None:
+            return r
+    return None
+
+
+def targets(rows: list[dict[str, Any]], limits: dict[str, Any], extra: dict[str, Any] | None = None) -> dict[str, Any]:
     g = "target"
+    extra = extra or {}
     zc, da = find(rows, g, "rc_async_zc_all"), find(rows, g, "dcp_async")
     rs, ds = find(rows, g, "rc_save"), find(rows, g, "dcp_save")
     rl, dl = find(rows, g, "rc_load"), find(rows, g, "dcp_load")
+    rls = find(rows, g, "rc_load_stream")
     out: dict[str, Any] = {}
 
     def ratio(a: float | None, b: float | None) -> float | None:
@@ -189,12 +312,78 @@ def targets(rows: list[dict[str, Any]], limits: dict[str, Any]) -> dict[str, Any
     t3["pass"] = t3["pass"] and t3["vs_dcp"]["pass"]
     out["T3"] = t3
     read = max(filter(None, [limits.get("disk_read_gbps"), limits.get("disk_read2_gbps")]), default=None)
-    out["T4"] = entry(ratio(rl and rl["gbps"], dl and dl["gbps"]), 1.0, False,
-                      "load GB/s of roll-ckpt resume (checksums verified) / dcp.load of the same checkpoint, cold cache",
+    out["T4"] = entry(ratio(rl and rl["gbps"], dl and dl["gbps"]), 1.15, False,
+                      "load GB/s of roll-ckpt resume (default: every file verified before any byte is used) / "
+                      "dcp.load of the same checkpoint, cold cache",
                       ours_gbps=rl and rl["gbps"], dcp_gbps=dl and dl["gbps"], disk_read_gbps=read,
-                      vs_disk_read=ratio(rl and rl["gbps"], read))
+                      vs_disk_read=ratio(rl and rl["gbps"], read),
+                      stream={"value": ratio(rls and rls["gbps"], dl and dl["gbps"]), "gbps": rls and rls["gbps"],
+                              "what": "rc_load_stream (verify_before_load: false, one pass) / dcp.load"},
+                      read_per_byte={"rc_load": rl and rl.get("read_per_byte"),
+                                     "rc_load_stream": rls and rls.get("read_per_byte"),
+                                     "dcp_load": dl and dl.get("read_per_byte")})
     out["T5"] = entry(rs and rs["hash_frac"], 0.25, True,
-                      "seconds spent hashing (xxh3-128, while writing) / seconds of the sync save (max over ranks)")
+                      "seconds spent hashing (xxh3-128, while writing; summed over the writer threads / their number) / "
+                      "seconds of the sync save (max over ranks)")
+
+    # T6: loop time lost per async save
+    lp = (extra.get("loop") or {}).get("methods", {})
+
+    def lost(m: str) -> float | None:
+        return (lp.get(m) or {}).get("lost_s")
+
+    dcp_lost = lost("dcp_thread")
+    # A loss at or below zero is noise: no ratio can be formed against it.
+    denom = dcp_lost if dcp_lost is not None and dcp_lost > 0 else None
+    out["T6"] = entry(ratio(lost("rc_zc"), denom), 0.6, True,
+                      "loop time lost per async save (K training steps with the save in flight until durable, minus "
+                      "the same K steps without): roll-ckpt zero-copy / dcp.async_save thread mode",
+                      lost_s={m: lost(m) for m in lp}, regular=ratio(lost("rc_regular"), denom),
+                      process_mode=ratio(lost("dcp_process"), denom), zc_nice0=ratio(lost("rc_zc_nice0"), denom))
+
+    # T7: many tensors, at the first point of the sweep with >= 2,000 tensors (else the largest)
+    pts = (extra.get("many") or {}).get("points", [])
+    pt = next((p for p in pts if p["tensors"] >= 2000), pts[-1] if pts else None)
+    ms = pt["methods"] if pt else {}
+
+    def blk(m: str) -> float | None:
+        return (ms.get(m) or {}).get("blocked_s")
+
+    zc7, reg7, dcp7, pc7 = blk("rc_async_zc_all"), blk("rc_async"), blk("dcp_async"), blk("dcp_async_plancache")
+    t7 = entry(ratio(zc7, dcp7), 0.05, True,
+               "many tensors: blocked time of zero-copy / get_state_dict + dcp.async_save default "
+               "(and zero-copy <= 25 ms, regular staging <= 0.5x)",
+               tensors=pt and pt["tensors"], zc_ms=zc7 and zc7 * 1e3, regular=ratio(reg7, dcp7),
+               vs_plan_caching={"zc": ratio(zc7, pc7), "regular": ratio(reg7, pc7)},
+               dcp_ms=dcp7 and dcp7 * 1e3)
+    t7["pass"] = bool(t7["pass"] and zc7 is not None and zc7 <= 0.025 and t7["regular"] is not None
+                      and t7["regular"] <= 0.5)
+    out["T7"] = t7
+
+    # T8: host-memory budget
+    b25 = find_case(rows, "rc_budget_0.25")
+    t8 = entry(b25 and b25["extra_rss_frac"], 0.3, True,
+               "regular staging with max_staging_bytes = 0.25x the rank's state: extra peak RSS / state "
+               "(cold staging buffers; the save must complete)",
+               blocked_s={c: (find_case(rows, c) or {}).get("blocked_s") for c in (
+                   "rc_budget_0.1", "rc_budget_0.25", "rc_budget_0.5", "rc_budget_none")},
+               extra_rss_frac={c: (find_case(rows, c) or {}).get("extra_rss_frac") for c in (
+                   "rc_budget_0.1", "rc_budget_0.25", "rc_budget_0.5", "rc_budget_none")})
+    t8["pass"] = bool(t8["pass"] and b25 and b25["durable_s"] and b25["bytes"])
+    out["T8"] = t8
+
+    # T9: local_dedup against dcp.async_save on the same HSDP state
+    dd, dh = find_case(rows, "rc_dedup", ("small", "target")), find_case(rows, "dcp_async_hsdp", ("small", "target"))
+    dc = find_case(rows, "rc_dedup_cold", ("small", "target"))
+    t9 = entry(ratio(dd and dd["blocked_s"], dh and dh["blocked_s"]), 0.2, True,
+               "local_dedup (HSDP, 2 ranks): blocked / dcp.async_save default on the same state "
+               "(and extra peak RSS <= 1.1x the rank's state)",
+               ours_s=dd and dd["blocked_s"], dcp_s=dh and dh["blocked_s"],
+               extra_rss_frac=dd and dd["extra_rss_frac"], dcp_extra_rss_frac=dh and dh["extra_rss_frac"],
+               cold={"blocked_s": dc and dc["blocked_s"], "extra_rss_frac": dc and dc["extra_rss_frac"],
+                     "what": "rc_dedup_cold: the reused staging buffers dropped before the save"})
+    t9["pass"] = bool(t9["pass"] and dd and dd["extra_rss_frac"] is not None and dd["extra_rss_frac"] <= 1.1)
+    out["T9"] = t9
     return out
 
 
@@ -204,8 +393,8 @@ def targets(rows: list[dict[str, Any]], limits: dict[str, Any]) -> dict[str, Any
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     size = p.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_const", dest="mode", const="quick", help="(default) <= 3 min on 2 cores, 4 repetitions")
-    size.add_argument("--full", action="store_const", dest="mode", const="full", help="larger states (2.2 GB), 6 repetitions")
+    size.add_argument("--quick", action="store_const", dest="mode", const="quick", help="(default) ~4-5 min on 2 cores, 4 repetitions")
+    size.add_argument("--full", action="store_const", dest="mode", const="full", help="larger states (2.2 GB), 6 repetitions, the sweep up to 10,000 tensors")
     size.add_argument("--smoke", action="store_const", dest="mode", const="smoke", help="a few MB, 1 repetition")
     p.add_argument("--check", action="store_true", help="exit 1 when a target fails")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -213,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scratch", default=None, help="where checkpoints are written (default: next to --out)")
     p.add_argument("--reps", type=int, default=None)
     p.add_argument("--ranks", default=None, help="world sizes to run (default 2,1)")
-    p.add_argument("--groups", default="small,target", help="state groups to run (small, target)")
+    p.add_argument("--groups", default="small,target,many,loop",
+                   help="groups to run (small, target: state groups; many: T7's sweep; loop: T6's training loop)")
     p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)
     mode = args.mode or "quick"
@@ -232,6 +422,11 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     limits: dict[str, Any] = {}
     invariants: list[str] = []
+    extra: dict[str, Any] = {"hash": hash_cost(), "skipped": []}
+    if mode == "full":
+        ok, why = cgroup_memory()
+        if not ok:
+            extra["skipped"].append({"case": "load_over_page_cache", "reason": why})
     try:
         ranks = [int(x) for x in (args.ranks or cfg.get("ranks", "2,1")).split(",") if x]
         if args.device == "cuda":
@@ -251,9 +446,11 @@ def main(argv: list[str] | None = None) -> int:
             if cfg.get("one_group"):
                 wanted = set()
                 w, d = cfg["target"]
-                cases = list(dict.fromkeys(TARGET_CASES + ALL_CASES + LIMITS))
+                cases = list(dict.fromkeys(TARGET_CASES + ALL_CASES + BUDGET_CASES + LIMITS))
                 groups.append({"name": "target", "width": w, "depth": d, "reps": reps, "warmup": False,
                                "cases": cases})
+                groups.append({"name": "many", "kind": "many", **cfg["many"]})
+                groups.append({"name": "loop", "kind": "loop", **cfg["loop"]})
             if "small" in wanted:
                 groups.append({"name": "small", "width": w, "depth": d, "reps": reps, "warmup": warm,
                                "cases": ALL_CASES})
@@ -261,13 +458,24 @@ def main(argv: list[str] | None = None) -> int:
                 w, d = cfg["target"]
                 groups.append({"name": "target", "width": w, "depth": d, "reps": reps,
                                "warmup": warm and "small" not in wanted,
-                               "cases": TARGET_CASES + LIMITS})
+                               "cases": TARGET_CASES + BUDGET_CASES + LIMITS})
+            # T6 and T7 are 1-rank measurements
+            more = {"reps": args.reps} if args.reps else {}
+            for kind in ("many", "loop"):
+                if nproc == min(ranks) and kind in wanted:
+                    groups.append({"name": kind, "kind": kind, **cfg[kind], **more})
             if not groups:
                 continue
             spec = {"device": args.device, "scratch": os.path.join(scratch, f"r{nproc}"), "groups": groups}
             print(f"[bench] {mode}: {nproc} rank(s), groups {[g['name'] for g in groups]}, {reps} rep(s)", flush=True)
             res = run_worker(nproc, spec, scratch, timeout=1800)
             for group in res["groups"]:
+                if group.get("kind") == "loop":
+                    extra["loop"] = summarise_loop(group)
+                    continue
+                if group.get("kind") == "many":
+                    extra["many"] = summarise_many(group)
+                    continue
                 invariants += group.get("invariants", [])
                 for name, case in group["cases"].items():
                     row = summarise(group, name, case)
@@ -285,17 +493,17 @@ def main(argv: list[str] | None = None) -> int:
                 limits["bytes"] = r.get("bytes")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    tg = targets(rows, limits)
+    tg = targets(rows, limits, extra)
     result = {
         "schema": 1, "mode": mode, "reps": reps, "device": args.device,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "duration_s": round(time.perf_counter() - t0, 1),
         "machine": machine(scratch_parent, args.device), "limits": limits,
         "cases": [r for r in rows if r["kind"] != "limit"], "targets": tg,
-        "invariants": sorted(set(invariants)),
+        "invariants": sorted(set(invariants)), **extra,
         "all_pass": all(t["pass"] for t in tg.values()) and not invariants,
     }
-    from report import markdown, plot
+    from report import markdown, plot, plot_tensors
 
     with open(os.path.join(args.out, "latest.json"), "w") as f:
         json.dump(result, f, indent=1)
@@ -304,13 +512,16 @@ def main(argv: list[str] | None = None) -> int:
         f.write(md)
     if not args.no_plot:
         plot(result, os.path.join(args.out, "latest.png"))
+        if result.get("many"):
+            plot_tensors(result, os.path.join(args.out, "tensors.png"))
     print(md)
     for k, t in tg.items():
         v = "n/a" if t["value"] is None else f"{t['value']:.3f}"
         print(f"{k}: {'PASS' if t['pass'] else 'FAIL'}  {v} {t['op']} {t['limit']}  ({t['what']})")
     for problem in result["invariants"]:
         print(f"INVARIANT BROKEN: {problem}")
-    print(f"[bench] {result['duration_s']} s; wrote {args.out}/latest.{{json,md,png}}")
+    print(f"[bench] {result['duration_s']} s; wrote {args.out}/latest.{{json,md,png}}"
+          + (" and tensors.png" if result.get("many") and not args.no_plot else ""))
     return 1 if args.check and not result["all_pass"] else 0
 
 

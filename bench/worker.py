@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import PeakRSS, drop_cache, tree_bytes, tree_files  # noqa: E402
+from common import PeakRSS, drop_cache, io_read_bytes, tree_bytes, tree_files  # noqa: E402
 
 from roll_ckpt import CheckpointManager, load_config  # noqa: E402
 from roll_ckpt import digest as _digest  # noqa: E402
@@ -51,6 +51,19 @@ def _timed_update(self: Any, data: Any) -> None:
 
 
 _digest.Hasher.update = _timed_update  # type: ignore[method-assign]
+
+# roll-ckpt's writer hashes through FileHasher (whole file + 8 MiB pieces); without this the
+# writer's hashing went uncounted and T5 read 0.
+_orig_file_update = _digest.FileHasher.update
+
+
+def _timed_file_update(self: Any, data: Any) -> None:
+    t0 = time.perf_counter()
+    _orig_file_update(self, data)
+    _HASH_S[0] += time.perf_counter() - t0  # summed over writer threads: an upper bound
+
+
+_digest.FileHasher.update = _timed_file_update  # type: ignore[method-assign]
 
 
 # ----------------------------------------------------------------------------- state
@@ -109,6 +122,8 @@ class Group:
         self.m.bind(self.state)
         self.m_load = CheckpointManager.from_config(load_config(cfg), quiet=True)
         self.m_load.bind(self.state)
+        self.cfg = cfg
+        self.managers: dict[Any, Any] = {}  # more managers, made when a case first needs them
         self.stager: Any = None
         self.dedup: tuple[Any, ...] | None = None
         self.invariants: list[str] = []
@@ -127,6 +142,17 @@ class Group:
         msd, osd = get_state_dict(self.model, self.opt)
         return {"model": msd, "optimizer": osd}
 
+    def manager(self, key: Any, checkpoint: dict[str, Any] | None = None,
+                strategy: dict[str, Any] | None = None) -> Any:
+        """A manager of its own for a case whose configuration differs from ``self.m``'s."""
+        if key not in self.managers:
+            cfg = {"checkpoint_config": {**self.cfg["checkpoint_config"], **(checkpoint or {})},
+                   "strategy_config": {**self.cfg["strategy_config"], **(strategy or {})}}
+            m = CheckpointManager.from_config(load_config(cfg), quiet=True)
+            m.bind(self.state)
+            self.managers[key] = m
+        return self.managers[key]
+
     def dedup_group(self) -> tuple[Any, ...]:
         if self.dedup is None:
             model, opt = build(self.spec["width"], self.spec["depth"], mesh_kind="hsdp")
@@ -141,6 +167,8 @@ class Group:
     def close(self) -> None:
         self.m.close()
         self.m_load.close()
+        for m in self.managers.values():
+            m.close()
         if self.dedup is not None:
             self.dedup[0].close()
         if self.stager is not None:
@@ -288,6 +316,11 @@ class RCAsync(Case):
     offload: bool | None = None  # None: live state; False: model in the store; True: model + optimizer
 
     def manager(self) -> tuple[Any, dict[str, Any]]:
+        if self.offload is None:
+            # A manager of its own: a manager keeps the staging buffers of 2 layouts, and the
+            # live, model-offloaded and all-offloaded saves are 3; sharing ``g.m`` rebuilt them
+            # on every save (1.0x extra RSS, fresh-memory copies in the blocked time).
+            return self.g.manager("async-live"), self.g.state
         return self.g.m, self.g.state
 
     def prepare(self):
@@ -344,6 +377,63 @@ class RCAsyncZCAll(RCAsync):
     offload = True
 
 
+class RCBudget(RCAsync):
+    """Regular staging within ``strategy_config.max_staging_bytes`` = ``frac`` x the rank's state.
+
+    Cold: the manager's staging buffers are dropped before each save, so the extra peak
+    RSS counts them (a warm save reuses buffers that are already resident); the blocked
+    time then includes their first-touch page faults.
+    """
+
+    frac: float = 0.0  # 0: no bound
+
+    def manager(self):
+        g = self.g
+        budget = int(self.frac * g.state_bytes)
+        return g.manager(("budget", self.frac), strategy={"max_staging_bytes": budget}), g.state
+
+    def prepare(self):
+        m, _ = self.manager()
+        m.wait()
+        m._saves._reuse.clear()  # the arenas go; measure() gives the memory back before the save
+
+
+class RCBudget010(RCBudget):
+    name, title, frac = "rc_budget_0.1", "roll-ckpt async, regular staging, max_staging_bytes 0.1x state (cold)", 0.1
+
+
+class RCBudget025(RCBudget):
+    name, title, frac = "rc_budget_0.25", "roll-ckpt async, regular staging, max_staging_bytes 0.25x state (cold)", 0.25
+
+
+class RCBudget050(RCBudget):
+    name, title, frac = "rc_budget_0.5", "roll-ckpt async, regular staging, max_staging_bytes 0.5x state (cold)", 0.5
+
+
+class RCBudgetNone(RCBudget):
+    name, title, frac = "rc_budget_none", "roll-ckpt async, regular staging, no budget (cold)", 0.0
+
+
+class DCPAsyncHSDP(Case):
+    name, title = "dcp_async_hsdp", "dcp.async_save, default staging, on the local_dedup case's HSDP state"
+    ranks_min = 2
+
+    def run(self):
+        g = self.g
+        _, state, _ = g.dedup_group()
+        path = g.path("dcp_async_hsdp")
+        t0 = time.perf_counter()
+        msd, osd = get_state_dict(state["model"], state["optimizer"])
+        fut = dcp.async_save({"model": msd, "optimizer": osd}, checkpoint_id=path, process_group=g.pg)
+        blocked = time.perf_counter() - t0
+        fut.result()
+        self.written = path
+        return blocked, time.perf_counter() - t0, {"copied": self.state_bytes()}
+
+    def state_bytes(self) -> int:
+        return self.g.dedup_group()[2]
+
+
 class RCDedup(RCAsync):
     name, title = "rc_dedup", "roll-ckpt async, local_dedup store (HSDP, rebuilt + staged)"
     offload = True
@@ -355,6 +445,19 @@ class RCDedup(RCAsync):
 
     def state_bytes(self) -> int:
         return self.g.dedup_group()[2]
+
+
+class RCDedupCold(RCDedup):
+    """``rc_dedup`` with the manager's reused staging buffers dropped first: the extra RSS
+    then counts the buffers a warm save finds already resident."""
+
+    name, title = "rc_dedup_cold", "roll-ckpt async, local_dedup store, staging buffers dropped first (cold)"
+
+    def prepare(self):
+        m, _ = self.manager()
+        m.wait()
+        m._saves._reuse.clear()
+        super().prepare()
 
 
 class _Limit(Case):
@@ -435,16 +538,32 @@ class _Load(Case):
 
 
 class RCLoad(_Load):
-    name, title = "rc_load", "roll-ckpt resume (verify + load)"
+    name, title = "rc_load", "roll-ckpt resume (verify every file, then load)"
+
+    def loader(self) -> Any:
+        return self.g.m_load
+
+    def prepare(self):
+        self.loader()
+        super().prepare()
 
     def run(self):
         g = self.g
+        m = self.loader()
         _HASH_S[0] = 0.0
+        io0 = io_read_bytes()
         t0 = time.perf_counter()
-        g.m_load.resume(g.state, target=g.load_path)
+        m.resume(g.state, target=g.load_path)
         sync()
         dt = time.perf_counter() - t0
-        return dt, dt, {"hash_s": _HASH_S[0]}
+        return dt, dt, {"hash_s": _HASH_S[0], "read_bytes": io_read_bytes() - io0}
+
+
+class RCLoadStream(RCLoad):
+    name, title = "rc_load_stream", "roll-ckpt resume, one pass (verify_before_load: false)"
+
+    def loader(self) -> Any:
+        return self.g.manager("stream", checkpoint={"verify_before_load": False})
 
 
 class DCPLoad(_Load):
@@ -452,18 +571,20 @@ class DCPLoad(_Load):
 
     def run(self):
         g = self.g
+        io0 = io_read_bytes()
         t0 = time.perf_counter()
         msd, osd = get_state_dict(g.model, g.opt)
         dcp.load({"model": msd, "optimizer": osd}, checkpoint_id=os.path.join(g.load_path, "dcp"), process_group=g.pg)
         set_state_dict(g.model, g.opt, model_state_dict=msd, optim_state_dict=osd)
         sync()
         dt = time.perf_counter() - t0
-        return dt, dt, {}
+        return dt, dt, {"read_bytes": io_read_bytes() - io0}
 
 
 CASES: dict[str, type[Case]] = {c.name: c for c in (
     TorchSave, DCPSave, DCPAsync, DCPAsyncStager, RCSave, RCSaveT1, RCAsync, RCAsyncZCModel, RCAsyncZCAll,
-    RCDedup, DCPLoad, RCLoad, LimitWrite, LimitWrite2, LimitRead, LimitRead2, LimitMemcpy, LimitMemcpyFresh)}
+    RCDedup, RCDedupCold, DCPAsyncHSDP, RCBudget010, RCBudget025, RCBudget050, RCBudgetNone, DCPLoad, RCLoad, RCLoadStream,
+    LimitWrite, LimitWrite2, LimitRead, LimitRead2, LimitMemcpy, LimitMemcpyFresh)}
 
 
 # ----------------------------------------------------------------------------- driver
@@ -561,7 +682,18 @@ def main() -> None:
     out: dict[str, Any] = {"world_size": dist.get_world_size(), "device": DEVICE, "groups": []}
     try:
         for gspec in spec["groups"]:
-            run_group(gspec, spec["scratch"], out)
+            kind = gspec.get("kind", "state")
+            if kind == "loop":
+                import loop
+
+                loop.run_group(gspec, spec["scratch"], out)
+            elif kind == "many":
+                import many
+
+                many.run_group({"device": DEVICE, **gspec}, spec["scratch"], out)
+            else:
+                run_group(gspec, spec["scratch"], out)
+            _trim()
         if dist.get_rank() == 0:
             with open(out_path, "w") as f:
                 json.dump(out, f)

@@ -25,7 +25,7 @@ def test_smoke_run_writes_the_report(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     res = json.loads((out / "latest.json").read_text())
 
-    assert set(res["targets"]) == {"T1", "T2", "T3", "T4", "T5"}
+    assert set(res["targets"]) == {f"T{i}" for i in range(1, 10)}
     for name, t in res["targets"].items():
         assert {"value", "limit", "pass"} <= set(t), name
         assert isinstance(t["pass"], bool) and isinstance(t["limit"], (int, float)), name
@@ -34,7 +34,8 @@ def test_smoke_run_writes_the_report(tmp_path: Path) -> None:
 
     cases = {r["case"] for r in res["cases"]}
     assert {"torch_save", "dcp_save", "dcp_async", "dcp_async_stager", "rc_save", "rc_async",
-            "rc_async_zc_model", "rc_async_zc_all", "rc_dedup", "dcp_load", "rc_load"} <= cases
+            "rc_async_zc_model", "rc_async_zc_all", "rc_dedup", "rc_dedup_cold", "dcp_async_hsdp", "dcp_load", "rc_load",
+            "rc_load_stream", "rc_budget_0.1", "rc_budget_0.25", "rc_budget_0.5", "rc_budget_none"} <= cases
     for r in res["cases"]:
         for key in ("blocked_s", "durable_s", "extra_rss", "extra_rss_frac", "copied", "gbps"):
             assert key in r, (r["case"], key)
@@ -42,12 +43,38 @@ def test_smoke_run_writes_the_report(tmp_path: Path) -> None:
     zc = next(r for r in res["cases"] if r["case"] == "rc_async_zc_all")
     # only what is not in the store is copied (AdamW step counters, RNG state)
     assert zc["copied"] < 0.05 * zc["state_bytes"] and zc["policies"].get("zero_copy", 0) > 0
+    # loads say how many bytes they fetched from storage per checkpoint byte
+    for name in ("rc_load", "rc_load_stream", "dcp_load"):
+        r = next(r for r in res["cases"] if r["case"] == name)
+        assert "read_per_byte" in r, name
+    assert set(res["targets"]["T4"]["read_per_byte"]) == {"rc_load", "rc_load_stream", "dcp_load"}
+    # the budgeted saves complete
+    for name in ("rc_budget_0.1", "rc_budget_0.25", "rc_budget_0.5"):
+        r = next(r for r in res["cases"] if r["case"] == name)
+        assert r["bytes"] > 0 and r["durable_s"] > 0, name
+
+    # T6: the training loop, every method, with and without a save
+    loop = res["loop"]["methods"]
+    assert set(loop) == {"dcp_thread", "dcp_process", "rc_regular", "rc_zc", "rc_zc_nice0"}
+    for name, r in loop.items():
+        assert r["durable_s"] > 0 and r["without_s"] > 0 and r["lost_s"] is not None, name
+    # T7: the tensor-count sweep, every method at every point
+    points = res["many"]["points"]
+    assert len(points) >= 2 and points[0]["tensors"] < points[-1]["tensors"]
+    for pt in points:
+        assert set(pt["methods"]) == {"dcp_async", "dcp_async_plancache", "rc_async", "rc_async_zc_all"}
+        assert all(m["blocked_s"] > 0 for m in pt["methods"].values())
+    assert res["targets"]["T7"]["tensors"] == points[-1]["tensors"]  # no point >= 2,000 in the smoke run
+    assert res["hash"]["file_hasher_gbps"] > 0
+
     lim = res["limits"]
     assert lim["disk_write_gbps"] > 0 and lim["disk_read_gbps"] > 0 and lim["memcpy_gbps"] > 0
 
     md = (out / "latest.md").read_text()
     assert "| T1 |" in md and "rc_async_zc_all" in md and "Machine:" in md
+    assert "## T6" in md and "## T7" in md and "| T9 |" in md and "Hash cost" in md
     assert (out / "latest.png").stat().st_size > 10_000
+    assert (out / "tensors.png").stat().st_size > 10_000
     assert not list(out.glob(".scratch-*")), "the scratch checkpoints are removed"
 
 
@@ -69,3 +96,36 @@ def test_check_flag_reports_failures_in_the_exit_status(tmp_path: Path) -> None:
     tg = run.targets(rows, {"disk_write_gbps": 1.0, "disk_read_gbps": 1.0})
     assert not any(t["pass"] for t in tg.values())
     assert tg["T1"]["value"] == pytest.approx(1.0) and tg["T3"]["vs_dcp"]["value"] == pytest.approx(0.1)
+
+
+def test_targets_six_to_nine_from_saved_figures() -> None:
+    """T6–T9 are ratios of figures measured in the same run; a loss at or below zero has no ratio."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import run
+    finally:
+        sys.path.pop(0)
+
+    def row(group: str, case: str, blocked: float, rss: float) -> dict:
+        return {"group": group, "case": case, "kind": "save", "blocked_s": blocked, "durable_s": 1.0, "bytes": 1,
+                "extra_rss_frac": rss, "gbps": 1.0, "hash_frac": 0.0, "state_bytes": 1 << 29}
+
+    rows = [row("target", "rc_budget_0.25", 0.2, 0.28), row("small", "rc_dedup", 0.01, 1.05),
+            row("small", "dcp_async_hsdp", 0.1, 1.0)]
+    loop = {"methods": {"dcp_thread": {"lost_s": 1.0}, "rc_zc": {"lost_s": 0.5}, "rc_regular": {"lost_s": 0.7}}}
+    many = {"points": [{"tensors": 1000, "methods": {}},
+                       {"tensors": 3000, "methods": {"dcp_async": {"blocked_s": 1.0}, "rc_async": {"blocked_s": 0.4},
+                                                     "rc_async_zc_all": {"blocked_s": 0.02},
+                                                     "dcp_async_plancache": {"blocked_s": 0.8}}}]}
+    tg = run.targets(rows, {}, {"loop": loop, "many": many})
+    assert tg["T6"]["pass"] and tg["T6"]["value"] == pytest.approx(0.5)
+    assert tg["T6"]["regular"] == pytest.approx(0.7)
+    assert tg["T7"]["pass"] and tg["T7"]["tensors"] == 3000 and tg["T7"]["value"] == pytest.approx(0.02)
+    assert tg["T8"]["pass"] and tg["T9"]["pass"] and tg["T9"]["value"] == pytest.approx(0.1)
+
+    loop["methods"]["dcp_thread"]["lost_s"] = -0.1  # noise: no ratio, no pass
+    many["points"][1]["methods"]["rc_async_zc_all"]["blocked_s"] = 0.03  # > 25 ms
+    rows[1]["extra_rss_frac"] = 2.0
+    tg = run.targets(rows, {}, {"loop": loop, "many": many})
+    assert tg["T6"]["value"] is None and not tg["T6"]["pass"]
+    assert not tg["T7"]["pass"] and not tg["T9"]["pass"]

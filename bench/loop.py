@@ -1,0 +1,201 @@
+"""T6: the training loop's time lost per async save (run inside ``worker.py``).
+
+The loop is CPU-bound on purpose and runs on the CPU even with ``--device cuda``.
+
+A CPU-bound loop (FSDP2 Linear layers + AdamW, every core) runs K steps right after an
+async save returns, until both the K steps are done and the save is durable; the same K
+steps run once more without a save, right next to them. Lost = (with) - (without): the call's
+blocked time plus whatever the background write takes from the loop (CPU, memory
+bandwidth, the GIL). The pair (with, without) runs in alternating order too. K is sized so that K steps outlast the slowest save (2.5x its time
+alone); where a save still ends after the steps, the report shows that tail. Every method
+runs on the same state, alternating order; the report shows medians.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from roll_ckpt import CheckpointManager, load_config
+
+METHODS = ["dcp_thread", "dcp_process", "rc_regular", "rc_zc", "rc_zc_nice0"]
+TITLES = {
+    "dcp_thread": "dcp.async_save, thread mode (with get_state_dict)",
+    "dcp_process": "dcp.async_save, process mode (AsyncCheckpointerType.PROCESS)",
+    "rc_regular": "roll-ckpt async, regular staging",
+    "rc_zc": "roll-ckpt async, zero-copy (model + AdamW in the store; onload, then train)",
+    "rc_zc_nice0": "roll-ckpt zero-copy, background_nice: 0 (writer at the loop's priority)",
+}
+
+
+def log(msg: str) -> None:
+    if dist.get_rank() == 0:
+        import sys
+
+        print(f"[worker {dist.get_world_size()}] {time.strftime('%H:%M:%S')} {msg}", file=sys.stderr, flush=True)
+
+
+class Loop:
+    def __init__(self, spec: dict[str, Any], scratch: str) -> None:
+        self.spec = spec
+        self.dir = os.path.join(scratch, spec["name"])
+        width, depth = spec["width"], spec["depth"]
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        torch.manual_seed(0)
+        self.model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(depth)])
+        for layer in self.model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.x = torch.randn(spec.get("batch", 16), width)
+        self.step()
+        self.state = {"model": self.model, "optimizer": self.opt}
+        self.tensors = sum(1 for p in self.model.parameters()) + sum(len(s) for s in self.opt.state.values())
+        self.state_bytes = sum(t.numel() * t.element_size() for t in
+                               [getattr(p, "_local_tensor", p) for p in self.model.parameters()] +
+                               [getattr(v, "_local_tensor", v) for s in self.opt.state.values() for v in s.values()])
+        self.pg = dist.new_group(backend="gloo")
+        self.n = 0
+        self.m: dict[str, Any] = {}
+        for key, nice in (("rc_regular", 10), ("rc_zc", 10), ("rc_zc_nice0", 0)):
+            cfg = {"checkpoint_config": {"output_dir": os.path.join(self.dir, key), "timestamp_subdir": False,
+                                         "background_nice": nice},
+                   "strategy_config": {"async_save_ckpt": True}}
+            m = CheckpointManager.from_config(load_config(cfg), quiet=True)
+            m.bind(self.state)
+            self.m[key] = m
+
+    def step(self) -> None:
+        self.model(self.x).pow(2).mean().backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def steps(self, k: int) -> None:
+        for _ in range(k):
+            self.step()
+
+    def path(self, kind: str) -> str:
+        self.n += 1
+        return os.path.join(self.dir, f"{kind}-{self.n}")
+
+    # ------------------------------------------------------------ one method, with or without a save
+
+    def once(self, method: str, k: int, save: bool) -> dict[str, Any]:
+        """Returns wall and CPU seconds of the window, blocked and durable seconds."""
+        zc = method.startswith("rc_zc")
+        m = self.m.get(method)
+        if zc:
+            m.strategy.offload_states(self.state, optimizer=True)
+        dist.barrier()
+        written: str | None = None
+        done: Callable[[], None] = lambda: None  # noqa: E731
+        c0, t0 = time.process_time(), time.perf_counter()
+        ended: list[float] = []  # when the save became durable (from t0)
+        stats_of: Any = None
+        if save:
+            if method == "dcp_thread" or method == "dcp_process":
+                msd, osd = get_state_dict(self.model, self.opt)
+                written = self.path(method)
+                kw = {}
+                if method == "dcp_process":
+                    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+                    kw["async_checkpointer_type"] = AsyncCheckpointerType.PROCESS
+                resp = dcp.async_save({"model": msd, "optimizer": osd}, checkpoint_id=written, process_group=self.pg,
+                                      **kw)
+                fut = getattr(resp, "upload_completion", resp)
+                fut.add_done_callback(lambda _f: ended.append(time.perf_counter() - t0))
+                done = fut.result
+            else:
+                self.n += 1
+                written = m.save(self.n, self.state)
+                done = m.wait
+                stats_of = m
+        blocked = time.perf_counter() - t0
+        if zc:
+            m.strategy.load_states(self.state)  # onload (the RL cycle's), in both windows
+        self.steps(k)
+        t_steps = time.perf_counter() - t0
+        done()
+        wall = time.perf_counter() - t0
+        cpu = time.process_time() - c0
+        durable = 0.0
+        if save:
+            if stats_of is not None and getattr(stats_of.last_save, "total_s", None):
+                durable = stats_of.last_save.total_s  # measured by the manager from its save call
+            else:
+                durable = ended[0] if ended else wall
+        dist.barrier()
+        if written and dist.get_rank() == 0:
+            shutil.rmtree(written, ignore_errors=True)
+        return {"wall_s": wall, "cpu_s": cpu, "blocked_s": blocked if save else 0.0, "durable_s": durable,
+                "steps_s": t_steps}
+
+    def close(self) -> None:
+        for m in self.m.values():
+            m.close()
+
+
+def run_group(spec: dict[str, Any], scratch: str, out: dict[str, Any]) -> None:
+    threads = spec.get("threads") or os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    t_build = time.perf_counter()
+    lp = Loop(spec, scratch)
+    log(f"{spec['name']}: {lp.tensors} tensors, {lp.state_bytes / 2**20:.0f} MiB/rank, {threads} torch threads, "
+        f"built in {time.perf_counter() - t_build:.1f} s")
+    methods = [m for m in spec.get("methods", METHODS)]
+    # warm-up: first calls (DCP's process mode spawns its process here, ~5 s), and the sizes of K
+    lp.steps(2)
+    tries = []
+    for _ in range(3):  # the fastest of 3: a burst of load from elsewhere would shrink K
+        t0 = time.perf_counter()
+        lp.steps(3)
+        tries.append((time.perf_counter() - t0) / 3)
+    step_s = min(tries)
+    for meth in methods:
+        lp.once(meth, 1, True)
+    slowest = 0.0
+    for meth in methods:  # second saves: roll-ckpt's reused buffers/layouts, DCP's caches
+        r = lp.once(meth, 1, True)
+        slowest = max(slowest, r["durable_s"])
+    # A save running beside the loop took about twice as long as alone here: K steps must
+    # outlast it, or the window would end waiting for the save (counted as lost, wrongly).
+    window = max(spec.get("window_s", 1.5), 2.5 * slowest)
+    all_ranks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(all_ranks, math.ceil(window / step_s))
+    k = max(all_ranks)
+    log(f"{spec['name']}: step {step_s * 1e3:.0f} ms, slowest save {slowest:.2f} s -> K = {k} steps")
+    reps: dict[str, list[Any]] = {m: [] for m in methods}
+    for rep in range(spec["reps"]):
+        order = methods if rep % 2 == 0 else methods[::-1]
+        t_rep = time.perf_counter()
+        for meth in order:
+            # the pair's order alternates too, so a slow drift of the machine's load cancels
+            if rep % 2 == 0:
+                without = lp.once(meth, k, False)
+                with_ = lp.once(meth, k, True)
+            else:
+                with_ = lp.once(meth, k, True)
+                without = lp.once(meth, k, False)
+            mine = {"without": without, "with": with_}
+            everyone: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)
+            reps[meth].append(everyone)
+        log(f"{spec['name']}: repetition {rep + 1} took {time.perf_counter() - t_rep:.1f} s")
+    lp.close()
+    out["groups"].append({"name": spec["name"], "kind": "loop", "world_size": dist.get_world_size(),
+                          "tensors": lp.tensors, "state_bytes": lp.state_bytes, "threads": threads,
+                          "k": k, "step_s": step_s, "titles": TITLES, "methods": reps})
+    if dist.get_rank() == 0:
+        shutil.rmtree(lp.dir, ignore_errors=True)
+    dist.barrier()
