@@ -26,7 +26,7 @@ from .errors import CheckpointCorruptError, PartlyLoadedError, UnsafeCheckpointE
 from .torch_compat import narrow_tensor_by_index
 from .unpickle import METADATA_NAME, pickle_reason, safe_load_metadata
 from .streamed_files import MAX_PIECE, StreamedFile
-from .verified_files import (CHECK_STREAMS, READ_CHUNK, Verified, check_chunks, load_tensor, piece_pool,
+from .verified_files import (CHECK_STREAMS, READ_CHUNK, Verified, load_tensor, piece_pool,
                              verify_budget)
 
 __all__ = ["SafeReader"]
@@ -136,11 +136,6 @@ class SafeReader(FileSystemReader):
                 fd = f.fileno()
             except (AttributeError, OSError, ValueError):
                 fd = -1
-            if fd >= 0 and entry.chunks:  # its pieces, several at once: one pass, more requests in flight
-                faults = check_chunks(fd, entry, self._piece_pool(), self._on_bytes)
-                if faults:
-                    raise self._fault(name, faults[0][1])
-                return Verified(file=os.fdopen(os.dup(fd), "rb", buffering=0))
             if fd >= 0 or not keep:
                 if fd >= 0:
                     try:  # one sequential pass: let the kernel read further ahead

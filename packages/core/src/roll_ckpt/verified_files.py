@@ -10,16 +10,14 @@ from __future__ import annotations
 import io
 import os
 import sys
-import threading
 from typing import Any
 
 import torch
 
 from . import torch_compat
-from .digest import hash_chunk
 from .memory import writable_view
 
-__all__ = ["Verified", "MemoryReader", "load_tensor", "pread_into", "verify_budget", "check_chunks", "READ_CHUNK",
+__all__ = ["Verified", "MemoryReader", "load_tensor", "pread_into", "verify_budget", "READ_CHUNK",
            "CHECK_STREAMS", "piece_pool"]
 
 class _WindowReader(io.RawIOBase):
@@ -214,8 +212,7 @@ def load_tensor(data: Any, offset: int, length: int, target: torch.Tensor | None
 
 
 CHECK_THREADS = 4
-"""Pieces read and hashed at once (pread and xxhash release the GIL): the disk gets several
-requests in flight, the hashing several cores."""
+"""Pieces a one-pass load reads and hashes ahead at once (pread and xxhash release the GIL)."""
 
 
 def piece_pool() -> Any:
@@ -224,29 +221,3 @@ def piece_pool() -> Any:
     from concurrent.futures import ThreadPoolExecutor
 
     return ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="roll-ckpt-check")
-
-
-def check_chunks(fd: int, entry: Any, pool: Any, on_bytes: Any = None) -> list[tuple[int, str]]:
-    """Read every piece of the open file ``fd`` and compare it with ``entry.chunks``, several
-    pieces at once (threads of ``pool``, a :func:`piece_pool`); the faults found (offset, what), empty when the file is sound. The pages
-    read stay in the page cache for the load that follows."""
-    size = os.fstat(fd).st_size
-    if size != entry.size:
-        return [(0, f"size {size} bytes, the manifest says {entry.size} (truncated or altered)")]
-    local = threading.local()
-
-    def one(k: int) -> tuple[int, str] | None:
-        buf = getattr(local, "buf", None)
-        if buf is None:
-            buf = local.buf = memoryview(bytearray(entry.chunk_size))
-        offset = k * entry.chunk_size
-        n = min(entry.chunk_size, entry.size - offset)
-        pread_into(fd, buf[:n], offset)
-        if on_bytes is not None:
-            on_bytes(n)
-        if hash_chunk(buf[:n]) != entry.chunks[k]:
-            return (offset, f"checksum mismatch (the content changed after it was written) in the piece at "
-                            f"byte {offset}")
-        return None
-
-    return [f for f in pool.map(one, range(len(entry.chunks))) if f is not None]
