@@ -88,17 +88,15 @@ def main(out: str, local: str, steps: str, die_at: str, options: str = "") -> No
         original = getattr(tier, hook_name)
 
         def dying(*args, **kwargs):
-            if args[0 if hook_name == "_write_unit" else 0] is not None and tier_step[0] == die_n:
+            if args[1 if hook_name == "_write_unit" else 0] == die_n:  # the step being saved
                 if hook_name == "_write_unit":
                     original(*args, **kwargs)  # the unit is committed; the replica exchange never happens
                 die()
             return original(*args, **kwargs)
 
         setattr(tier, hook_name, dying)
-    tier_step = [0]
     losses = {}
     for step in range(start + 1, steps_n + 1):
-        tier_step[0] = step
         losses[step] = train_step(model, opt, sched, data).hex()
         if "offload" in opts:
             m.strategy.offload_states(state, optimizer=True)
@@ -107,6 +105,7 @@ def main(out: str, local: str, steps: str, die_at: str, options: str = "") -> No
             m.strategy.load_states(state)
         if step == die_n:
             m.wait()
+            open(os.path.join(out, f"waiting-{rank}"), "w").close()
             dist.barrier()
             if node == "node1":
                 die()
