@@ -291,7 +291,7 @@ class LocalTier:
             from .peer_replicas import pack
 
             source = {r: min(have[r]) for r in need}
-            sends: dict[int, bytes | None] = {}
+            sends: dict[int, bytearray | None] = {}
             for r in need:
                 if source[r] == rank:
                     try:

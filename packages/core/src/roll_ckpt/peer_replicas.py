@@ -50,15 +50,15 @@ def ring_targets(nodes: list[str], replicas: int) -> dict[int, list[int]]:
     return out
 
 
-def pack(storage: Any, unit: str) -> bytes:
-    """Every file of the unit folder ``unit`` as one byte string."""
+def pack(storage: Any, unit: str) -> bytearray:
+    """Every file of the unit folder ``unit`` as one byte string (sent without another copy)."""
     names = sorted(list_files(storage, unit))
     blobs = []
     for name in names:
         with storage.open_read(storage.join(unit, name)) as f:
             blobs.append(f.read())
     header = json.dumps({"files": [[n, len(b)] for n, b in zip(names, blobs)]}).encode()
-    return b"".join([struct.pack("<Q", len(header)), header, *blobs])
+    return bytearray().join([struct.pack("<Q", len(header)), header, *blobs])
 
 
 def unpack_verified(payload: bytes | memoryview) -> tuple[Manifest, dict[str, bytes], bytes]:
@@ -122,7 +122,7 @@ class PeerGroup:
     def barrier(self) -> None:
         self.all_gather(None)
 
-    def transfer(self, sends: Mapping[int, bytes | None], receives: list[int]) -> dict[int, bytes | None]:
+    def transfer(self, sends: Mapping[int, bytearray | None], receives: list[int]) -> dict[int, bytes | None]:
         """Send ``sends[dst]`` to each ``dst`` and receive one payload from each rank in
         ``receives`` (``None``: the sender had nothing). Both sides must agree on the pairs."""
         import torch
@@ -133,7 +133,7 @@ class PeerGroup:
         sizes_in = {src: torch.zeros(1, dtype=torch.int64) for src in receives}
         self._run([P2POp(dist.isend, t, dst, self.group) for dst, t in sizes_out.items()]
                   + [P2POp(dist.irecv, t, src, self.group) for src, t in sizes_in.items()])
-        data_out = {dst: torch.frombuffer(bytearray(p), dtype=torch.uint8) for dst, p in sends.items()
+        data_out = {dst: torch.frombuffer(p, dtype=torch.uint8) for dst, p in sends.items()
                     if p is not None and len(p)}
         data_in = {src: torch.empty(int(t.item()), dtype=torch.uint8) for src, t in sizes_in.items()
                    if int(t.item()) > 0}

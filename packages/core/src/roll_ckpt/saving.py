@@ -145,7 +145,8 @@ class SavePipeline:
                 ctx.run_finished_callbacks()
                 job.plugins.hook.roll_ckpt_save_finished(save=ctx, error=error)
             blocked = ctx.blocked_s if ctx.is_async else time.perf_counter() - t0
-            job.local.last_save = {**(job.local.last_save or {}), "blocked_s": blocked}
+            job.local.last_save = {**(job.local.last_save or {}), "blocked_s": blocked,
+                                   "policies": dict(Counter(ctx.staging.values()))}
 
         self._launch(ctx, t0, write)
 
