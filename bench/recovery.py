@@ -33,6 +33,10 @@ import time
 from pathlib import Path
 
 
+def median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
 def worker(out: str, local: str, steps: int, die_at: int, use_local: bool, width: int, depth: int,
            save_steps: int) -> None:
     t_start = time.time()
@@ -136,6 +140,7 @@ def main() -> None:
     p.add_argument("--depth", type=int, default=4)
     p.add_argument("--save-steps", type=int, default=5)
     p.add_argument("--die-at", type=int, default=9)
+    p.add_argument("--repeat", type=int, default=3, help="relaunches from each tier (medians are reported)")
     p.add_argument("--out", default=None, help="working folder (default: a temporary one, removed)")
     p.add_argument("--local-root", default="/dev/shm", help="where the local tier goes (tmpfs)")
     p.add_argument("--worker", nargs=8, help=argparse.SUPPRESS)
@@ -163,18 +168,22 @@ def main() -> None:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate(timeout=60)
         shutil.rmtree(local / "first" / "node1", ignore_errors=True)  # the replaced node's tmpfs is empty
-        results = {}
-        for name, use_local in (("local", True), ("persistent", False)):
-            run_dir, run_local = work / name, local / name
-            shutil.copytree(first / "persist", run_dir / "persist")
-            shutil.copytree(local / "first", run_local)
-            start_s = time.perf_counter()
-            _launch(script, run_dir, run_local, a.die_at + 2, 0, use_local, a)
-            res = json.loads((run_dir / "result.json").read_text())
-            res["wall_s"] = time.perf_counter() - start_s
-            results[name] = res
+        results: dict[str, dict] = {}
+        runs: dict[str, list[dict]] = {"local": [], "persistent": []}
+        for i in range(a.repeat):  # alternating, each from the same state: the machine's noise hits both
+            for name, use_local in (("local", True), ("persistent", False)):
+                run_dir, run_local = work / f"{name}-{i}", local / f"{name}-{i}"
+                shutil.copytree(first / "persist", run_dir / "persist")
+                shutil.copytree(local / "first", run_local)
+                _launch(script, run_dir, run_local, a.die_at + 2, 0, use_local, a)
+                runs[name].append(json.loads((run_dir / "result.json").read_text()))
+                shutil.rmtree(run_local, ignore_errors=True)
+        for name, rs in runs.items():
+            results[name] = {**rs[0], "resume_s": median([r["resume_s"] for r in rs]),
+                             "launch_to_training_s": median([r["launch_to_training_s"] for r in rs]),
+                             "resume_s_all": [round(r["resume_s"], 3) for r in rs]}
         stats = json.loads((first / "first.json").read_text())
-        med = lambda xs: sorted(xs)[len(xs) // 2] if xs else None  # noqa: E731
+        med = lambda xs: median(xs) if xs else None  # noqa: E731
         report = {
             "model_bytes_per_rank": None,
             "saves_before_the_failure": {
@@ -187,7 +196,7 @@ def main() -> None:
             },
             "die_at": a.die_at, "save_steps": a.save_steps,
             "recovery": {name: {"resumed_step": r["start"], "steps_lost": a.die_at - r["start"],
-                                "resume_s": round(r["resume_s"], 3),
+                                "resume_s": round(r["resume_s"], 3), "resume_s_runs": r["resume_s_all"],
                                 "launch_to_training_s": round(r["launch_to_training_s"], 3),
                                 "resumed_from": r["resumed_from"]} for name, r in results.items()},
             "steps_lost_per_failure_expected": {
