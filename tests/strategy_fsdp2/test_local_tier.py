@@ -131,15 +131,16 @@ def test_a_damaged_replica_is_refused_and_the_next_whole_step_is_used(tmp_path: 
     assert_continues_exactly(run(out, local), reference(2), start=5)
 
 
+@pytest.mark.parametrize("nproc", [2, 4])
 @pytest.mark.parametrize("where,start", [("kill_in_local_save", 5), ("kill_in_replication", 6)])
-def test_killed_inside_a_local_save(tmp_path: Path, reference, where: str, start: int) -> None:
+def test_killed_inside_a_local_save(tmp_path: Path, reference, where: str, start: int, nproc: int) -> None:
     """Killed once its own unit is committed but before the exchange: node0 holds no copy of
     node1's step 6, so with node1's folder gone step 5 is the newest whole one. Killed while
     keeping the replica it received: node0 kept node1's copy, so step 6 is whole."""
     out, local = tmp_path / "out", tmp_path / "local"
-    run_and_lose_node1(out, local, die_at=6, options=where, wait_for_node0=where == "kill_in_replication")
+    run_and_lose_node1(out, local, die_at=6, options=where, nproc=nproc, wait_for_node0=where == "kill_in_replication")
     shutil.rmtree(local / "node1")
-    assert_continues_exactly(run(out, local), reference(2), start=start)
+    assert_continues_exactly(run(out, local, nproc=nproc), reference(nproc), start=start)
 
 
 def test_a_full_tmpfs_fails_the_local_save_cleanly_and_persistent_saves_go_on(tmp_path: Path) -> None:
@@ -152,3 +153,14 @@ def test_a_full_tmpfs_fails_the_local_save_cleanly_and_persistent_saves_go_on(tm
     assert all(r["failed_saves"] == 0 and r["persistent_last"] == 8 for r in results)
     assert persistent_steps(out) == [4, 8]
     assert not os.path.exists(local / "node1" / "checkpoint-9" / "rank-1")
+
+
+def test_another_world_size_resumes_from_the_persistent_tier(tmp_path: Path) -> None:
+    """Units are one rank's shard of one world size: 4 ranks never load the units 2 wrote."""
+    out, local = tmp_path / "out", tmp_path / "local"
+    run(out, local)
+    assert sorted(p.name for p in (local / "node0").iterdir()) == ["checkpoint-8", "checkpoint-9"]
+    resumed = run(out, local, nproc=4)
+    assert all(r["start"] == 8 and "/persist/" in r["resumed_from"] for r in resumed)
+    last = resumed[0]["local_last"]
+    assert last["step"] == 9 and last["ok"]  # the new world's own unit of step 9

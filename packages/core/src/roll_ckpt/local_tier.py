@@ -63,7 +63,7 @@ def unit_name(rank: int) -> str:
 
 
 class LocalTier:
-    def __init__(self, config: LocalTierConfig, storage: Any, token: str = "") -> None:
+    def __init__(self, config: LocalTierConfig, storage: Any) -> None:
         self.config = config
         self.storage = storage
         self.node = node_name()
@@ -73,6 +73,8 @@ class LocalTier:
         self.failed_saves = 0
         self.last_save: dict[str, Any] | None = None
         """What the latest local save did: step, ok, seconds, bytes, replicas sent and kept."""
+        self.partly_loaded = False
+        """True once a local load failed after it may have changed the state."""
         self._bound = False
 
     # ------------------------------------------------------------------ binding
@@ -320,9 +322,10 @@ class LocalTier:
         except Exception as exc:
             log.warning("roll-ckpt: loading local unit %s failed: %s", unit, _cause(exc))
             ok = False
-        if self.peers is not None and not self.peers.all_true(ok):
-            return None
+        if self.peers is not None:
+            ok = self.peers.all_true(ok)
         if not ok:
+            self.partly_loaded = True
             return None
         return step, trainer_state, unit
 

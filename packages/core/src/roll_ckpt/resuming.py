@@ -136,6 +136,10 @@ class Resumer:
                 log.info("roll-ckpt: resumed step %d from the local tier (%s; the newest persistent step is %s)",
                          step, job.resumed_from, newest if newest >= 0 else "none")
                 return step
+            if job.local.partly_loaded and not candidates:
+                raise RollCkptError("loading the newest local checkpoint failed after it began (logged above) and "
+                                    f"there is no persistent checkpoint under {job.storage.url}: the state is partly "
+                                    "loaded; start again from scratch")
         first_error: RollCkptError | None = None
         for i, (storage, path, from_backup) in enumerate(candidates):
             try:

@@ -195,13 +195,13 @@ class SavePipeline:
                           world_size=strategy.world_size, strategy=strategy, reuse=self._reuse,
                           budget=sc.max_staging_bytes)
         job.plugins.hook.roll_ckpt_save(save=ctx)
+        if local:  # (before the space check: every rank makes the tier's group at the same point)
+            job.local.bind(strategy, forget_after=step - 1)
         sd = strategy.state_dict(state)
         refusal = self._check_space(sd, ctx, user) if strategy.is_coordinator else None
         if refusal is not None:  # refused before anything is staged or written
             self.write_and_commit(sd, ctx, user, t0, refuse=refusal)  # raises it, on every rank
         also = None
-        if local:
-            job.local.bind(strategy, forget_after=step - 1)
         staged = self._stage(sd, ctx)
         if local and ctx.gate is None:  # (staged in waves, the state is written once: persistently)
             trainer_state = self._trainer_state(ctx, user)
