@@ -2,7 +2,8 @@
 by ``test_local_tier.py``. Each rank plays node ``node<rank * 2 // world>`` (two simulated
 nodes, ``ROLL_CKPT_NODE``).
 
-``python -m torch.distributed.run --standalone --nproc_per_node N local_tier_workers.py OUT LOCAL STEPS DIE_AT [OPTIONS]``
+``python -m torch.distributed.run --standalone --nproc_per_node N local_tier_workers.py OUT LOCAL STEPS DIE_AT
+[OPTIONS]``
 
 * trains ``STEPS`` steps (FSDP2 MLP, AdamW, LR scheduler, data drawn from the global RNGs),
   persistent async saves every 4 steps, local saves every step, resume ``latest``;
@@ -28,8 +29,6 @@ import time
 
 import torch
 import torch.distributed as dist
-
-from helpers import training
 
 sys.path.insert(0, os.path.dirname(__file__))
 from workers import build, full, optim_full, train_step  # noqa: E402
@@ -76,13 +75,10 @@ def main(out: str, local: str, steps: str, die_at: str, options: str = "") -> No
     start = m.resume(state)
     tier = m._job.local
     if "full_local" in opts and node == "node1":
-        real = tier.storage.open_write
-
         def full_disk(path: str):  # a tmpfs with no room left
             raise OSError(errno.ENOSPC, "No space left on device", path)
 
         tier.storage.open_write = full_disk
-        assert real
     if die_n and node == "node1" and opts & {"kill_in_local_save", "kill_in_replication"}:
         hook_name = "_write_unit" if "kill_in_local_save" in opts else "_keep"
         original = getattr(tier, hook_name)

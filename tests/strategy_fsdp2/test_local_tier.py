@@ -164,3 +164,23 @@ def test_another_world_size_resumes_from_the_persistent_tier(tmp_path: Path) -> 
     assert all(r["start"] == 8 and "/persist/" in r["resumed_from"] for r in resumed)
     last = resumed[0]["local_last"]
     assert last["step"] == 9 and last["ok"]  # the new world's own unit of step 9
+
+
+def test_a_really_full_tmpfs(tmp_path: Path) -> None:
+    """node1's folder on a 64 KiB tmpfs (a unit is ~160 KiB): where mounting is allowed (root)."""
+    out, local = tmp_path / "out", tmp_path / "local"
+    node1 = local / "node1"
+    node1.mkdir(parents=True)
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(node1)], capture_output=True,
+                           text=True, timeout=30)
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mount.stderr.strip()}")
+    try:
+        node0, node1_result = run(out, local)
+        assert node1_result["local_failed"] == STEPS and node0["local_failed"] == 0
+        assert node0["local_last"]["ok"] and node0["local_last"]["replicas_kept"] == []
+        assert all(r["failed_saves"] == 0 and r["persistent_last"] == 8 for r in (node0, node1_result))
+        assert persistent_steps(out) == [4, 8]
+        assert not list(node1.glob("*/rank-*")) and not list(node1.glob("*/.tmp-*"))  # nothing half-written
+    finally:
+        subprocess.run(["umount", str(node1)], capture_output=True, timeout=30)

@@ -130,7 +130,8 @@ class Resumer:
         candidates = self.agreed_candidates(target, strategy)
         if job.local is not None and (job.config.resume_target if target is None else target) == "latest":
             newest = max((layout.parse_step(layout.basename(p)) or 0 for _, p, _ in candidates), default=-1)
-            found = job.local.resume(state, strategy, newest, stream=not job.config.checkpoint_config.verify_before_load)
+            stream = not job.config.checkpoint_config.verify_before_load
+            found = job.local.resume(state, strategy, newest, stream=stream)
             if found is not None:
                 step, self.trainer_state, job.resumed_from = found
                 log.info("roll-ckpt: resumed step %d from the local tier (%s; the newest persistent step is %s)",
