@@ -102,9 +102,7 @@ class PeerGroup:
         self.dist = dist
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.group = dist.new_group(backend="gloo")
-        nodes: list[Any] = [None] * self.world_size
-        dist.all_gather_object(nodes, node, group=self.group)
-        self.nodes: list[str] = [str(n) for n in nodes]
+        self.nodes: list[str] = [str(n) for n in self.all_gather(node)]
         self.targets = ring_targets(self.nodes, replicas)
         self.sources = [r for r, peers in self.targets.items() if self.rank in peers]
 
@@ -112,9 +110,29 @@ class PeerGroup:
         return self.nodes[rank]
 
     def all_gather(self, obj: Any) -> list[Any]:
-        out: list[Any] = [None] * self.world_size
-        self.dist.all_gather_object(out, obj, group=self.group)
-        return out
+        """Every rank's ``obj`` (JSON values: nothing is unpickled), by rank.
+
+        Not ``all_gather_object``: its tensors are dropped while gloo's worker may still hold
+        them, and a release that falls into interpreter exit aborts the process (a job that
+        ends right after a resume). Here they are held until gloo has let go."""
+        import torch
+
+        data = json.dumps(obj).encode()
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        self._collective(lambda: self.dist.all_gather(sizes, size, group=self.group), [size, *sizes])
+        longest = max(int(t.item()) for t in sizes)
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        if data:
+            mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        parts = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+        self._collective(lambda: self.dist.all_gather(parts, mine, group=self.group), [mine, *parts])
+        return [json.loads(p[:int(n.item())].numpy().tobytes()) for p, n in zip(parts, sizes)]
+
+    def _collective(self, call: Any, tensors: list[Any]) -> None:
+        held = [t._use_count() for t in tensors]
+        call()
+        _until_released(tensors, held)
 
     def all_true(self, flag: bool) -> bool:
         return all(self.all_gather(bool(flag)))
