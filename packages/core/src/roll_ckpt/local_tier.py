@@ -40,7 +40,7 @@ from .layout import DCP_DIR, TRAINER_STATE, checkpoint_name, parse_step
 from .local_config import LocalTierConfig
 from .manifest import MANIFEST_NAME, FileEntry, Manifest
 from .runs import utc_now
-from .verify import list_files, verify
+from .verify import list_files, read_manifest, verify
 
 __all__ = ["LocalTier", "node_name", "NODE_ENV"]
 
@@ -313,7 +313,7 @@ class LocalTier:
             return None
         unit = self.unit_path(step, rank)
         try:
-            manifest = verify(self.storage, unit).manifest
+            manifest = read_manifest(self.storage, unit)  # (the data files are checked again as they are read)
             files = {n[len(DCP_DIR) + 1:]: e for n, e in manifest.files.items() if n.startswith(f"{DCP_DIR}/")}
             with self.storage.open_read(self.storage.join(unit, TRAINER_STATE)) as f:
                 trainer_state = json.loads(f.read().decode())
