@@ -88,7 +88,7 @@ class LocalTier:
         self.strategy = strategy
         if forget_after is not None:
             self._forget_after(forget_after)
-        if getattr(strategy, "_dist", None) is not None and strategy.world_size > 1:
+        if strategy.world_size > 1:  # (several processes: torch.distributed is initialized)
             from .peer_replicas import PeerGroup
 
             self.peers = PeerGroup(self.node, self.config.replicas)
@@ -123,7 +123,13 @@ class LocalTier:
             self.failed_saves += 1
             log.warning("roll-ckpt: local checkpoint of step %d (rank %d) failed: %s -- training and persistent "
                         "saves go on (%d failed local save(s) so far)", step, rank, _cause(exc), self.failed_saves)
-        sent, kept = self._replicate(step, path if ok else None) if self.peers is not None else ([], [])
+        sent: list[int] = []
+        kept: list[int] = []
+        if self.peers is not None:
+            try:
+                sent, kept = self._replicate(step, path if ok else None)
+            except Exception as exc:  # a peer gone (its job is ending): the persistent save must go on
+                log.warning("roll-ckpt: replicating local step %d failed: %s", step, _cause(exc))
         self._retain()
         used = self.bytes_used()
         self.last_save = {"step": step, "ok": ok, "seconds": time.perf_counter() - t0, "bytes": size,
