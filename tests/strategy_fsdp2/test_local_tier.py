@@ -101,18 +101,21 @@ def assert_continues_exactly(resumed: list[dict], ref: list[dict], start: int) -
         assert got["params"] == want["params"] and got["optim"] == want["optim"], r
 
 
-@pytest.mark.parametrize("nproc,options", [(2, ""), (4, ""), (2, "offload")])
+@pytest.mark.parametrize("nproc,options,die_at", [(2, "", 6), (4, "", 6), (2, "offload", 6), (2, "sync", 6),
+                                                  (2, "", 8)])
 def test_lost_node_resumes_from_the_newest_local_step_bit_exactly(tmp_path: Path, reference, nproc: int,
-                                                                 options: str) -> None:
-    """``offload``: every save is staged from the offload store (zero-copy), the local ones too."""
+                                                                 options: str, die_at: int) -> None:
+    """``offload``: every save is staged from the offload store (zero-copy), the local ones too.
+    ``sync``: synchronous saves (the exchange runs in the training thread). Step 8 is saved by
+    both tiers from one staging: the local copy is taken (the same step, read from tmpfs)."""
     out, local = tmp_path / "out", tmp_path / "local"
-    run_and_lose_node1(out, local, die_at=6, nproc=nproc, options=options)
-    assert persistent_steps(out) == [4]
+    run_and_lose_node1(out, local, die_at=die_at, nproc=nproc, options=options)
+    assert persistent_steps(out) == ([4] if die_at < 8 else [4, 8])
     shutil.rmtree(local / "node1")  # the node is replaced: its tmpfs is empty
     resumed = run(out, local, nproc=nproc, options=options)
     if options == "offload":
         assert resumed[0]["local_last"]["policies"].get("zero_copy"), resumed[0]["local_last"]
-    assert_continues_exactly(resumed, reference(nproc), start=6)
+    assert_continues_exactly(resumed, reference(nproc), start=die_at)
     assert all("/local/" in r["resumed_from"] for r in resumed)
     assert persistent_steps(out) == [4, 8]
     last = resumed[0]["local_last"]
