@@ -24,11 +24,12 @@ from .errors import ConfigError
 from .interpolation import interpolate, key_path
 from .layout import RUN_RE
 from .initial_load import InitialLoadConfig, parse_initial_load
+from .local_config import LocalTierConfig, parse_local
 from .preemption import PreemptionConfig, parse_preemption
 from .roll_keys import keep_local_file, log_keys_without_effect, max_ckpt_to_keep, worker_overrides
 
-__all__ = ["Config", "CheckpointConfig", "BackupConfig", "InitialLoadConfig", "PreemptionConfig", "StrategyConfig",
-           "load_config",           "read_yaml"]
+__all__ = ["Config", "CheckpointConfig", "BackupConfig", "InitialLoadConfig", "LocalTierConfig", "PreemptionConfig",
+           "StrategyConfig", "load_config", "read_yaml"]
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,8 @@ class CheckpointConfig:
     """``{path: DIR, format: hf}``: loaded into ``state['model']`` (``key:`` another) by
     ``resume`` when there is no checkpoint to resume from; ``resume`` then returns 0.
     Checked as a resume is: missing and unexpected names, shapes; dtypes are converted."""
+    local: LocalTierConfig | None = None
+    """The fast recovery tier (node-local checkpoints and peer replicas); ``None``: off."""
 
 
 @dataclass(frozen=True)
@@ -349,6 +352,7 @@ def _checkpoint(value: Any, default_root: str, raw: Mapping[str, Any]) -> Checkp
                                   "true or false"),
         keep_local_file=keep_local,
         initial_load=parse_initial_load(value.get("initial_load")),
+        local=parse_local(value.get("local"), str(raw.get("exp_name", "roll-ckpt"))),
     )
 
 

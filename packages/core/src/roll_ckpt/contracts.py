@@ -232,22 +232,26 @@ class Strategy(Protocol):
 
     def write(self, sd: dict[str, Any], storage: Storage, path: str,
               on_bytes: Callable[[int], None] | None = None, *,
-              save: SaveContext | None = None) -> dict[str, tuple]:
+              save: SaveContext | None = None, alone: bool = False) -> dict[str, tuple]:
         """Write the staged ``sd`` into ``path``; on the coordinator, every file of every
         process (relative to ``path``) as ``(size, checksum)``. ``save.gate``, when set,
-        orders the tensors and says when each is ready."""
+        orders the tensors and says when each is ready. ``alone`` (the fast recovery tier):
+        this process writes a folder of its own, loadable without any other process's
+        files, without collectives, and gets its own files' checksums."""
 
     def load(self, state: MutableMapping[str, Any], storage: Storage, path: str,
              on_bytes: Callable[[int], None] | None = None, *,
              files: Mapping[str, Any] | None = None, checkpoint: str | None = None,
-             stream: bool = False) -> None:
+             stream: bool = False, alone: bool = False) -> None:
         """Load the folder ``path`` into ``state`` in place, checking each file against
         ``files`` (the manifest's entries, relative to ``path``) before any of it is used.
 
         By default nothing of ``state`` changes unless every file checks out. ``stream``
         (``checkpoint_config.verify_before_load: false``) allows one pass instead: each
         piece checked just before use, damage raising
-        :class:`~roll_ckpt.errors.PartlyLoadedError` with ``state`` partly loaded."""
+        :class:`~roll_ckpt.errors.PartlyLoadedError` with ``state`` partly loaded.
+        ``alone``: a folder this process wrote with ``write(alone=True)``, loaded without
+        collectives."""
 
     def close(self) -> None:
         """Release what the strategy holds (process groups stay: they belong to the job)."""

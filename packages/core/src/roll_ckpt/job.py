@@ -44,6 +44,8 @@ class Job:
     resumed_from: str | None = None
     local_lock: threading.Lock = field(default_factory=threading.Lock)
     """Held by retention and ``backup.keep_local`` while they remove local checkpoints."""
+    local: Any = None
+    """The fast recovery tier (``checkpoint_config.local``; a ``LocalTier``), or ``None``."""
     manager: Any = None
     """The manager (retention of other managers in this process asks whether it is open)."""
 

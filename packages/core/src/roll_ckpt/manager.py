@@ -69,6 +69,13 @@ class CheckpointManager:
             replica = open_storage(plugins, cc.backup.type, cc.backup.output_dir, cc.backup.storage_options)
             self._job.backup = BackupLink(lambda: self._job.storage, replica, cc.backup, lock=self._job.local_lock,
                                           own_run=lambda: self._job.run_dir, nice=cc.background_nice)
+        if cc.local is not None:
+            if component is not None:
+                raise RollCkptError("checkpoint_config.local (the fast recovery tier) does not work with "
+                                    "components yet; remove one of them")
+            from .local_tier import LocalTier
+
+            self._job.local = LocalTier(cc.local, open_storage(plugins, "file_system", cc.local.dir, {}))
         self._saves = SavePipeline(self._job)
         self._resumer = Resumer(self._job)
         self._closed = False
@@ -139,8 +146,13 @@ class CheckpointManager:
             if strategy.any_true(self._watch.requested):
                 return self._preempt(step, state)
         every = self.config.save_steps
+        local = self._job.local
+        local_due = local is not None and step > 0 and step % local.config.save_steps == 0
         if every > 0 and step > 0 and step % every == 0:
-            return self.save(step, state)
+            self._check_open()
+            return self._saves.save(step, state, final=False, metadata=None, local=local_due)
+        if local_due:
+            self._saves.save_local(step, state)
         return None
 
     def request_preemption(self) -> None:
@@ -233,7 +245,10 @@ class CheckpointManager:
         (verified the same way; a warning names the damaged file).
         """
         self._check_open()
-        return self._resumer.resume(state, target)
+        step = self._resumer.resume(state, target)
+        if self._job.local is not None:
+            self._job.local.started(step)
+        return step
 
     @property
     def trainer_state(self) -> dict[str, Any]:
@@ -249,6 +264,25 @@ class CheckpointManager:
     def resumed_from_backup(self) -> bool:
         """True when ``resume`` took its checkpoint from ``checkpoint_config.backup``."""
         return self._resumer.resumed_from_backup
+
+    # ------------------------------------------------------------------ fast recovery tier
+
+    @property
+    def local_tier_bytes(self) -> int:
+        """Bytes the fast recovery tier holds in this node's folder (own units and the
+        replicas kept for other nodes; tmpfs counts as memory); 0 without ``checkpoint_config.local``."""
+        return 0 if self._job.local is None else self._job.local.bytes_used()
+
+    @property
+    def local_last_save(self) -> dict[str, Any] | None:
+        """What the latest local save did (step, ok, seconds, bytes, replicated_to, replicas_kept,
+        node_bytes, blocked_s); ``None`` before the first or without the tier."""
+        return None if self._job.local is None else self._job.local.last_save
+
+    @property
+    def local_failed_saves(self) -> int:
+        """Local saves that failed (a full tmpfs...): logged, never raised."""
+        return 0 if self._job.local is None else self._job.local.failed_saves
 
     # ------------------------------------------------------------------ backup
 

@@ -128,6 +128,19 @@ class Resumer:
         if job.component:
             job.ensure_run_dir()  # refuses a run_name an earlier launch used, before anything loads
         candidates = self.agreed_candidates(target, strategy)
+        if job.local is not None and (job.config.resume_target if target is None else target) == "latest":
+            newest = max((layout.parse_step(layout.basename(p)) or 0 for _, p, _ in candidates), default=-1)
+            stream = not job.config.checkpoint_config.verify_before_load
+            found = job.local.resume(state, strategy, newest, stream=stream)
+            if found is not None:
+                step, self.trainer_state, job.resumed_from = found
+                log.info("roll-ckpt: resumed step %d from the local tier (%s; the newest persistent step is %s)",
+                         step, job.resumed_from, newest if newest >= 0 else "none")
+                return step
+            if job.local.partly_loaded and not candidates:
+                raise RollCkptError("loading the newest local checkpoint failed after it began (logged above) and "
+                                    f"there is no persistent checkpoint under {job.storage.url}: the state is partly "
+                                    "loaded; start again from scratch")
         first_error: RollCkptError | None = None
         for i, (storage, path, from_backup) in enumerate(candidates):
             try:

@@ -96,15 +96,16 @@ class SavePipeline:
     # ------------------------------------------------------------------ the caller's part
 
     def save(self, step: int, state: Mapping[str, Any], *, final: bool,
-             metadata: Mapping[str, Any] | None) -> str | None:
+             metadata: Mapping[str, Any] | None, local: bool = False) -> str | None:
         """The path ``checkpoint-<step>`` is committed at; ``None`` when a periodic save failed
-        and ``on_save_error`` is ``warn``."""
+        and ``on_save_error`` is ``warn``. ``local``: the fast recovery tier saves the same
+        staged state too (written first, in the same writer job; see :mod:`roll_ckpt.local_tier`)."""
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise RollCkptError(f"step must be an integer >= 0, got {step!r}")
         self.job.bind(state)
         self.wait()
         try:
-            return self._save(step, state, final=final, metadata=metadata)
+            return self._save(step, state, final=final, metadata=metadata, local=local)
         except (StorageError, SaveError) as exc:
             if final or not self.tolerant:
                 raise
@@ -117,7 +118,65 @@ class SavePipeline:
         log.warning("roll-ckpt: saving %s failed: %s -- training goes on and the next save tries again "
                     "(checkpoint_config.on_save_error: warn; %d failed save(s) so far)", what, exc, self.failed_saves)
 
-    def _save(self, step: int, state: Mapping[str, Any], *, final: bool, metadata: Mapping[str, Any] | None) -> str:
+    def save_local(self, step: int, state: Mapping[str, Any]) -> None:
+        """A checkpoint of the fast recovery tier alone (no persistent save at ``step``): the
+        same staging, the unit written (and replicated) by the writer; never raises a storage error."""
+        job = self.job
+        strategy = job.bind(state)
+        self.wait()
+        job.local.bind(strategy, forget_after=step - 1)
+        t0 = time.perf_counter()
+        ctx = SaveContext(step=step, path=job.local.unit_path(step, strategy.rank), is_async=job.config.async_save,
+                          rank=strategy.rank, world_size=strategy.world_size, strategy=strategy, reuse=self._reuse,
+                          budget=job.config.strategy_config.max_staging_bytes)
+        job.plugins.hook.roll_ckpt_save(save=ctx)
+        staged = self._stage(strategy.state_dict(state), ctx)
+        trainer_state = self._trainer_state(ctx, {})
+
+        def write() -> None:
+            error: BaseException | None = None
+            try:
+                ctx.run_before_write_callbacks()
+                job.local.save(staged, step, trainer_state, save=ctx)
+            except BaseException as exc:
+                error = exc
+                raise
+            finally:
+                ctx.run_finished_callbacks()
+                job.plugins.hook.roll_ckpt_save_finished(save=ctx, error=error)
+            blocked = ctx.blocked_s if ctx.is_async else time.perf_counter() - t0
+            job.local.last_save = {**(job.local.last_save or {}), "blocked_s": blocked,
+                                   "policies": dict(Counter(ctx.staging.values()))}
+
+        self._launch(ctx, t0, write)
+
+    def _stage(self, sd: dict[str, Any], ctx: SaveContext) -> dict[str, Any]:
+        if self._policies is None:
+            self._policies = self.job.plugins.staging_order()
+        return stage_state_dict(sd, ctx, self._policies)
+
+    def _launch(self, ctx: SaveContext, t0: float, write: Any) -> None:
+        """Run ``write`` now, or in the writer thread for an asynchronous save."""
+        if not ctx.is_async:
+            write()
+            return
+        if self._executor is None:
+            self._executor = cf.ThreadPoolExecutor(
+                1, thread_name_prefix="roll-ckpt-save", initializer=lower_priority,
+                initargs=(self.job.config.checkpoint_config.background_nice,))
+        if ctx.gate is None:
+            ctx.blocked_s = time.perf_counter() - t0
+        self._inflight = self._executor.submit(write)
+        if ctx.gate is not None:  # staged in waves within the budget, as the write goes on
+            try:
+                ctx.gate.fill()
+            except BaseException:  # the write failed; its error surfaces at the next wait
+                pass
+            ctx.blocked_s = time.perf_counter() - t0
+            ctx.gate.caller_done.set()
+
+    def _save(self, step: int, state: Mapping[str, Any], *, final: bool, metadata: Mapping[str, Any] | None,
+              local: bool = False) -> str:
         t0 = time.perf_counter()
         job = self.job
         strategy = job.strategy
@@ -136,30 +195,18 @@ class SavePipeline:
                           world_size=strategy.world_size, strategy=strategy, reuse=self._reuse,
                           budget=sc.max_staging_bytes)
         job.plugins.hook.roll_ckpt_save(save=ctx)
+        if local:  # (before the space check: every rank makes the tier's group at the same point)
+            job.local.bind(strategy, forget_after=step - 1)
         sd = strategy.state_dict(state)
         refusal = self._check_space(sd, ctx, user) if strategy.is_coordinator else None
         if refusal is not None:  # refused before anything is staged or written
             self.write_and_commit(sd, ctx, user, t0, refuse=refusal)  # raises it, on every rank
-        if self._policies is None:
-            self._policies = job.plugins.staging_order()
-        staged = stage_state_dict(sd, ctx, self._policies)
-        if ctx.is_async:
-            if self._executor is None:
-                self._executor = cf.ThreadPoolExecutor(
-                    1, thread_name_prefix="roll-ckpt-save", initializer=lower_priority,
-                    initargs=(job.config.checkpoint_config.background_nice,))
-            if ctx.gate is None:
-                ctx.blocked_s = time.perf_counter() - t0
-            self._inflight = self._executor.submit(self.write_and_commit, staged, ctx, user, t0)
-            if ctx.gate is not None:  # staged in waves within the budget, as the write goes on
-                try:
-                    ctx.gate.fill()
-                except BaseException:  # the write failed; its error surfaces at the next wait
-                    pass
-                ctx.blocked_s = time.perf_counter() - t0
-                ctx.gate.caller_done.set()
-        else:
-            self.last_save = self.write_and_commit(staged, ctx, user, t0)
+        also = None
+        staged = self._stage(sd, ctx)
+        if local and ctx.gate is None:  # (staged in waves, the state is written once: persistently)
+            trainer_state = self._trainer_state(ctx, user)
+            also = lambda: job.local.save(staged, step, trainer_state, save=ctx)  # noqa: E731
+        self._launch(ctx, t0, lambda: self.write_and_commit(staged, ctx, user, t0, also=also))
         return final_path
 
     @property
@@ -187,7 +234,8 @@ class SavePipeline:
                 raise error from exc
             self._tolerate(None, error)
             return None
-        self.last_save = stats
+        if stats is not None:  # (None: a save of the local tier alone)
+            self.last_save = stats
         return stats
 
     def _check_space(self, sd: dict[str, Any], ctx: SaveContext, user: dict[str, Any]) -> BaseException | None:
@@ -213,7 +261,7 @@ class SavePipeline:
     # ------------------------------------------------------------------ write and commit
 
     def write_and_commit(self, sd: dict[str, Any], ctx: SaveContext, user: dict[str, Any], t0: float,
-                         refuse: BaseException | None = None) -> SaveStats:
+                         refuse: BaseException | None = None, also: Any = None) -> SaveStats:
         job = self.job
         strategy, storage = job.strategy, job.storage
         pending = pending_checkpoint(storage, ctx.path, job.token)
@@ -234,6 +282,8 @@ class SavePipeline:
             # every rank: none is left waiting in a collective for a coordinator that gave up.
             target = storage if refuse is None else _refusing(storage, refuse)
             ctx.run_before_write_callbacks()
+            if also is not None:  # the local tier's unit of the same staged state, first (never raises)
+                also()
             with job.progress(f"save step {ctx.step}") as progress:
                 digests = strategy.write(sd, target, storage.join(pending.write_path, strategy.data_dir), progress,
                                          save=ctx)

@@ -141,11 +141,14 @@ class DCPStrategy:
     # ------------------------------------------------------------ write / read
 
     def write(self, sd: dict[str, Any], storage: Storage, dcp_path: str,
-              on_bytes: Any = None, *, save: Any = None) -> dict[str, tuple]:
+              on_bytes: Any = None, *, save: Any = None, alone: bool = False) -> dict[str, tuple]:
         """Write ``sd`` as a standard DCP folder; returns per-file (size, checksum) on the coordinator.
 
         DCP's plan is cached while the state keeps its structure (DCP's own plan caching,
         keyed to this strategy so that two managers of one process never share it).
+        ``alone``: this process writes a DCP folder of its own, without any collective
+        (the fast recovery tier's unit): its metadata lists only this process's chunks, and
+        replicated values are written in full, so it loads without any other process's files.
         """
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import DefaultSavePlanner
@@ -156,11 +159,11 @@ class DCPStrategy:
         threads = 1 if gate is not None else self.writer_threads(_local_bytes(sd))
         writer = DigestingWriter(storage, dcp_path, thread_count=threads, on_bytes=on_bytes, gate=gate)
         planner = DefaultSavePlanner(enable_plan_caching=True)
-        planner._cached_plans_key = f"roll-ckpt-{id(self)}"
+        planner._cached_plans_key = f"roll-ckpt-{'alone-' if alone else ''}{id(self)}"
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            dcp.save(sd, storage_writer=writer, planner=planner,
-                     process_group=self.process_group, no_dist=self._dist is None)
+            dcp.save(sd, storage_writer=writer, planner=planner, process_group=None if alone else self.process_group,
+                     no_dist=alone or self._dist is None)
         return writer.file_digests
 
     def estimate(self, sd: dict[str, Any], user: Mapping[str, Any] | None = None) -> SpaceEstimate:
@@ -185,13 +188,14 @@ class DCPStrategy:
 
     def load(self, state: MutableMapping[str, Any], storage: Storage, dcp_path: str,
              on_bytes: Any = None, *, files: Mapping[str, Any] | None = None,
-             checkpoint: str | None = None, stream: bool = False) -> None:
+             checkpoint: str | None = None, stream: bool = False, alone: bool = False) -> None:
         """Load the DCP folder at ``dcp_path`` into ``state`` in place.
 
         ``files`` (the manifest's entries for this folder, by name) makes every file be
         checked as it is read, before anything of it is deserialized; a mismatch raises
         :class:`~roll_ckpt.errors.CheckpointCorruptError` on every rank with ``state``
-        untouched. Without it the folder must have been verified already. ``stream``:
+        untouched. Without it the folder must have been verified already. ``alone``: a
+        folder this process wrote alone (``write(alone=True)``), loaded without collectives. ``stream``:
         one pass, each piece checked just before its bytes are used
         (:mod:`roll_ckpt.streamed_files`); damage then raises
         :class:`~roll_ckpt.errors.PartlyLoadedError`.
@@ -203,9 +207,11 @@ class DCPStrategy:
 
         reader = SafeReader(storage, dcp_path, on_bytes, files=files, checkpoint=checkpoint, stream=stream)
         try:
+            self._alone = alone
             self._load(state, reader, dcp_path, files, set_model_state_dict, set_optimizer_state_dict,
                        get_model_state_dict, get_optimizer_state_dict)
         finally:
+            self._alone = False
             reader.release()  # the checked files, kept open for both loads below
 
     def _load(self, state: MutableMapping[str, Any], reader: Any, dcp_path: str, files: Any,
@@ -272,8 +278,9 @@ class DCPStrategy:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             try:
-                dcp.load(target, storage_reader=reader, planner=planner,
-                         process_group=self.process_group, no_dist=self._dist is None)
+                alone = getattr(self, "_alone", False)
+                dcp.load(target, storage_reader=reader, planner=planner, process_group=None if alone else
+                         self.process_group, no_dist=alone or self._dist is None)
             except BaseException as exc:  # DCP wraps every rank's error in a CheckpointException
                 found = carried_roll_error(exc)
                 if found is None:

@@ -54,10 +54,23 @@ def cmd_ls(args: argparse.Namespace) -> int:
     from ..manifest import MANIFEST_NAME
     from ..verify import read_manifest
 
+    from .ls_local import is_local_tier, local_rows, show_local
+
     storage = open_storage_arg(args, args.dir)
     root = storage.root
     require_dir(storage, args.dir)
     refs = scan(storage, root)
+    local = None
+    if args.local:
+        local_storage = open_storage_arg(args, args.local)
+        local = (local_rows(local_storage, local_storage.root), args.local)
+    elif not any(r.committed for r in refs) and is_local_tier(storage, root):  # DIR is checkpoint_config.local.dir or a node folder
+        rows = local_rows(storage, root)
+        if args.json:
+            print(json.dumps({"dir": args.dir, "checkpoints": [], "local": rows}, indent=1))
+        else:
+            show_local(rows, args.dir)
+        return 0
     step = parse_step(root.rstrip("/").rsplit("/", 1)[-1])
     if not refs and step is not None:  # DIR is itself one checkpoint
         refs = [CheckpointRef(root, step, "", storage.exists(storage.join(root, MANIFEST_NAME)))]
@@ -80,7 +93,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     rows.sort(key=lambda row: order[row["path"]])
     pending = in_flight(storage, root)
     if args.json:
-        print(json.dumps({"dir": args.dir, "checkpoints": rows, "in_flight": pending}, indent=1))
+        print(json.dumps({"dir": args.dir, "checkpoints": rows, "in_flight": pending,
+                          **({"local": local[0]} if local else {})}, indent=1))
         return 0
     if not rows:
         say(f"no checkpoints under {args.dir}")
@@ -111,6 +125,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if pending:
         say("", "saves in flight or left by a crash (`roll-ckpt prune` removes them once their writer is gone):")
         say(*(f"  {p}" for p in pending))
+    if local is not None:
+        say("")
+        show_local(*local)
     return 0
 
 
@@ -118,5 +135,7 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("ls", help="list the checkpoints under a folder")
     p.add_argument("dir", metavar="DIR", help="checkpoint_config.output_dir, or one run folder")
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--local", metavar="LOCAL_DIR", default=None,
+                   help="also list the fast recovery tier at LOCAL_DIR (checkpoint_config.local.dir)")
     storage_args(p)
     p.set_defaults(func=cmd_ls)

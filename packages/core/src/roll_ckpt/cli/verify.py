@@ -49,9 +49,23 @@ def _verify_one(storage: Any, path: str) -> tuple[bool, str]:
 def cmd_verify(args: argparse.Namespace) -> int:
     from ..layout import parse_step, scan
 
+    from ..manifest import MANIFEST_NAME
+    from .ls_local import local_units
+
     storage = open_storage_arg(args, args.path)
     root = storage.root
     component = args.component
+    units = None if storage.exists(storage.join(root, MANIFEST_NAME)) else local_units(storage, root)
+    if units is not None:  # the fast recovery tier: every unit of a local.dir, a node or a step folder
+        bad = []
+        for unit in units:
+            if not storage.exists(storage.join(unit, MANIFEST_NAME)):
+                say(f"SKIP  {unit}  not committed (a local save that never finished)")
+            elif not _verify_one(storage, unit)[0]:
+                bad.append(unit)
+        if bad:
+            raise RollCkptError(f"{len(bad)} damaged local unit(s) under {args.path}: {', '.join(bad)}")
+        return 0
     if is_checkpoint_dir(storage, root) or not storage.isdir(root):
         try:
             target, _ = resolve(storage, root, component)
