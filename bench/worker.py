@@ -18,7 +18,7 @@ import shutil
 import sys
 import time
 import warnings
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist

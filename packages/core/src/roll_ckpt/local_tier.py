@@ -256,7 +256,7 @@ class LocalTier:
         """Load the newest whole local step not older than ``not_before`` (the persistent
         tier's newest step, -1 without one); ``(step, trainer_state, unit)`` or ``None``."""
         self.bind(strategy)
-        rank, world = strategy.rank, strategy.world_size
+        world = strategy.world_size
         found = self._verified(world, not_before)
         seen = self.peers.all_gather(found) if self.peers is not None else [found]
         holders: dict[int, dict[int, list[int]]] = {}

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import json
 import struct
-import time
 from typing import Any, Mapping
 
 from .digest import hash_bytes
 from .manifest import MANIFEST_NAME, Manifest, UnsafeManifestError
+from .torch_compat import collective
 from .verify import list_files
 
 __all__ = ["ring_targets", "PeerGroup", "pack", "unpack_verified"]
@@ -120,19 +120,14 @@ class PeerGroup:
         data = json.dumps(obj).encode()
         size = torch.tensor([len(data)], dtype=torch.int64)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        self._collective(lambda: self.dist.all_gather(sizes, size, group=self.group), [size, *sizes])
+        collective(self.dist.all_gather, (size, *sizes), sizes, size, group=self.group)
         longest = max(int(t.item()) for t in sizes)
         mine = torch.zeros(longest, dtype=torch.uint8)
         if data:
             mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         parts = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
-        self._collective(lambda: self.dist.all_gather(parts, mine, group=self.group), [mine, *parts])
+        collective(self.dist.all_gather, (mine, *parts), parts, mine, group=self.group)
         return [json.loads(p[:int(n.item())].numpy().tobytes()) for p, n in zip(parts, sizes)]
-
-    def _collective(self, call: Any, tensors: list[Any]) -> None:
-        held = [t._use_count() for t in tensors]
-        call()
-        _until_released(tensors, held)
 
     def all_true(self, flag: bool) -> bool:
         return all(self.all_gather(bool(flag)))
@@ -164,19 +159,10 @@ class PeerGroup:
         return out
 
     def _run(self, ops: list[Any]) -> None:
-        if not ops:
-            return
-        tensors = [op.tensor for op in ops]
-        held = [t._use_count() for t in tensors]
-        works = self.dist.batch_isend_irecv(ops)
-        [w.wait() for w in works]  # (no loop variable left holding a work)
-        del works, ops
-        _until_released(tensors, held)
+        if ops:
+            collective(_exchange, tuple(op.tensor for op in ops), self.dist, ops)
 
 
-def _until_released(tensors: list[Any], held: list[int], timeout: float = 2.0) -> None:
-    """Wait until gloo's worker has dropped its references to ``tensors``: a release left for
-    interpreter exit aborts the process (see ``roll_ckpt_fsdp2.offload._until_released``)."""
-    deadline = time.monotonic() + timeout
-    while any(t._use_count() > n for t, n in zip(tensors, held)) and time.monotonic() < deadline:
-        time.sleep(0.0002)
+def _exchange(dist: Any, ops: list[Any]) -> None:
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
