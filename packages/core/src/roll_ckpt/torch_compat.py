@@ -11,8 +11,10 @@ imported by the accessors that need them.
 
 from __future__ import annotations
 
+import functools
 import pickle
 import time
+import types
 from typing import Any, Callable
 
 import torch
@@ -94,13 +96,48 @@ def module_tensor_ids(module: Any) -> tuple[int, ...]:
 # --------------------------------------------------------------------------- serialization
 
 
+class _PicklerFactory(type):
+    """The metaclass of the ``Pickler`` handed to ``torch.serialization._save``.
+
+    ``_save`` subclasses ``pickle_module.Pickler`` on every call (``class PyTorchPickler``,
+    to give it a ``persistent_id`` method): a class object per tensor written, freed only
+    by the cyclic garbage collector (about 9 objects in reference cycles per tensor). A
+    checkpoint of thousands of tensors then set off collections that scan the whole heap,
+    hundreds of milliseconds each with a large model in memory, holding the GIL in the
+    writer thread or falling into ``save`` itself. Here that subclass is a factory
+    instead: a plain pickler whose ``persistent_id`` is an instance attribute (pickle's
+    documented alternative), nothing in a cycle.
+    """
+
+    def __new__(mcls, name: str, bases: tuple, namespace: dict) -> Any:
+        persistent_id = namespace.get("persistent_id")
+        if persistent_id is None or not any(isinstance(b, _PicklerFactory) for b in bases):
+            return super().__new__(mcls, name, bases, namespace)
+
+        def make(file: Any, protocol: int | None = None) -> Any:
+            pickler = pickle.Pickler(file, protocol=protocol)
+            pickler.persistent_id = functools.partial(persistent_id, None)  # (its self is unused)
+            return pickler
+
+        return make
+
+
+class _Pickler(pickle.Pickler, metaclass=_PicklerFactory):
+    pass
+
+
+_PICKLE = types.SimpleNamespace(Pickler=_Pickler)
+"""What ``_save`` is given as its ``pickle_module`` (it only reads ``Pickler``)."""
+
+
 def save_tensor_without_crc(tensor: torch.Tensor, stream: Any) -> None:
     """``torch.save(tensor, stream)``, but without torch's per-record CRC-32.
 
     The bytes are what ``torch.save`` writes with ``set_crc32_options(False)``, which
     ``torch.load`` reads; roll-ckpt's files are covered by the manifest's xxh3-128, computed
     in the same pass, and the CRC-32 costs about as much CPU as copying the data. Only this
-    call skips it: other ``torch.save`` calls keep torch's setting.
+    call skips it: other ``torch.save`` calls keep torch's setting. Its pickler is a plain
+    one (:data:`_PICKLE`): no class is made per tensor.
     ``torch.serialization._save`` / ``_get_storage_alignment`` / ``torch._C.PyTorchFileWriter``:
     torch 2.6-2.13.
     """
@@ -112,7 +149,7 @@ def save_tensor_without_crc(tensor: torch.Tensor, stream: Any) -> None:
     except (AttributeError, TypeError) as exc:
         raise _missing("torch.serialization._save / PyTorchFileWriter(stream, compute_crc32, alignment)",
                        exc) from None
-    save(tensor, writer, pickle, ser.DEFAULT_PROTOCOL, False)
+    save(tensor, writer, _PICKLE, ser.DEFAULT_PROTOCOL, False)
     writer.write_end_of_file()
 
 
