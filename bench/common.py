@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Iterable
+from typing import Any, Iterable
 
-__all__ = ["PeakRSS", "rss_bytes", "drop_cache", "tree_bytes", "tree_files", "median", "io_read_bytes"]
+__all__ = ["PeakRSS", "rss_bytes", "drop_cache", "tree_bytes", "tree_files", "median", "io_read_bytes", "state_size"]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -162,3 +162,11 @@ def median(xs: list[float]) -> float | None:
         return None
     n = len(xs)
     return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
+
+
+def state_size(model: Any, opt: Any) -> tuple[int, int]:
+    """(tensors, bytes) of a model's parameters and its optimizer's state on this rank
+    (a DTensor counts its local shard)."""
+    tensors = [p for p in model.parameters()] + [v for st in opt.state.values() for v in st.values()]
+    local = [getattr(t, "_local_tensor", t) for t in tensors]
+    return len(tensors), sum(t.numel() * t.element_size() for t in local if hasattr(t, "numel"))

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from common import state_size
 from roll_ckpt import CheckpointManager, load_config
 
 METHODS = ["dcp_async", "dcp_async_plancache", "rc_async", "rc_async_zc_all"]
@@ -83,10 +84,7 @@ class Point:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.state = {"model": self.model, "optimizer": self.opt}
-        self.tensors = sum(1 for _ in self.model.parameters()) + sum(len(s) for s in self.opt.state.values())
-        self.state_bytes = sum(t.numel() * t.element_size() for t in
-                               [getattr(p, "_local_tensor", p) for p in self.model.parameters()] +
-                               [getattr(v, "_local_tensor", v) for s in self.opt.state.values() for v in s.values()])
+        self.tensors, self.state_bytes = state_size(self.model, self.opt)
         self.pg = dist.new_group(backend="gloo")
         self.n = 0
         self.m: dict[str, Any] = {}

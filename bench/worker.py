@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import PeakRSS, drop_cache, io_read_bytes, tree_bytes, tree_files  # noqa: E402
+from common import PeakRSS, drop_cache, io_read_bytes, state_size, tree_bytes, tree_files  # noqa: E402
 
 from roll_ckpt import CheckpointManager, load_config  # noqa: E402
 from roll_ckpt import digest as _digest  # noqa: E402
@@ -89,13 +89,7 @@ def build(width: int, depth: int, mesh_kind: str = "fsdp") -> tuple[torch.nn.Mod
 
 
 def local_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
-    def nbytes(t: Any) -> int:
-        t = getattr(t, "_local_tensor", t)
-        return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
-
-    n = sum(nbytes(p) for p in model.parameters())
-    n += sum(nbytes(v) for st in opt.state.values() for v in st.values())
-    return n
+    return state_size(model, opt)[1]
 
 
 def sync() -> None:
