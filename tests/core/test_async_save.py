@@ -207,3 +207,33 @@ def test_background_nice_is_validated(tmp_path: Path) -> None:
     for bad in (-1, 20, "high", 2.5):
         with pytest.raises(ConfigError, match="background_nice"):
             config(tmp_path, background_nice=bad)
+
+
+def test_regular_staging_reads_each_tensor_anew_even_when_its_memory_is_swapped(tmp_path: Path) -> None:
+    """Staging keeps flat views of the state's tensors across saves; a tensor changed in
+    place, or given other memory (``p.data = ...``), or a non-contiguous one, is still
+    written as it is at the save."""
+    m = CheckpointManager(config(tmp_path / "ckpt", async_save=True), quiet=True)
+    state = tiny_state(seed=1)
+    params = list(state["model"].parameters())
+    with torch.no_grad():
+        params[-1].data = params[-1].data.t().contiguous().t()  # not contiguous: copied, never kept
+    expected = []
+    for step in (1, 2, 3):
+        with torch.no_grad():
+            if step == 2:
+                params[0].add_(1.0)  # in place
+            if step == 3:
+                params[0].data = torch.randn_like(params[0])  # other memory, same tensor object
+                params[-1].mul_(2.0)
+        expected.append(state_snapshot(state))
+        m.save(step, state)
+        m.wait()
+    for step, snap in zip((1, 2, 3), expected):
+        fresh = tiny_state(seed=9)
+        r = CheckpointManager(config(tmp_path / "ckpt"), quiet=True)
+        assert r.resume(fresh, target=str(next(p.path for p in layout.committed(r.storage, r.root)
+                                                if p.step == step))) == step
+        r.close()
+        assert_same_state(state_snapshot(fresh), snap)
+    m.close()

@@ -61,6 +61,7 @@ class Arenas:
         self._arenas: dict[Any, Any] = {}
         self._views: list[Any] = []
         self._outputs: list[tuple[Any, Any]] = []
+        self._flats: list[Any] = []
         self._kept: dict[tuple, tuple] = {}
 
     def stage(self, items: Sequence[tuple[str, Any]], save: SaveContext, policy: str, budget: int) -> list[Any]:
@@ -83,9 +84,9 @@ class Arenas:
     def _switch(self, layout: tuple) -> None:
         """Use ``layout``'s arenas: kept from an earlier save (a job that saves both with its
         state offloaded and live alternates between two), else made."""
-        self._kept[self._layout] = (self._arenas, self._views, self._outputs)
+        self._kept[self._layout] = (self._arenas, self._views, self._outputs, self._flats)
         if layout in self._kept:
-            self._arenas, self._views, self._outputs = self._kept.pop(layout)
+            self._arenas, self._views, self._outputs, self._flats = self._kept.pop(layout)
             self._layout = layout
         else:
             self._lay_out(layout)
@@ -108,24 +109,38 @@ class Arenas:
         self._arenas = {key: torch.empty(n, dtype=key[0], pin_memory=pin) for key, n in sizes.items()}
         self._views = [self._arenas[key].narrow(0, off, n).view(shape) for key, off, n, shape in spans]
         self._outputs = [(None, None)] * len(layout)
+        self._flats = [None] * len(layout)
         self._layout = layout
 
     def _copy(self, locals_: list[Any]) -> None:
         import torch
 
         by_arena: dict[Any, list[Any]] = {}
-        for t in locals_:
-            by_arena.setdefault((t.dtype, t.device.type), []).append(t)
+        for i, t in enumerate(locals_):
+            by_arena.setdefault((t.dtype, t.device.type), []).append(self._flat(i, t))
         for (dtype, device), sources in by_arena.items():
             arena = self._arenas[(dtype, device)]
             if device == "cpu":  # one call for the whole dtype: the copies loop in C++
-                torch.cat([s.reshape(-1) for s in sources], out=arena)
+                torch.cat(sources, out=arena)
         views = iter(self._views)
         for t, view in zip(locals_, views):
             if t.device.type != "cpu":  # device-to-host, into pinned memory, asynchronous
                 view.copy_(t.detach(), non_blocking=True)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.current_stream().synchronize()
+
+    def _flat(self, i: int, t: Any) -> Any:
+        """``t`` as one flat view, kept across saves while ``t`` is the same tensor over the
+        same memory (a new flat view per tensor per save is an allocation the garbage
+        collector counts: thousands per save set off collections of the whole heap)."""
+        cached = self._flats[i]
+        ptr = t.data_ptr()
+        if cached is not None and cached[0] is t and cached[1] == ptr:
+            return cached[2]
+        flat = t.reshape(-1)
+        # only a view stays current: a copy (t not contiguous) is made again every time
+        self._flats[i] = (t, ptr, flat) if t.is_contiguous() and flat.data_ptr() == ptr else None
+        return flat
 
     def _output(self, i: int, src: Any, local: Any) -> Any:
         from .torch_compat import rewrap_dtensor

@@ -82,12 +82,15 @@ def rewrap_dtensor(like: Any, local: Any) -> Any:
                               shape=like.shape, stride=like.stride())
 
 
-def module_tensor_ids(module: Any) -> tuple[int, ...]:
-    """The identity of every parameter and buffer of ``module`` and its submodules, in one
-    pass (``nn.Module._parameters``/``_buffers``): what a cached state dict
-    depends on, compared on every save, so it must be cheap; torch 2.0-2.13."""
+def module_tensor_ids(module: Any) -> tuple[tuple[int, int], ...]:
+    """The identity and the memory address of every parameter and buffer of ``module`` and
+    its submodules, in one pass (``nn.Module._parameters``/``_buffers``, a DTensor's
+    ``_local_tensor``): what a cached state dict depends on, compared on every save, so it
+    must be cheap; torch 2.0-2.13. The address catches ``p.data = other``: the same
+    parameter object over other memory, which the cached state dict's views do not see."""
     try:
-        return tuple(id(t) for m in module.modules() for d in (m._parameters, m._buffers)
+        return tuple((id(t), getattr(t, "_local_tensor", t).data_ptr())
+                     for m in module.modules() for d in (m._parameters, m._buffers)
                      for t in d.values() if t is not None)
     except AttributeError as exc:
         raise _missing("nn.Module._parameters / _buffers", exc) from None
