@@ -162,8 +162,7 @@ class DCPStrategy:
         planner._cached_plans_key = f"roll-ckpt-{'alone-' if alone else ''}{id(self)}"
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            dcp.save(sd, storage_writer=writer, planner=planner, process_group=None if alone else self.process_group,
-                     no_dist=alone or self._dist is None)
+            dcp.save(sd, storage_writer=writer, planner=planner, **self._dcp_group(alone))
         return writer.file_digests
 
     def estimate(self, sd: dict[str, Any], user: Mapping[str, Any] | None = None) -> SpaceEstimate:
@@ -207,16 +206,14 @@ class DCPStrategy:
 
         reader = SafeReader(storage, dcp_path, on_bytes, files=files, checkpoint=checkpoint, stream=stream)
         try:
-            self._alone = alone
             self._load(state, reader, dcp_path, files, set_model_state_dict, set_optimizer_state_dict,
-                       get_model_state_dict, get_optimizer_state_dict)
+                       get_model_state_dict, get_optimizer_state_dict, alone)
         finally:
-            self._alone = False
             reader.release()  # the checked files, kept open for both loads below
 
     def _load(self, state: MutableMapping[str, Any], reader: Any, dcp_path: str, files: Any,
               set_model_state_dict: Any, set_optimizer_state_dict: Any,
-              get_model_state_dict: Any, get_optimizer_state_dict: Any) -> None:
+              get_model_state_dict: Any, get_optimizer_state_dict: Any, alone: bool) -> None:
         if files:
             # Saved by as many processes as load it: this one reads its own files. Start
             # reading and checking them now, while the load is planned.
@@ -241,7 +238,7 @@ class DCPStrategy:
                                 f"{', '.join(missing)}; it holds {', '.join(sorted(_top_keys(md)))}")
         # One load; SafeReader reads the per-process values (the only pickled ones) before
         # any tensor, so a value weights_only refuses stops it before a live tensor is touched.
-        self._dcp_load(target, reader, dcp_path)
+        self._dcp_load(target, reader, dcp_path, alone)
         for key, obj in state.items():
             if isinstance(obj, torch.nn.Module):
                 set_model_state_dict(obj, target[key])
@@ -266,7 +263,13 @@ class DCPStrategy:
         if RNG_KEY in loaded:
             restore_rng(loaded[RNG_KEY])
 
-    def _dcp_load(self, target: dict[str, Any], reader: Any, dcp_path: str) -> None:
+    def _dcp_group(self, alone: bool) -> dict[str, Any]:
+        """DCP's ``process_group``/``no_dist`` for a folder of the job (``alone``: of this process only)."""
+        if alone or self._dist is None:
+            return {"process_group": None, "no_dist": True}
+        return {"process_group": self.process_group, "no_dist": False}
+
+    def _dcp_load(self, target: dict[str, Any], reader: Any, dcp_path: str, alone: bool) -> None:
         import torch.distributed.checkpoint as dcp
 
         from .unpickle import SafeLoadPlanner
@@ -278,9 +281,7 @@ class DCPStrategy:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             try:
-                alone = getattr(self, "_alone", False)
-                dcp.load(target, storage_reader=reader, planner=planner, process_group=None if alone else
-                         self.process_group, no_dist=alone or self._dist is None)
+                dcp.load(target, storage_reader=reader, planner=planner, **self._dcp_group(alone))
             except BaseException as exc:  # DCP wraps every rank's error in a CheckpointException
                 found = carried_roll_error(exc)
                 if found is None:
