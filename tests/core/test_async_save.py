@@ -237,3 +237,33 @@ def test_regular_staging_reads_each_tensor_anew_even_when_its_memory_is_swapped(
         r.close()
         assert_same_state(state_snapshot(fresh), snap)
     m.close()
+
+
+def test_the_cached_state_dict_survives_storage_resized_in_place_and_not_a_swap(tmp_path: Path) -> None:
+    """An offload store frees a parameter's memory and brings it back by resizing its
+    storage in place (the cached state dict's views follow it: no rebuild); ``p.data =
+    other`` gives the parameter another storage (rebuilt)."""
+    m = CheckpointManager(config(tmp_path / "ckpt", async_save=True), quiet=True)
+    state = tiny_state(seed=1)
+    p = next(state["model"].parameters())
+    m.save(1, state)
+    m.wait()
+    builds = m.strategy._state_dicts.builds
+    nbytes = p.untyped_storage().nbytes()
+    with torch.no_grad():
+        keep = p.detach().clone()
+        address = p.data_ptr()
+        p.untyped_storage().resize_(0)  # offloaded
+        taken = torch.empty_like(keep)  # (the freed memory goes elsewhere)
+        p.untyped_storage().resize_(nbytes)  # brought back: other memory, the same storage
+        p.copy_(keep)
+        assert p.data_ptr() != address and taken.numel()
+    m.save(2, state)
+    m.wait()
+    assert m.strategy._state_dicts.builds == builds
+    with torch.no_grad():
+        p.data = torch.randn_like(p)
+    m.save(3, state)
+    m.wait()
+    assert m.strategy._state_dicts.builds == builds + 1
+    m.close()

@@ -83,17 +83,26 @@ def rewrap_dtensor(like: Any, local: Any) -> Any:
 
 
 def module_tensor_ids(module: Any) -> tuple[tuple[int, int], ...]:
-    """The identity and the memory address of every parameter and buffer of ``module`` and
-    its submodules, in one pass (``nn.Module._parameters``/``_buffers``, a DTensor's
-    ``_local_tensor``): what a cached state dict depends on, compared on every save, so it
-    must be cheap; torch 2.0-2.13. The address catches ``p.data = other``: the same
-    parameter object over other memory, which the cached state dict's views do not see."""
+    """The identity of every parameter and buffer of ``module`` and its submodules, and of
+    the storage it uses, in one pass (``nn.Module._parameters``/``_buffers``, a DTensor's
+    ``_local_tensor``, ``UntypedStorage._cdata``): what a cached state dict depends on,
+    compared on every save, so it must be cheap; torch 2.0-2.13. The storage catches
+    ``p.data = other`` (the same parameter over other memory, which the cached state
+    dict's views do not see); a storage resized in place (offloaded, then brought back)
+    stays the same storage, and the views follow it."""
     try:
-        return tuple((id(t), getattr(t, "_local_tensor", t).data_ptr())
+        return tuple((id(t), _storage_id(getattr(t, "_local_tensor", t)))
                      for m in module.modules() for d in (m._parameters, m._buffers)
                      for t in d.values() if t is not None)
     except AttributeError as exc:
         raise _missing("nn.Module._parameters / _buffers", exc) from None
+
+
+def _storage_id(t: Any) -> int:
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):  # no storage (sparse, nested): its identity alone
+        return 0
 
 
 # --------------------------------------------------------------------------- serialization
