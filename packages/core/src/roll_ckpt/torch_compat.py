@@ -22,6 +22,7 @@ import torch
 from .errors import RollCkptError
 
 __all__ = ["TorchCompatError", "local_tensor", "set_local_tensor", "rewrap_dtensor", "save_tensor_without_crc",
+           "serializes_plainly", "create_write_items",
            "weights_only_load", "file_reader", "storage_info", "set_element", "get_element",
            "load_state_dict_no_dist", "module_tensor_ids", "empty_state_dict_load_planner", "planner_set_value", "storage_prefix",
            "narrow_tensor_by_index", "local_chunk", "collective", "CHECKED_ON"]
@@ -165,6 +166,21 @@ def save_tensor_without_crc(tensor: torch.Tensor, stream: Any) -> None:
     writer.write_end_of_file()
 
 
+def serializes_plainly(t: Any) -> bool:
+    """Whether ``torch.save`` frames ``t`` as it frames any plain tensor of its dtype, shape
+    and stride, with the tensor's own bytes as the one record (what
+    :mod:`roll_ckpt.tensor_frames` relies on): a ``torch.Tensor`` (no subclass), strided,
+    contiguous, on the CPU, not empty, not quantized, without autograd and without the
+    conjugate/negative bits or any other entry of ``torch._C._get_tensor_metadata``, not a
+    zero tensor (``_is_zerotensor``, which has no memory). Checked on torch 2.13."""
+    try:
+        return (type(t) is torch.Tensor and t.layout is torch.strided and t.device.type == "cpu"
+                and not t.requires_grad and not t.is_quantized and t.is_contiguous() and t.numel() > 0
+                and not t._is_zerotensor() and not torch._C._get_tensor_metadata(t))
+    except AttributeError as exc:
+        raise _missing("Tensor._is_zerotensor / torch._C._get_tensor_metadata", exc) from None
+
+
 def file_reader(stream: Any) -> Any:
     """``torch._C.PyTorchFileReader`` over a seekable stream (torch 2.6-2.13)."""
     try:
@@ -197,6 +213,16 @@ def storage_info(relative_path: str, offset: int, length: int) -> Any:
     except ImportError as exc:
         raise _missing("torch.distributed.checkpoint.filesystem._StorageInfo", exc) from None
     return _StorageInfo(relative_path, offset, length)
+
+
+def create_write_items(fqn: str, obj: Any) -> list[Any]:
+    """DCP's write items for one value of a flattened state dict, as ``DefaultSavePlanner``
+    makes them (``planner_helpers._create_write_items``, torch 2.3-2.13)."""
+    try:
+        from torch.distributed.checkpoint.planner_helpers import _create_write_items
+    except ImportError as exc:
+        raise _missing("torch.distributed.checkpoint.planner_helpers._create_write_items", exc) from None
+    return _create_write_items(fqn, obj)
 
 
 def storage_prefix(plan: Any) -> str:
