@@ -11,7 +11,7 @@ from typing import Any, Mapping
 from .errors import ConfigError
 from .interpolation import key_path
 
-__all__ = ["expect", "count", "string", "location", "options", "seconds", "reject_unknown", "field_names",
+__all__ = ["expect", "count", "nice", "choice", "string", "location", "options", "seconds", "reject_unknown", "field_names",
            "section"]
 
 
@@ -21,6 +21,18 @@ def expect(key: str, value: Any, kind: type | tuple[type, ...], allowed: str) ->
         raise ConfigError(key, "has the wrong type", value, allowed)
     if not isinstance(value, kind):
         raise ConfigError(key, "has the wrong type", value, allowed)
+    return value
+
+
+def nice(key: str, value: Any) -> int:
+    if count(key, value) > 19:
+        raise ConfigError(key, "is not a nice value", value, "an integer from 0 to 19")
+    return value
+
+
+def choice(key: str, value: Any, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ConfigError(key, "is not one of the allowed values", value, " or ".join(allowed))
     return value
 
 

@@ -4,7 +4,8 @@
 ``.metadata`` as always, and the folder stays what plain ``dcp.load`` reads. The data
 files are written by this module's loop instead of DCP's: the same layout (one
 ``__<rank>_<n>.distcp`` per writer thread, byte values first, then tensors, each
-``torch.save``-framed), but each file is hashed while written, and the tensors skip
+``torch.save``-framed), but each file is hashed while written, each tensor's frame is kept
+for the next tensor of its shape (:mod:`roll_ckpt.tensor_frames`), and the tensors skip
 torch's CRC-32 (the manifest's xxh3-128 covers every byte). Each rank's checksums ride
 back to the coordinator inside DCP's own gather of write results (no extra collective)
 and are taken out again before ``.metadata`` is written.
@@ -15,18 +16,21 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
-from torch.distributed.checkpoint import FileSystemWriter
+import torch
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItemType
+from torch.distributed.checkpoint.utils import find_state_dict_object
 from torch.distributed.checkpoint.storage import WriteResult
 
+from .collector import CollectorPause
 from .contracts import Storage
 from .dcp_fs import StorageFileSystem
-from .memory import exact_alias
-from .torch_compat import save_tensor_without_crc, storage_info, storage_prefix
+from .tensor_frames import write_tensor
+from .torch_compat import create_write_items, local_tensor, storage_info, storage_prefix
 from .unpickle import METADATA_NAME
 
-__all__ = ["DigestingWriter"]
+__all__ = ["DigestingWriter", "ReusingSavePlanner"]
 
 _DIGEST_FQN = "__roll_ckpt_file_digests__"
 
@@ -73,17 +77,80 @@ def _write_file(fs: StorageFileSystem, path: str, name: str, items: list[Any], p
                 tensor = data.detach()
                 if tensor.device.type != "cpu":
                     tensor = tensor.cpu()
-                if tensor.untyped_storage().nbytes() != tensor.nbytes:
-                    # a view (an arena's slice, a padded shard): torch.save would write the
-                    # whole storage; an exact-size alias of the same memory needs no copy
-                    tensor = exact_alias(tensor) if tensor.is_contiguous() else tensor.clone()
-                save_tensor_without_crc(tensor, stream)
+                write_tensor(tensor, stream)
             length = stream.tell() - offset
             if gate is not None:
                 gate.after(item.index.fqn)
             results.append(WriteResult(index=item.index, size_in_bytes=length,
                                        storage_data=storage_info(name, offset, length)))
     return results
+
+
+class ReusingSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner (plan caching on), with each value's write items kept
+    across saves while what they are made of stays the same.
+
+    ``DefaultSavePlanner`` makes every save's local plan anew before it finds it equal to
+    the cached one: 15-20 µs per DTensor (its shard's offsets from mesh and placements),
+    about 95 ms of each save at 2,300 tensors per rank. The items are frozen dataclasses
+    made only of a value's name, its global shape, mesh and placements, and its local
+    shard's dtype, layout, ``requires_grad`` and pinning: :attr:`items` maps those to the
+    items, so a save of an unchanged structure makes none. The plan is still DCP's own
+    (its ``create_local_plan`` walks the values; each known one answers DCP's
+    ``__create_write_items__`` with its kept items), and the data is still looked up in the
+    real state dict. ``items`` belongs to the caller (one per strategy, kept across saves);
+    its values hold the meshes whose ``id`` its keys use, so that ``id`` is never another's.
+    """
+
+    def __init__(self, items: dict[tuple, tuple[Any, "_Planned"]]) -> None:
+        super().__init__(enable_plan_caching=True)
+        self.items = items
+        self._values: dict[str, Any] = {}
+
+    def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False) -> None:
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
+        self._values = self.state_dict
+        if len(self.items) > 2 * len(self._values) + 64:  # another structure: start over
+            self.items.clear()
+        self.state_dict = {fqn: self._planned(fqn, obj) for fqn, obj in self._values.items()}
+
+    def _planned(self, fqn: str, obj: Any) -> Any:
+        key = _items_key(fqn, obj)
+        if key is None:
+            return obj
+        found = self.items.get(key)
+        if found is None:
+            mesh = getattr(obj, "device_mesh", None)
+            made = create_write_items(fqn, obj) if mesh is None or mesh.get_coordinate() is not None else []
+            found = self.items[key] = (mesh, _Planned(made))
+        return found[1]
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        return find_state_dict_object(self._values, index)
+
+
+class _Planned:
+    """A value whose write items are known (DCP asks ``__create_write_items__``)."""
+
+    __slots__ = ("made",)
+
+    def __init__(self, made: list[Any]) -> None:
+        self.made = made
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[Any]:
+        return self.made
+
+
+def _items_key(fqn: str, obj: Any) -> tuple | None:
+    if not isinstance(obj, torch.Tensor):
+        return None  # a value saved as bytes: one item, cheap to make
+    local = local_tensor(obj)
+    if type(local) is not torch.Tensor:  # a subclass may make its own items
+        return None
+    shard = (local.dtype, local.layout, local.requires_grad, local.is_pinned())
+    if local is obj:
+        return (fqn, tuple(obj.shape), *shard)
+    return (fqn, tuple(obj.shape), id(obj.device_mesh), obj.placements, *shard)
 
 
 class DigestingWriter(FileSystemWriter):
@@ -94,7 +161,8 @@ class DigestingWriter(FileSystemWriter):
     """
 
     def __init__(self, storage: Storage, path: str, *, thread_count: int = 1,
-                 on_bytes: Callable[[int], None] | None = None, gate: Any = None) -> None:
+                 on_bytes: Callable[[int], None] | None = None, gate: Any = None,
+                 pause: CollectorPause | None = None) -> None:
         # sync_files=False: durability comes from the backend's close(), never from the
         # system-wide os.sync() DCP falls back to for streams without a file descriptor.
         super().__init__(path, single_file_per_rank=True, sync_files=False,
@@ -104,6 +172,9 @@ class DigestingWriter(FileSystemWriter):
         self.file_digests: dict[str, tuple] = {}
         self.gate = gate
         """Regular staging in waves (``roll_ckpt.regular_copy.WaveGate``), or ``None``."""
+        self.pause = pause or CollectorPause(False)
+        """The save's hold on the garbage collector, let go while the data is written (a long
+        write would otherwise keep the training loop's garbage uncollected)."""
 
     def _relative(self) -> dict[str, tuple]:
         root = self.path.rstrip("/") + "/"
@@ -127,11 +198,15 @@ class DigestingWriter(FileSystemWriter):
                 errors.append(exc)
 
         threads = [threading.Thread(target=run, args=(k,), name="roll-ckpt-write") for k in range(1, len(files))]
-        for t in threads:
-            t.start()
-        run(0)
-        for t in threads:
-            t.join()
+        self.pause.release()
+        try:
+            for t in threads:
+                t.start()
+            run(0)
+            for t in threads:
+                t.join()
+        finally:
+            self.pause.hold()  # the gather of write results and .metadata follow
         if errors:
             raise errors[0]
         flat = [r for rs in results for r in rs]

@@ -24,6 +24,7 @@ from typing import Any, Mapping, MutableMapping
 
 import torch
 
+from .collector import CollectorPause
 from .contracts import SpaceEstimate, Storage
 from .errors import RollCkptError, carried_roll_error
 from .rng import capture_rng, restore_rng
@@ -54,6 +55,7 @@ class DCPStrategy:
         self._control: Any = None
         self._state_dicts = StateDictCache()
         self._estimate: tuple[int, Any] = (-1, None)
+        self._write_items: dict[bool, dict] = {}  # DCP's write items kept across saves (ReusingSavePlanner)
         self.rank = self._dist.get_rank() if self._dist else 0
         self.world_size = self._dist.get_world_size() if self._dist else 1
 
@@ -151,16 +153,18 @@ class DCPStrategy:
         replicated values are written in full, so it loads without any other process's files.
         """
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import DefaultSavePlanner
 
-        from .dcp_write import DigestingWriter
+        from .dcp_write import DigestingWriter, ReusingSavePlanner
 
         gate = getattr(save, "gate", None)
         threads = 1 if gate is not None else self.writer_threads(_local_bytes(sd))
-        writer = DigestingWriter(storage, dcp_path, thread_count=threads, on_bytes=on_bytes, gate=gate)
-        planner = DefaultSavePlanner(enable_plan_caching=True)
+        # the collector is held off while DCP plans, gathers and writes .metadata; the
+        # writer lets go of it while it writes the data (roll_ckpt.collector)
+        pause = CollectorPause(self.config.checkpoint_config.pause_gc)
+        writer = DigestingWriter(storage, dcp_path, thread_count=threads, on_bytes=on_bytes, gate=gate, pause=pause)
+        planner = ReusingSavePlanner(self._write_items.setdefault(alone, {}))
         planner._cached_plans_key = f"roll-ckpt-{'alone-' if alone else ''}{id(self)}"
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), pause:
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             dcp.save(sd, storage_writer=writer, planner=planner, **self._dcp_group(alone))
         return writer.file_digests
@@ -264,8 +268,12 @@ class DCPStrategy:
             restore_rng(loaded[RNG_KEY])
 
     def _dcp_group(self, alone: bool) -> dict[str, Any]:
-        """DCP's ``process_group``/``no_dist`` for a folder of the job (``alone``: of this process only)."""
-        if alone or self._dist is None:
+        """DCP's ``process_group``/``no_dist`` for a folder of the job (``alone``: of this process only).
+
+        A job of one process saves without DCP's collectives too: over a group of one they
+        only pickle and unpickle the plans, the write results and the metadata (about 60 ms
+        per save at 2,300 tensors), with the same folder as the result."""
+        if alone or self._dist is None or self.world_size == 1:
             return {"process_group": None, "no_dist": True}
         return {"process_group": self.process_group, "no_dist": False}
 

@@ -1,0 +1,80 @@
+"""roll-ckpt's DCP writer: write items kept across saves, no collectives in a job of one process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from roll_ckpt import CheckpointManager
+from roll_ckpt.testing import tiny_state
+from tests.helpers.training import config
+
+
+def _count_items(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    import roll_ckpt.dcp_write as dw
+
+    made: list[str] = []
+    real = dw.create_write_items
+
+    def counting(fqn: str, obj: Any) -> list[Any]:
+        made.append(fqn)
+        return real(fqn, obj)
+
+    monkeypatch.setattr(dw, "create_write_items", counting)
+    return made
+
+
+def test_a_save_of_an_unchanged_structure_makes_no_write_items(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    made = _count_items(monkeypatch)
+    state = tiny_state()
+    tensors = len(state["model"].state_dict()) + sum(len(s) for s in state["optimizer"].state.values())
+    with CheckpointManager.from_config(config(tmp_path, timestamp_subdir=False), quiet=True) as m:
+        m.save(1, state)
+        assert len(made) >= tensors  # (and the per-process RNG states)
+        made.clear()
+        m.save(2, state)
+        assert made == [], "the second save of the same structure reuses every write item"
+        # another shape for one parameter: only its items are made again
+        first = next(iter(state["model"].parameters()))
+        with torch.no_grad():
+            first.data = torch.randn(first.shape[0] + 1, *first.shape[1:])
+        state["optimizer"].state.pop(first, None)
+        path = m.save(3, state)
+        assert made == ["model." + next(iter(state["model"].state_dict()))]
+    _assert_module_saved(state["model"], path)
+
+
+def _assert_module_saved(model: torch.nn.Module, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    sd = model.state_dict()
+    loaded = {"model": {k: torch.zeros_like(v) for k, v in sd.items()}}
+    dcp.load(loaded, checkpoint_id=f"{path}/dcp", no_dist=True)
+    for k, v in sd.items():
+        assert torch.equal(loaded["model"][k], v), k
+
+
+def test_one_process_saves_without_dcp_collectives(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already set up in this process")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    calls: list[str] = []
+    try:
+        for name in ("gather_object", "all_gather_object", "broadcast_object_list", "scatter_object_list",
+                     "all_reduce", "barrier"):
+            real = getattr(dist, name)
+            monkeypatch.setattr(dist, name, lambda *a, _n=name, _r=real, **k: (calls.append(_n), _r(*a, **k))[1])
+        state = tiny_state()
+        with CheckpointManager.from_config(config(tmp_path / "out", timestamp_subdir=False), quiet=True) as m:
+            path = m.save(1, state)
+        assert calls == [], f"a job of one process made DCP collectives: {calls}"
+        _assert_module_saved(state["model"], path)
+    finally:
+        monkeypatch.undo()
+        dist.destroy_process_group()
