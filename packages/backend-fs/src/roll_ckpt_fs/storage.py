@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import io
+import logging
 import os
 import posixpath
 import shutil
@@ -13,6 +14,10 @@ from typing import Any, BinaryIO, Mapping
 
 from roll_ckpt import StorageError
 from roll_ckpt.contracts import Entry
+
+from .direct import open_direct
+
+log = logging.getLogger("roll_ckpt")
 
 __all__ = ["LocalStorage", "FsspecStorage", "open_storage"]
 
@@ -104,8 +109,10 @@ class LocalStorage:
 
     atomic_rename = True
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, direct_io: bool = True) -> None:
         self.url = url
+        self.direct_io = direct_io
+        """Write data files with ``O_DIRECT`` where the file system allows it (:mod:`roll_ckpt_fs.direct`)."""
         path = url[len("file://"):] if url.startswith("file://") else url
         self.root = os.path.abspath(os.path.expanduser(path))
 
@@ -142,6 +149,10 @@ class LocalStorage:
         return os.fdopen(fd, "rb")
 
     def open_write(self, path: str) -> BinaryIO:
+        if self.direct_io:
+            direct = open_direct(path)
+            if direct is not None:
+                return direct  # type: ignore[return-value]
         raw = io.FileIO(path, "w")
         return _DurableFile(raw, buffer_size=_WRITE_BUFFER)  # type: ignore[return-value]
 
@@ -437,7 +448,19 @@ def _takes_refresh(fs: Any) -> bool:
 
 
 def open_storage(url: str, storage_options: Mapping[str, Any] | None = None) -> LocalStorage | FsspecStorage:
-    """The right storage for ``url``: plain paths and ``file://`` are local disks."""
+    """The right storage for ``url``: plain paths and ``file://`` are local disks.
+
+    A local disk reads one storage option, ``direct_io`` (default true: data files are
+    written with ``O_DIRECT`` where the file system allows it). Any other option has no
+    effect there and is named in a warning, not refused: a job moved from S3 to a local
+    copy keeps its config."""
     if "://" not in url or url.startswith("file://"):
-        return LocalStorage(url)
+        options = dict(storage_options or {})
+        direct_io = options.pop("direct_io", True)
+        if not isinstance(direct_io, bool):
+            raise StorageError(f"storage_options.direct_io must be true or false, got {direct_io!r} (for {url})")
+        if options:
+            log.warning("roll-ckpt: storage_options %s have no effect on the local path %s (only direct_io does)",
+                        ", ".join(sorted(map(str, options))), url)
+        return LocalStorage(url, direct_io=direct_io)
     return FsspecStorage(url, storage_options or {})
