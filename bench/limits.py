@@ -34,9 +34,15 @@ class Limits:
 
     # ---------------------------------------------------------------- disk
 
-    def _write_one(self, path: str, nbytes: int) -> None:
+    def _write_one(self, path: str, nbytes: int, direct: bool = False) -> None:
         view = memoryview(self._block)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        if direct:  # O_DIRECT needs page-aligned memory: an anonymous mapping is
+            aligned = mmap.mmap(-1, CHUNK, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            aligned[:] = view
+            view = memoryview(aligned)
+            flags |= os.O_DIRECT
+        fd = os.open(path, flags, 0o644)
         try:
             done = 0
             while done < nbytes:
@@ -45,15 +51,16 @@ class Limits:
         finally:
             os.close(fd)
 
-    def disk_write(self, streams: int = 1) -> float:
-        """Sequential write + fdatasync (``dd bs=16M conv=fdatasync``), ``streams`` files at once."""
+    def disk_write(self, streams: int = 1, direct: bool = False) -> float:
+        """Sequential write + fdatasync (``dd bs=16M conv=fdatasync``, with ``direct``
+        ``oflag=direct`` too), ``streams`` files at once."""
         paths = [os.path.join(self.folder, f"write-{i}.bin") for i in range(streams)]
         per = self.nbytes // streams
         t0 = time.perf_counter()
         if streams == 1:
-            self._write_one(paths[0], per)
+            self._write_one(paths[0], per, direct)
         else:
-            ts = [threading.Thread(target=self._write_one, args=(p, per)) for p in paths]
+            ts = [threading.Thread(target=self._write_one, args=(p, per, direct)) for p in paths]
             for t in ts:
                 t.start()
             for t in ts:

@@ -101,7 +101,12 @@ class Loop:
         ended: list[float] = []  # when the save became durable (from t0)
         stats_of: Any = None
         if save:
-            if method == "dcp_thread" or method == "dcp_process":
+            if method == "dcp_save":  # synchronous: the loop's loss is the save itself
+                msd, osd = get_state_dict(self.model, self.opt)
+                written = self.path(method)
+                dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=written, process_group=self.pg)
+                ended.append(time.perf_counter() - t0)
+            elif method == "dcp_thread" or method == "dcp_process":
                 msd, osd = get_state_dict(self.model, self.opt)
                 written = self.path(method)
                 kw = {}

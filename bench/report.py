@@ -69,6 +69,11 @@ def markdown(res: dict[str, Any]) -> str:
                      f"dcp {_f(t.get('dcp_ms'), '{:.1f}')} ms, regular / dcp {_f(t.get('regular'))} (<= 0.5); "
                      f"vs DCP plan caching: zero-copy {_f((t.get('vs_plan_caching') or {}).get('zc'))}, "
                      f"regular {_f((t.get('vs_plan_caching') or {}).get('regular'))}")
+        if k == "T10":
+            extra = "; µs per tensor: " + ", ".join(
+                f"{m} {_f(v, '{:.0f}')}" for m, v in (t.get("us_per_tensor") or {}).items())
+        if k == "T11":
+            extra = f"; regular staging / DCP {_f(t.get('regular'))} (<= 1.0)"
         if k == "T8":
             extra = "; blocked by budget: " + ", ".join(
                 f"{c.replace('rc_budget_', '')} {_ms(v)}" for c, v in (t.get("blocked_s") or {}).items())
@@ -81,7 +86,7 @@ def markdown(res: dict[str, Any]) -> str:
                      f"{t['what']}{extra} |")
     for problem in res.get("invariants", []):
         lines += ["", f"**Invariant broken:** {problem}"]
-    lines += _loop_md(res) + _many_md(res) + _hash_md(res)
+    lines += _loop_md(res) + _transformer_md(res) + _many_md(res) + _hash_md(res)
     for sk in res.get("skipped", []):
         lines += ["", f"**Skipped** `{sk['case']}`: {sk['reason']}"]
     lines += ["", "## What limits each figure", ""] + [f"- {x}" for x in LIMITS_TEXT]
@@ -133,6 +138,24 @@ def _loop_md(res: dict[str, Any]) -> list[str]:
     out += ["", "loop time lost: (K steps with the save in flight, until both the steps are done and the save is "
                 "durable) − (the same K steps without a save, run just before); blocked time included. "
                 "A non-zero last column means the save outlasted the steps (the loss then includes waiting)."]
+    return out
+
+
+def _transformer_md(res: dict[str, Any]) -> list[str]:
+    tr = res.get("transformer")
+    if not tr:
+        return []
+    md = tr["model"]
+    out = ["", f"## T10/T11: a Hugging Face Llama on FSDP2 ({tr['ranks']} ranks; {md['layers']} layers, hidden "
+               f"{md['hidden']}, vocab {md['vocab']}; {tr['tensors']} tensors and {tr['state_bytes'] / MB:.0f} MiB "
+               f"per rank with AdamW; steps of {tr['step_s'] * 1e3:.0f} ms, K = {tr['k']}; medians)", "",
+           "| method | blocked | durable after | per tensor | loop time lost | CPU s of this process, extra |",
+           "|---|---:|---:|---:|---:|---:|"]
+    for meth, r in tr["methods"].items():
+        out.append(f"| `{meth}` {r['title']} | {_ms(r['blocked_s'])} | {_ms(r['durable_s'])} | "
+                   f"{_f(r['us_per_tensor'], '{:.0f}')} µs | {_ms(r['lost_s'])} | {_f(r['cpu_s'], '{:.2f}')} |")
+    out += ["", "A synchronous save's loss is the save itself (K = 0); an asynchronous one is measured as in T6, "
+                "with K steps of the model's own training (forward, loss, backward, AdamW) per method."]
     return out
 
 

@@ -34,7 +34,7 @@ from common import median  # noqa: E402
 MB = 1 << 20
 
 # The cases of each group; the limits run inside the alternation of the "target" group.
-LIMITS = ["limit_write", "limit_write2", "limit_read", "limit_read2", "limit_memcpy", "limit_memcpy_fresh"]
+LIMITS = ["limit_write", "limit_write2", "limit_write_direct", "limit_read", "limit_read2", "limit_memcpy", "limit_memcpy_fresh"]
 # Loads sit between saves, never next to each other: a load right after another one ran
 # measurably slower here (whichever came second), and the alternation would then favour
 # one of them.
@@ -45,6 +45,10 @@ BUDGET_CASES = ["rc_budget_0.1", "rc_budget_0.25", "rc_budget_0.5", "rc_budget_n
 ALL_CASES = ["torch_save", "rc_load", "dcp_save", "dcp_async", "dcp_async_stager", "rc_save", "dcp_load",
              "rc_async", "rc_async_zc_model", "rc_async_zc_all", "dcp_async_hsdp", "rc_dedup", "rc_dedup_cold"]
 
+# T10/T11, the user's shape: a transformers LlamaForCausalLM with 64 decoder layers (2,316
+# tensors and 78 MiB per rank with AdamW on 2 ranks), each layer its own FSDP2 unit.
+TRANSFORMER = {"layers": 64, "hidden": 128, "intermediate": 344, "vocab": 4096, "reps": 3, "window_s": 1.5}
+
 # width x depth of Linear(width, width, bias=False) layers; with AdamW the state is 3 x params.
 MODES: dict[str, dict[str, Any]] = {
     # T1/T2 need >= 512 MiB in the store: 11 x 2048^2 x 4 B x 3 = 528 MiB over 2 ranks.
@@ -54,14 +58,17 @@ MODES: dict[str, dict[str, Any]] = {
     # many (T7): tensor counts of the sweep.
     "quick": {"reps": 4, "target": (2048, 11), "small": (2048, 2), "warmup": False,
               "loop": {"width": 368, "depth": 64, "reps": 4, "window_s": 1.5},
-              "many": {"points": [100, 1000, 3000], "reps": 3}},
+              "many": {"points": [100, 1000, 3000], "reps": 3},
+              "transformer": TRANSFORMER},
     "full": {"reps": 6, "target": (4096, 11), "small": (2048, 11), "warmup": True,
              "loop": {"width": 368, "depth": 64, "reps": 5, "window_s": 2.0},
-             "many": {"points": [100, 1000, 3000, 10000], "reps": 5}},
+             "many": {"points": [100, 1000, 3000, 10000], "reps": 5},
+             "transformer": {**TRANSFORMER, "reps": 5}},
     # Every case once, in one 2-rank group: checks the harness end to end, not the speed.
     "smoke": {"reps": 1, "target": (256, 2), "small": (256, 2), "warmup": False, "one_group": True,
               "ranks": "2", "loop": {"width": 64, "depth": 4, "reps": 1, "window_s": 0.2},
-              "many": {"points": [100, 300], "reps": 1}},
+              "many": {"points": [100, 300], "reps": 1},
+              "transformer": {**TRANSFORMER, "layers": 2, "reps": 1, "window_s": 0.2}},
 }
 
 
@@ -196,6 +203,16 @@ def summarise_loop(group: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def summarise_transformer(group: dict[str, Any]) -> dict[str, Any]:
+    """T10/T11: the loop's summary (lost, blocked, durable, CPU per method) and each save's
+    time per tensor."""
+    out = summarise_loop(group)
+    out["model"] = group["model"]
+    for row in out["methods"].values():
+        row["us_per_tensor"] = row["durable_s"] / group["tensors"] * 1e6
+    return out
+
+
 def summarise_many(group: dict[str, Any]) -> dict[str, Any]:
     """T7: per point of the sweep and method, median blocked / durable seconds (max over ranks)."""
     points = []
@@ -302,11 +319,12 @@ def targets(rows: list[dict[str, Any]], limits: dict[str, Any], extra: dict[str,
     out["T2"] = entry(zc and zc["extra_rss_frac"], 0.05, True,
                       "extra peak RSS during that save / the rank's checkpointed bytes (max over ranks)",
                       dcp_async_default=da and da["extra_rss_frac"])
-    disk = max(filter(None, [limits.get("disk_write_gbps"), limits.get("disk_write2_gbps")]), default=None)
+    disk = max(filter(None, [limits.get("disk_write_gbps"), limits.get("disk_write2_gbps"),
+                             limits.get("disk_write_direct_gbps")]), default=None)
     v_disk = ratio(rs and rs["gbps"], disk)
     v_dcp = ratio(rs and rs["gbps"], ds and ds["gbps"])
     t3 = entry(v_disk, 0.8, False, "durable write GB/s of roll-ckpt sync save / best fdatasync write GB/s "
-               "(1 or 2 files at once); and / dcp.save default",
+               "(1 or 2 files at once, or O_DIRECT); and / dcp.save default",
                ours_gbps=rs and rs["gbps"], disk_gbps=disk, dcp_gbps=ds and ds["gbps"],
                vs_dcp={"value": v_dcp, "limit": 1.0, "pass": v_dcp is not None and v_dcp >= 1.0})
     t3["pass"] = t3["pass"] and t3["vs_dcp"]["pass"]
@@ -360,6 +378,26 @@ def targets(rows: list[dict[str, Any]], limits: dict[str, Any], extra: dict[str,
                       and t7["regular"] <= 0.5)
     out["T7"] = t7
 
+    # T10/T11: the user's shape (a Hugging Face Llama on FSDP2, thousands of tensors per rank)
+    tr = (extra.get("transformer") or {}).get("methods", {})
+
+    def tr_(m: str, k: str) -> float | None:
+        return (tr.get(m) or {}).get(k)
+
+    out["T10"] = entry(ratio(tr_("rc_sync", "durable_s"), tr_("dcp_save", "durable_s")), 0.5, True,
+                       "transformer-shaped rank (Hugging Face Llama, FSDP2): sync save time (per tensor) of roll-ckpt / "
+                       "get_state_dict + dcp.save",
+                       us_per_tensor={m: tr_(m, "us_per_tensor") for m in tr},
+                       tensors=(extra.get("transformer") or {}).get("tensors"))
+    tr_dcp = tr_("dcp_thread", "lost_s")
+    tr_denom = tr_dcp if tr_dcp is not None and tr_dcp > 0 else None
+    out["T11"] = entry(ratio(tr_("rc_zc", "lost_s"), tr_denom), 0.6, True,
+                       "transformer-shaped rank: loop time lost per async save, roll-ckpt zero-copy / "
+                       "dcp.async_save thread mode (and regular staging <= 1.0x)",
+                       lost_s={m: tr_(m, "lost_s") for m in tr}, regular=ratio(tr_("rc_regular", "lost_s"), tr_denom))
+    out["T11"]["pass"] = bool(out["T11"]["pass"] and out["T11"]["regular"] is not None
+                              and out["T11"]["regular"] <= 1.0)
+
     # T8: host-memory budget
     b25 = find_case(rows, "rc_budget_0.25")
     t8 = entry(b25 and b25["extra_rss_frac"], 0.3, True,
@@ -402,8 +440,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scratch", default=None, help="where checkpoints are written (default: next to --out)")
     p.add_argument("--reps", type=int, default=None)
     p.add_argument("--ranks", default=None, help="world sizes to run (default 2,1)")
-    p.add_argument("--groups", default="small,target,many,loop",
-                   help="groups to run (small, target: state groups; many: T7's sweep; loop: T6's training loop)")
+    p.add_argument("--groups", default="small,target,many,loop,transformer",
+                   help="groups to run (small, target: state groups; many: T7's sweep; loop: T6's training loop; "
+                        "transformer: T10/T11, a Hugging Face Llama on FSDP2)")
     p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)
     mode = args.mode or "quick"
@@ -451,6 +490,7 @@ def main(argv: list[str] | None = None) -> int:
                                "cases": cases})
                 groups.append({"name": "many", "kind": "many", **cfg["many"]})
                 groups.append({"name": "loop", "kind": "loop", **cfg["loop"]})
+                groups.append({"name": "transformer", "kind": "transformer", **cfg["transformer"]})
             if "small" in wanted:
                 groups.append({"name": "small", "width": w, "depth": d, "reps": reps, "warmup": warm,
                                "cases": ALL_CASES})
@@ -459,8 +499,10 @@ def main(argv: list[str] | None = None) -> int:
                 groups.append({"name": "target", "width": w, "depth": d, "reps": reps,
                                "warmup": warm and "small" not in wanted,
                                "cases": TARGET_CASES + BUDGET_CASES + LIMITS})
-            # T6 and T7 are 1-rank measurements
+            # T6 and T7 are 1-rank measurements; T10/T11 run on the most ranks
             more = {"reps": args.reps} if args.reps else {}
+            if nproc == max(ranks) and "transformer" in wanted:
+                groups.append({"name": "transformer", "kind": "transformer", **cfg["transformer"], **more})
             for kind in ("many", "loop"):
                 if nproc == min(ranks) and kind in wanted:
                     groups.append({"name": kind, "kind": kind, **cfg[kind], **more})
@@ -476,6 +518,9 @@ def main(argv: list[str] | None = None) -> int:
                 if group.get("kind") == "many":
                     extra["many"] = summarise_many(group)
                     continue
+                if group.get("kind") == "transformer":
+                    extra["transformer"] = summarise_transformer(group)
+                    continue
                 invariants += group.get("invariants", [])
                 for name, case in group["cases"].items():
                     row = summarise(group, name, case)
@@ -483,6 +528,7 @@ def main(argv: list[str] | None = None) -> int:
                         row["group"] = "small-1"
                     rows.append(row)
         for key, case in (("disk_write_gbps", "limit_write"), ("disk_write2_gbps", "limit_write2"),
+                          ("disk_write_direct_gbps", "limit_write_direct"),
                           ("disk_read_gbps", "limit_read"), ("disk_read2_gbps", "limit_read2"),
                           ("memcpy_gbps", "limit_memcpy"),
                           ("memcpy_fresh_gbps", "limit_memcpy_fresh")):

@@ -493,6 +493,16 @@ class LimitWrite2(_Limit):
         return lim.disk_write(2), "2 x dd bs=16M conv=fdatasync"
 
 
+class LimitWriteDirect(_Limit):
+    name, title = "limit_write_direct", "disk: sequential write with O_DIRECT + fdatasync"
+
+    def measure(self, lim):
+        try:
+            return lim.disk_write(1, direct=True), "dd bs=16M oflag=direct conv=fdatasync"
+        except OSError:  # no O_DIRECT on this file system
+            return 0.0, "O_DIRECT refused"
+
+
 class LimitRead(_Limit):
     name, title = "limit_read", "disk: uncached sequential read"
 
@@ -578,7 +588,7 @@ class DCPLoad(_Load):
 CASES: dict[str, type[Case]] = {c.name: c for c in (
     TorchSave, DCPSave, DCPAsync, DCPAsyncStager, RCSave, RCSaveT1, RCAsync, RCAsyncZCModel, RCAsyncZCAll,
     RCDedup, RCDedupCold, DCPAsyncHSDP, RCBudget010, RCBudget025, RCBudget050, RCBudgetNone, DCPLoad, RCLoad, RCLoadStream,
-    LimitWrite, LimitWrite2, LimitRead, LimitRead2, LimitMemcpy, LimitMemcpyFresh)}
+    LimitWrite, LimitWrite2, LimitWriteDirect, LimitRead, LimitRead2, LimitMemcpy, LimitMemcpyFresh)}
 
 
 # ----------------------------------------------------------------------------- driver
@@ -681,6 +691,10 @@ def main() -> None:
                 import loop
 
                 loop.run_group(gspec, spec["scratch"], out)
+            elif kind == "transformer":
+                import transformer
+
+                transformer.run_group(gspec, spec["scratch"], out)
             elif kind == "many":
                 import many
 

@@ -25,7 +25,7 @@ def test_smoke_run_writes_the_report(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     res = json.loads((out / "latest.json").read_text())
 
-    assert set(res["targets"]) == {f"T{i}" for i in range(1, 10)}
+    assert set(res["targets"]) == {f"T{i}" for i in range(1, 12)}
     for name, t in res["targets"].items():
         assert {"value", "limit", "pass"} <= set(t), name
         assert isinstance(t["pass"], bool) and isinstance(t["limit"], (int, float)), name
@@ -66,13 +66,22 @@ def test_smoke_run_writes_the_report(tmp_path: Path) -> None:
         assert all(m["blocked_s"] > 0 for m in pt["methods"].values())
     assert res["targets"]["T7"]["tensors"] == points[-1]["tensors"]  # no point >= 2,000 in the smoke run
     assert res["hash"]["file_hasher_gbps"] > 0
+    # T10/T11: the Hugging Face Llama on FSDP2, every method
+    tr = res["transformer"]
+    assert set(tr["methods"]) == {"dcp_save", "rc_sync", "dcp_thread", "rc_regular", "rc_zc"}
+    assert tr["tensors"] > 20 and tr["k"]["rc_sync"] == 0 and tr["k"]["rc_zc"] >= 1
+    for name, r in tr["methods"].items():
+        assert r["durable_s"] > 0 and r["us_per_tensor"] > 0 and r["lost_s"] is not None, name
+    assert set(res["targets"]["T10"]["us_per_tensor"]) == set(tr["methods"])
 
     lim = res["limits"]
     assert lim["disk_write_gbps"] > 0 and lim["disk_read_gbps"] > 0 and lim["memcpy_gbps"] > 0
+    assert lim["disk_write_direct_gbps"] > 0
 
     md = (out / "latest.md").read_text()
     assert "| T1 |" in md and "rc_async_zc_all" in md and "Machine:" in md
     assert "## T6" in md and "## T7" in md and "| T9 |" in md and "Hash cost" in md
+    assert "## T10/T11" in md and "| T11 |" in md
     assert (out / "latest.png").stat().st_size > 10_000
     assert (out / "tensors.png").stat().st_size > 10_000
     assert not list(out.glob(".scratch-*")), "the scratch checkpoints are removed"
@@ -129,3 +138,24 @@ def test_targets_six_to_nine_from_saved_figures() -> None:
     tg = run.targets(rows, {}, {"loop": loop, "many": many})
     assert tg["T6"]["value"] is None and not tg["T6"]["pass"]
     assert not tg["T7"]["pass"] and not tg["T9"]["pass"]
+
+
+def test_targets_ten_and_eleven_from_saved_figures() -> None:
+    """T10: sync save time against dcp.save's; T11: the loop's loss against DCP's, with regular <= 1x."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import run
+    finally:
+        sys.path.pop(0)
+    tr = {"tensors": 2000, "methods": {
+        "dcp_save": {"durable_s": 2.0, "lost_s": 2.0, "us_per_tensor": 1000.0},
+        "rc_sync": {"durable_s": 0.4, "lost_s": 0.4, "us_per_tensor": 200.0},
+        "dcp_thread": {"durable_s": 2.0, "lost_s": 1.0}, "rc_regular": {"durable_s": 0.5, "lost_s": 0.9},
+        "rc_zc": {"durable_s": 0.5, "lost_s": 0.2}}}
+    tg = run.targets([], {}, {"transformer": tr})
+    assert tg["T10"]["pass"] and tg["T10"]["value"] == pytest.approx(0.2)
+    assert tg["T11"]["pass"] and tg["T11"]["value"] == pytest.approx(0.2) and tg["T11"]["regular"] == pytest.approx(0.9)
+    tr["methods"]["rc_regular"]["lost_s"] = 1.5  # regular staging loses more than DCP
+    tr["methods"]["rc_sync"]["durable_s"] = 1.5
+    tg = run.targets([], {}, {"transformer": tr})
+    assert not tg["T10"]["pass"] and not tg["T11"]["pass"]

@@ -1,0 +1,121 @@
+"""T10/T11: the user's shape -- a Hugging Face Llama on FSDP2 + AdamW (run inside ``worker.py``).
+
+A real ``transformers.LlamaForCausalLM`` (small widths, many layers: thousands of small and
+large tensors per rank, as a transformer has them) with each decoder layer its own FSDP2
+unit, trained by its own loss, in a process that has imported transformers (the heap, and
+so the garbage collector's work, of a real job). Nothing is frozen or tuned for the
+benchmark. Each method runs as in ``loop.py``: K training steps right after the save
+returns, until both the steps are done and the save is durable, next to the same K steps
+without a save; lost = (with) - (without). For the synchronous methods the loss is the
+save itself. Reported per method: time per tensor of a save, blocked, durable, lost, CPU.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from common import state_size
+from loop import Loop, log
+from roll_ckpt import CheckpointManager, load_config
+
+METHODS = ["dcp_save", "rc_sync", "dcp_thread", "rc_regular", "rc_zc"]
+SYNC = {"dcp_save", "rc_sync"}
+TITLES = {
+    "dcp_save": "get_state_dict + dcp.save",
+    "rc_sync": "roll-ckpt sync save",
+    "dcp_thread": "get_state_dict + dcp.async_save, thread mode",
+    "rc_regular": "roll-ckpt async, regular staging",
+    "rc_zc": "roll-ckpt async, zero-copy (model + AdamW in the store; onload, then train)",
+}
+
+
+class TransformerLoop(Loop):
+    def __init__(self, spec: dict[str, Any], scratch: str) -> None:  # noqa: D107 (Loop's attributes, another model)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        self.spec = spec
+        self.dir = os.path.join(scratch, spec["name"])
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        torch.manual_seed(0)
+        cfg = LlamaConfig(hidden_size=spec["hidden"], intermediate_size=spec["intermediate"],
+                          num_hidden_layers=spec["layers"], num_attention_heads=4, num_key_value_heads=4,
+                          vocab_size=spec["vocab"], tie_word_embeddings=False)
+        self.model = LlamaForCausalLM(cfg)
+        for layer in self.model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.x = torch.randint(0, spec["vocab"], (spec.get("batch", 2), spec.get("seq", 32)))
+        self.step()
+        self.state = {"model": self.model, "optimizer": self.opt}
+        self.tensors, self.state_bytes = state_size(self.model, self.opt)
+        self.pg = dist.new_group(backend="gloo")
+        self.n = 0
+        self.m: dict[str, Any] = {}
+        for key, is_async in (("rc_sync", False), ("rc_regular", True), ("rc_zc", True)):
+            cfg_ = {"checkpoint_config": {"output_dir": os.path.join(self.dir, key), "timestamp_subdir": False},
+                    "strategy_config": {"async_save_ckpt": is_async}}
+            m = CheckpointManager.from_config(load_config(cfg_), quiet=True)
+            m.bind(self.state)
+            self.m[key] = m
+
+    def step(self) -> None:
+        self.model(input_ids=self.x, labels=self.x).loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+
+def run_group(spec: dict[str, Any], scratch: str, out: dict[str, Any]) -> None:
+    t_build = time.perf_counter()
+    lp = TransformerLoop(spec, scratch)
+    log(f"{spec['name']}: {lp.tensors} tensors, {lp.state_bytes / 2**20:.0f} MiB/rank, "
+        f"built in {time.perf_counter() - t_build:.1f} s")
+    methods = spec.get("methods", METHODS)
+    lp.steps(2)
+    t0 = time.perf_counter()
+    lp.steps(3)
+    step_s = (time.perf_counter() - t0) / 3
+    slowest: dict[str, float] = {}
+    for rnd in range(2):  # first calls, then the second saves (reused buffers, DCP's caches)
+        for meth in methods:
+            slowest[meth] = lp.once(meth, 1, True)["durable_s"]
+    # K per method: a synchronous save's loss is the save itself (no steps needed); an
+    # asynchronous one needs K steps that outlast it (2.5x its time alone, as in loop.py)
+    want = {m: 0 if m in SYNC else math.ceil(max(spec.get("window_s", 1.5), 2.5 * slowest[m]) / step_s)
+            for m in methods}
+    all_ranks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(all_ranks, want)
+    k = {m: max(r[m] for r in all_ranks) for m in methods}
+    log(f"{spec['name']}: step {step_s * 1e3:.0f} ms, K = {k}")
+    reps: dict[str, list[Any]] = {m: [] for m in methods}
+    for rep in range(spec["reps"]):
+        order = methods if rep % 2 == 0 else methods[::-1]
+        for meth in order:
+            if rep % 2 == 0:  # the pair's order alternates too
+                without = lp.once(meth, k[meth], False)
+                with_ = lp.once(meth, k[meth], True)
+            else:
+                with_ = lp.once(meth, k[meth], True)
+                without = lp.once(meth, k[meth], False)
+            everyone: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, {"without": without, "with": with_})
+            reps[meth].append(everyone)
+        log(f"{spec['name']}: repetition {rep + 1} done")
+    lp.close()
+    out["groups"].append({"name": spec["name"], "kind": "transformer", "world_size": dist.get_world_size(),
+                          "tensors": lp.tensors, "state_bytes": lp.state_bytes, "threads": torch.get_num_threads(),
+                          "k": k, "step_s": step_s, "titles": TITLES, "methods": reps,
+                          "model": {k_: spec[k_] for k_ in ("layers", "hidden", "intermediate", "vocab")}})
+    if dist.get_rank() == 0:
+        import shutil
+
+        shutil.rmtree(lp.dir, ignore_errors=True)
+    dist.barrier()
