@@ -47,31 +47,39 @@ def log(msg: str) -> None:
 
 
 class Loop:
+    MANAGERS: tuple[tuple[str, bool, int], ...] = (("rc_regular", True, 10), ("rc_zc", True, 10),
+                                                  ("rc_zc_nice0", True, 0))
+    """roll-ckpt's managers: (method, async_save_ckpt, background_nice)."""
+
     def __init__(self, spec: dict[str, Any], scratch: str) -> None:
         self.spec = spec
         self.dir = os.path.join(scratch, spec["name"])
-        width, depth = spec["width"], spec["depth"]
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         torch.manual_seed(0)
-        self.model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(depth)])
-        for layer in self.model:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(self.model, mesh=mesh)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
-        self.x = torch.randn(spec.get("batch", 16), width)
+        self.build(spec, mesh)
         self.step()
         self.state = {"model": self.model, "optimizer": self.opt}
         self.tensors, self.state_bytes = state_size(self.model, self.opt)
         self.pg = dist.new_group(backend="gloo")
         self.n = 0
         self.m: dict[str, Any] = {}
-        for key, nice in (("rc_regular", 10), ("rc_zc", 10), ("rc_zc_nice0", 0)):
+        for key, is_async, nice in self.MANAGERS:
             cfg = {"checkpoint_config": {"output_dir": os.path.join(self.dir, key), "timestamp_subdir": False,
                                          "background_nice": nice},
-                   "strategy_config": {"async_save_ckpt": True}}
+                   "strategy_config": {"async_save_ckpt": is_async}}
             m = CheckpointManager.from_config(load_config(cfg), quiet=True)
             m.bind(self.state)
             self.m[key] = m
+
+    def build(self, spec: dict[str, Any], mesh: Any) -> None:
+        """``self.model`` (FSDP2 on ``mesh``), ``self.opt`` and the input ``self.x``."""
+        width, depth = spec["width"], spec["depth"]
+        self.model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(depth)])
+        for layer in self.model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.x = torch.randn(spec.get("batch", 16), width)
 
     def step(self) -> None:
         self.model(self.x).pow(2).mean().backward()

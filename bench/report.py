@@ -32,7 +32,8 @@ def markdown(res: dict[str, Any]) -> str:
         "**Machine limits** (same run, alternating with the cases, "
         f"{round((lim.get('bytes') or 0) / MB)} MiB each): "
         f"write + fdatasync {_f(lim.get('disk_write_gbps'), '{:.2f}')} GB/s "
-        f"(2 files at once {_f(lim.get('disk_write2_gbps'), '{:.2f}')} GB/s), "
+        f"(2 files at once {_f(lim.get('disk_write2_gbps'), '{:.2f}')} GB/s; with O_DIRECT "
+        f"{_f(lim.get('disk_write_direct_gbps'), '{:.2f}')} GB/s), "
         f"uncached read ({lim.get('disk_read_method', '?')}) {_f(lim.get('disk_read_gbps'), '{:.2f}')} GB/s "
         f"(2 files at once {_f(lim.get('disk_read2_gbps'), '{:.2f}')} GB/s), "
         f"memcpy {_f(lim.get('memcpy_gbps'), '{:.1f}')} GB/s (into fresh memory {_f(lim.get('memcpy_fresh_gbps'), '{:.1f}')} GB/s).",
@@ -55,7 +56,8 @@ def markdown(res: dict[str, Any]) -> str:
     for k, t in res["targets"].items():
         extra = ""
         if k == "T3":
-            extra = f"; vs dcp.save {_f(t['vs_dcp']['value'])} (>= 1.0)"
+            extra = (f"; vs dcp.save {_f(t['vs_dcp']['value'])} (>= 1.0); vs an O_DIRECT write "
+                     f"{_f(t.get('vs_direct'))} (reported, not the target)")
         if k == "T4":
             if t.get("vs_disk_read") is not None:
                 extra = f"; {t['vs_disk_read']:.2f}× the uncached read bandwidth"

@@ -13,16 +13,13 @@ save itself. Reported per method: time per tensor of a save, blocked, durable, l
 from __future__ import annotations
 
 import math
-import os
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from common import state_size
 from loop import Loop, log
-from roll_ckpt import CheckpointManager, load_config
 
 METHODS = ["dcp_save", "rc_sync", "dcp_thread", "rc_regular", "rc_zc"]
 SYNC = {"dcp_save", "rc_sync"}
@@ -36,15 +33,12 @@ TITLES = {
 
 
 class TransformerLoop(Loop):
-    def __init__(self, spec: dict[str, Any], scratch: str) -> None:  # noqa: D107 (Loop's attributes, another model)
-        from torch.distributed.device_mesh import init_device_mesh
+    MANAGERS = (("rc_sync", False, 10), ("rc_regular", True, 10), ("rc_zc", True, 10))
+
+    def build(self, spec: dict[str, Any], mesh: Any) -> None:
         from torch.distributed.fsdp import fully_shard
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        self.spec = spec
-        self.dir = os.path.join(scratch, spec["name"])
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        torch.manual_seed(0)
         cfg = LlamaConfig(hidden_size=spec["hidden"], intermediate_size=spec["intermediate"],
                           num_hidden_layers=spec["layers"], num_attention_heads=4, num_key_value_heads=4,
                           vocab_size=spec["vocab"], tie_word_embeddings=False)
@@ -54,18 +48,6 @@ class TransformerLoop(Loop):
         fully_shard(self.model, mesh=mesh)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.x = torch.randint(0, spec["vocab"], (spec.get("batch", 2), spec.get("seq", 32)))
-        self.step()
-        self.state = {"model": self.model, "optimizer": self.opt}
-        self.tensors, self.state_bytes = state_size(self.model, self.opt)
-        self.pg = dist.new_group(backend="gloo")
-        self.n = 0
-        self.m: dict[str, Any] = {}
-        for key, is_async in (("rc_sync", False), ("rc_regular", True), ("rc_zc", True)):
-            cfg_ = {"checkpoint_config": {"output_dir": os.path.join(self.dir, key), "timestamp_subdir": False},
-                    "strategy_config": {"async_save_ckpt": is_async}}
-            m = CheckpointManager.from_config(load_config(cfg_), quiet=True)
-            m.bind(self.state)
-            self.m[key] = m
 
     def step(self) -> None:
         self.model(input_ids=self.x, labels=self.x).loss.backward()
