@@ -40,7 +40,7 @@ def test_every_size_is_written_exactly_with_o_direct(tmp_path: Path, size: int) 
     assert isinstance(f, DirectFile)
     assert fcntl.fcntl(f.fileno(), fcntl.F_GETFL) & os.O_DIRECT
     _write(f, data, rng)
-    assert f.closed
+    assert f.closed and f.tell() == size
     assert f.direct == (size % 4096 == 0), "only the last partial block goes through the page cache"
     assert (tmp_path / "f").read_bytes() == data
 

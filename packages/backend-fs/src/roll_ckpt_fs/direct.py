@@ -90,11 +90,19 @@ class DirectFile(io.RawIOBase):
         self._buf: mmap.mmap | None = buf
         self._view = memoryview(buf)
         self._fill = 0
+        self._written = 0
         self.direct = True
         """False once the file went on with buffered writes."""
 
     def writable(self) -> bool:
         return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def tell(self) -> int:
+        """Bytes written so far (the file's size once closed)."""
+        return self._written
 
     def fileno(self) -> int:
         return self._fd
@@ -111,6 +119,7 @@ class DirectFile(io.RawIOBase):
             if self._fill == BUFFER_SIZE:
                 self._write_out(view)
                 self._fill = 0
+        self._written += total
         return total
 
     def flush(self) -> None:
