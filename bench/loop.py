@@ -86,9 +86,14 @@ class Loop:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
 
-    def steps(self, k: int) -> None:
+    def steps(self, k: int) -> list[float]:
+        """``k`` training steps; the seconds of each."""
+        times = []
         for _ in range(k):
+            t0 = time.perf_counter()
             self.step()
+            times.append(time.perf_counter() - t0)
+        return times
 
     def path(self, kind: str) -> str:
         self.n += 1
@@ -135,7 +140,7 @@ class Loop:
         blocked = time.perf_counter() - t0
         if zc:
             m.strategy.load_states(self.state)  # onload (the RL cycle's), in both windows
-        self.steps(k)
+        step_times = self.steps(k)
         t_steps = time.perf_counter() - t0
         done()
         wall = time.perf_counter() - t0
@@ -150,7 +155,7 @@ class Loop:
         if written and dist.get_rank() == 0:
             shutil.rmtree(written, ignore_errors=True)
         return {"wall_s": wall, "cpu_s": cpu, "blocked_s": blocked if save else 0.0, "durable_s": durable,
-                "steps_s": t_steps}
+                "steps_s": t_steps, "step_times": step_times}
 
     def close(self) -> None:
         for m in self.m.values():

@@ -106,7 +106,9 @@ LIMITS_TEXT = [
     "/proc/self/io read_bytes (page-cache hits do not count), summed over ranks. With a page cache larger than "
     "the checkpoint the default verify-first resume reads each byte from storage once too (its second pass hits "
     "the cache); only a checkpoint larger than the page cache shows the second pass (the --full cgroup case).",
-    "**T6 (loop time lost)**: the difference of two windows of K steps (each ~1.5 s or more): step-time noise "
+    "**T6, T11 (loop time lost)**: a window of K steps with the save against K times the median step of a window "
+    "without it (each ~1.5 s or more; a slow step there from another job does not count against the save): "
+    "step-time noise "
     "from other jobs on the 2 cores is of the same order as the loss itself, so single repetitions can be "
     "negative; the median of a few is shown. The loop uses every core (torch threads = cores), so any CPU "
     "the background write uses (copy, hash, write syscalls, GIL) comes out of the loop. DCP's process mode "
@@ -138,7 +140,8 @@ def _loop_md(res: dict[str, Any]) -> list[str]:
                    f"{_ms(r['lost_s'])} | {_f(r['cpu_s'], '{:.2f}')} | {_ms(r['without_s'])} | "
                    f"{_ms(r.get('tail_s')) if r.get('tail_s') else '—'} |")
     out += ["", "loop time lost: (K steps with the save in flight, until both the steps are done and the save is "
-                "durable) − (the same K steps without a save, run just before); blocked time included. "
+                "durable) − K × the median step of the same K steps without a save, run next to them; blocked "
+                "time included. "
                 "A non-zero last column means the save outlasted the steps (the loss then includes waiting)."]
     return out
 
