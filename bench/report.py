@@ -116,7 +116,7 @@ LIMITS_TEXT = [
     "**T7 (many tensors)**: Python work per tensor (state-dict traversal, DTensor wrapping, planning); DCP is "
     "timed with get_state_dict included. Second and later saves of an unchanged structure.",
     "**T8 (budget)**: measured cold (staging buffers dropped before each save), so the extra RSS counts the "
-    "staging buffers plus the writer's 8 MiB pieces; the blocked time includes their first-touch page "
+    "staging buffers plus the writer's pooled 4 MiB O_DIRECT buffers; the blocked time includes their first-touch page "
     "faults and, with a budget, waiting for earlier waves to be written.",
     "**T9 (local_dedup)**: HSDP on 2 ranks on 1 host (all-gathers over gloo on loopback). `rc_dedup` is warm "
     "(like every other save row, T2 included): staging buffers kept from the previous save are already resident "
