@@ -53,8 +53,15 @@ def _watch(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[bool]]:
     while .metadata is written."""
     import roll_ckpt.dcp_write as dw
 
-    seen: dict[str, list[bool]] = {"plan": [], "data": [], "metadata": []}
+    import roll_ckpt.saving as saving
+
+    seen: dict[str, list[bool]] = {"stage": [], "plan": [], "data": [], "metadata": []}
     plan, write, finish = dw.ReusingSavePlanner.set_up_planner, dw.write_tensor, dw.DigestingWriter.finish
+    stage = saving.stage_state_dict
+
+    def stage_state_dict(*a: Any, **k: Any) -> Any:
+        seen["stage"].append(gc.isenabled())
+        return stage(*a, **k)
 
     def set_up_planner(self: Any, *a: Any, **k: Any) -> None:
         seen["plan"].append(gc.isenabled())
@@ -71,11 +78,12 @@ def _watch(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[bool]]:
     monkeypatch.setattr(dw.ReusingSavePlanner, "set_up_planner", set_up_planner)
     monkeypatch.setattr(dw, "write_tensor", write_tensor)
     monkeypatch.setattr(dw.DigestingWriter, "finish", finish_)
+    monkeypatch.setattr(saving, "stage_state_dict", stage_state_dict)
     return seen
 
 
 @pytest.mark.parametrize("async_save", [False, True])
-def test_a_save_holds_it_off_while_dcp_plans_and_gathers_not_while_it_writes(
+def test_a_save_holds_it_off_while_it_stages_and_dcp_plans_not_while_it_writes(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool) -> None:
     seen = _watch(monkeypatch)
     state = tiny_state()
@@ -83,7 +91,7 @@ def test_a_save_holds_it_off_while_dcp_plans_and_gathers_not_while_it_writes(
         m.save(1, state)
         m.wait()
         assert gc.isenabled()
-    assert seen["plan"] == [False] and seen["metadata"] == [False]
+    assert seen["stage"] == [False] and seen["plan"] == [False] and seen["metadata"] == [False]
     assert seen["data"] and all(seen["data"])
     assert gc.isenabled()
 
@@ -92,7 +100,7 @@ def test_pause_gc_false_leaves_it_running(tmp_path: Path, monkeypatch: pytest.Mo
     seen = _watch(monkeypatch)
     with CheckpointManager.from_config(config(tmp_path, pause_gc=False), quiet=True) as m:
         m.save(1, tiny_state())
-    assert seen["plan"] == [True] and seen["metadata"] == [True]
+    assert seen["stage"] == [True] and seen["plan"] == [True] and seen["metadata"] == [True]
 
 
 def test_a_failed_save_switches_it_back_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

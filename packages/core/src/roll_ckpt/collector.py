@@ -9,7 +9,8 @@ few saves, inside ``save`` or, for an asynchronous save, inside the writer threa
 the GIL that the training loop needs. With the collector held off they set off nothing:
 an object freed by reference counting takes its count back with it.
 
-:class:`CollectorPause` holds it off; holds of several saves at once (two managers, the
+The save pipeline also holds it while it builds and stages the state dict (the part the
+training loop waits for). :class:`CollectorPause` holds it off; holds of several saves at once (two managers, the
 fast recovery tier) nest. The collector is switched back on by the last release only if a
 pause switched it off: a process that disabled it itself (torchtitan's and Megatron's
 manual collection) is left as it is. A process that switches it off or on itself while a

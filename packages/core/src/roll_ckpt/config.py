@@ -106,11 +106,12 @@ class CheckpointConfig:
     what the loop leaves idle (it takes longer under a CPU-bound loop). 0 keeps them at the
     loop's priority."""
     pause_gc: bool = True
-    """Hold Python's cyclic garbage collector off while a save plans, gathers and writes its
-    metadata (not while it writes the data): DCP allocates ~20 short-lived objects per
-    tensor there, which on a training process's heap set off full collections of 150-250 ms,
-    in ``save`` or in the writer thread (holding the GIL the loop needs). Nothing is touched
-    when the process disabled the collector itself. ``false``: leave it running."""
+    """Hold Python's cyclic garbage collector off while a save stages the state and while
+    DCP plans, gathers and writes its metadata (not while it writes the data): DCP
+    allocates ~20 short-lived objects per tensor, which on a training process's heap set off
+    full collections of 150-250 ms, in ``save`` or in the writer thread (holding the GIL the
+    loop needs). Nothing is touched when the process disabled the collector itself.
+    ``false``: leave it running."""
     verify_before_load: bool = True
     """``true``: resume checks every file it loads before any of the state changes (a
     damaged checkpoint leaves the state untouched; a checkpoint larger than the page cache

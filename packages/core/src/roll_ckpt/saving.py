@@ -35,6 +35,7 @@ from . import layout
 from .commit import PendingCheckpoint, pending_checkpoint
 from .components import check_part_free, try_complete
 from .background import lower_priority
+from .collector import CollectorPause
 from .contracts import SaveContext, Storage
 from .digest import hash_bytes
 from .errors import RollCkptError, SaveError, StorageError, StorageFullError, carried_roll_error, disk_full
@@ -130,7 +131,8 @@ class SavePipeline:
                           rank=strategy.rank, world_size=strategy.world_size, strategy=strategy, reuse=self._reuse,
                           budget=job.config.strategy_config.max_staging_bytes)
         job.plugins.hook.roll_ckpt_save(save=ctx)
-        staged = self._stage(strategy.state_dict(state), ctx)
+        with CollectorPause(job.config.checkpoint_config.pause_gc):
+            staged = self._stage(strategy.state_dict(state), ctx)
         trainer_state = self._trainer_state(ctx, {})
 
         def write() -> None:
@@ -197,12 +199,13 @@ class SavePipeline:
         job.plugins.hook.roll_ckpt_save(save=ctx)
         if local:  # (before the space check: every rank makes the tier's group at the same point)
             job.local.bind(strategy, forget_after=step - 1)
-        sd = strategy.state_dict(state)
-        refusal = self._check_space(sd, ctx, user) if strategy.is_coordinator else None
-        if refusal is not None:  # refused before anything is staged or written
-            self.write_and_commit(sd, ctx, user, t0, refuse=refusal)  # raises it, on every rank
+        with CollectorPause(job.config.checkpoint_config.pause_gc):  # (the loop waits for this part)
+            sd = strategy.state_dict(state)
+            refusal = self._check_space(sd, ctx, user) if strategy.is_coordinator else None
+            if refusal is not None:  # refused before anything is staged or written
+                self.write_and_commit(sd, ctx, user, t0, refuse=refusal)  # raises it, on every rank
+            staged = self._stage(sd, ctx)
         also = None
-        staged = self._stage(sd, ctx)
         if local and ctx.gate is None:  # (staged in waves, the state is written once: persistently)
             trainer_state = self._trainer_state(ctx, user)
             also = lambda: job.local.save(staged, step, trainer_state, save=ctx)  # noqa: E731
