@@ -85,18 +85,10 @@ class TensorFrames:
     def __len__(self) -> int:
         return len(self._frames)
 
-    def clear(self) -> None:
-        with self._lock:
-            self._frames.clear()
-
     def write(self, tensor: Any, stream: Any) -> None:
         """Write ``tensor`` (detached, CPU) to ``stream`` in ``torch.save``'s format, CRC-32 off."""
         if not serializes_plainly(tensor):
-            if tensor.untyped_storage().nbytes() != tensor.nbytes:
-                # a view (an arena's slice, a padded shard): torch.save would write the whole
-                # storage; an exact-size alias of the same memory needs no copy
-                tensor = exact_alias(tensor) if tensor.is_contiguous() else tensor.clone()
-            save_tensor_without_crc(tensor, stream)
+            save_tensor_without_crc(_own_storage(tensor), stream)
             return
         key = (tensor.dtype, tuple(tensor.shape), tensor.stride())
         nbytes = tensor.nbytes
@@ -104,7 +96,7 @@ class TensorFrames:
         if frame is False:
             self._first(key, tensor, nbytes, stream)
         elif frame is None:  # torch framed this key in a way we could not take apart
-            save_tensor_without_crc(exact_alias(tensor), stream)
+            save_tensor_without_crc(_own_storage(tensor), stream)
         else:
             stream.write(frame[0])
             stream.write(writable_view(tensor, nbytes))
@@ -112,13 +104,21 @@ class TensorFrames:
 
     def _first(self, key: tuple, tensor: Any, nbytes: int, stream: Any) -> None:
         recorder = _Recorder(stream, nbytes)
-        alias = tensor if tensor.untyped_storage().nbytes() == nbytes else exact_alias(tensor)
-        save_tensor_without_crc(alias, recorder)
+        save_tensor_without_crc(_own_storage(tensor), recorder)
         frame = recorder.frame()
         with self._lock:
             if len(self._frames) >= _MAX_FRAMES:
                 self._frames.clear()
             self._frames[key] = frame
+
+
+def _own_storage(tensor: Any) -> Any:
+    """``tensor``, or the same values over a storage of their own size: of a view (an arena's
+    slice, a padded shard) ``torch.save`` would write the whole storage; an exact-size alias
+    of the same memory needs no copy (a clone where the view is not contiguous)."""
+    if tensor.untyped_storage().nbytes() == tensor.nbytes:
+        return tensor
+    return exact_alias(tensor) if tensor.is_contiguous() else tensor.clone()
 
 
 _FRAMES = TensorFrames()
