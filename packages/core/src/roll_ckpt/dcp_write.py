@@ -29,8 +29,9 @@ from .dcp_fs import StorageFileSystem
 from .tensor_frames import write_tensor
 from .torch_compat import create_write_items, local_tensor, storage_info, storage_prefix
 from .unpickle import METADATA_NAME
+from .value_slots import padded_value, slot_capacity
 
-__all__ = ["DigestingWriter", "ReusingSavePlanner"]
+__all__ = ["DigestingWriter", "ReusingSavePlanner", "plan_files"]
 
 _DIGEST_FQN = "__roll_ckpt_file_digests__"
 
@@ -59,36 +60,67 @@ def _buckets(items: list[Any], n: int) -> list[list[Any]]:
     return [b for b in buckets if b] or [[]]
 
 
+def plan_files(items: list[Any], n: int, gate: Any = None) -> list[list[Any]]:
+    """``items`` over ``n`` files, each in writing order: tensors first (in the order they are
+    staged when staged in waves), byte values last. The tensors' offsets are then a function
+    of the structure alone, whatever size the values pickle to (:mod:`roll_ckpt.value_slots`)."""
+    out = []
+    for bucket in _buckets(items, n):
+        tensors = [i for i in bucket if i.type != WriteItemType.BYTE_IO]
+        if gate is not None:
+            tensors = [tensors[k] for k in gate.order([i.index.fqn for i in tensors])]
+        out.append(tensors + [i for i in bucket if i.type == WriteItemType.BYTE_IO])
+    return out
+
+
+Written = list[tuple[MetadataIndex, int, int]]
+"""What a file holds, in file order: each item's index, offset and length."""
+
+
 def _write_file(fs: StorageFileSystem, path: str, name: str, items: list[Any], planner: Any,
-                gate: Any = None) -> list[WriteResult]:
+                gate: Any = None, slots: dict[MetadataIndex, int] | None = None,
+                values: dict[MetadataIndex, Any] | None = None) -> tuple[list[WriteResult], Written]:
+    """Write ``items`` (in this order) into one file. Byte values go into slots: the
+    capacity in ``slots`` (a save that keeps the layout) or a new one (a full save);
+    ``values`` holds byte values serialized already."""
     results = []
-    items = sorted(items, key=lambda i: i.type != WriteItemType.BYTE_IO)  # values first
-    if gate is not None:  # staged in waves: write them in the order they are staged
-        items = [items[i] for i in gate.order([i.index.fqn for i in items])]
+    written: Written = []
     with fs.create_stream(path, "wb") as stream:
         for item in items:
             offset = stream.tell()
-            if gate is not None:
-                gate.before(item.index.fqn)
-            data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
-                stream.write(data.getbuffer())
+                data = values.pop(item.index) if values and item.index in values else planner.resolve_data(item)
+                buf = data.getbuffer()
+                capacity = slots[item.index] if slots is not None else slot_capacity(buf)
+                pieces = padded_value(buf, capacity)
+                if pieces is None:
+                    raise RuntimeError(f"{item.index.fqn} does not fit its slot of {capacity} bytes")
+                for piece in pieces:
+                    stream.write(piece)
             else:
-                tensor = data.detach()
+                if gate is not None:
+                    gate.before(item.index.fqn)
+                tensor = planner.resolve_data(item).detach()
                 if tensor.device.type != "cpu":
                     tensor = tensor.cpu()
                 write_tensor(tensor, stream)
+                if gate is not None:
+                    gate.after(item.index.fqn)
             length = stream.tell() - offset
-            if gate is not None:
-                gate.after(item.index.fqn)
+            written.append((item.index, offset, length))
             results.append(WriteResult(index=item.index, size_in_bytes=length,
                                        storage_data=storage_info(name, offset, length)))
-    return results
+    return results, written
 
 
 class ReusingSavePlanner(DefaultSavePlanner):
-    """DCP's default save planner (plan caching on), with each value's write items kept
-    across saves while what they are made of stays the same.
+    """DCP's default save planner, with each value's write items kept across saves while
+    what they are made of stays the same.
+
+    DCP's own plan caching is off: it finds a plan unchanged when names, shapes and chunks
+    are, so a tensor saved in another dtype of the same shape kept the old ``.metadata``
+    (torch 2.13's ``_compare_save_plans`` ignores the properties), and a save of an
+    unchanged structure no longer goes through DCP at all (:mod:`roll_ckpt.fixed_layout`).
 
     ``DefaultSavePlanner`` makes every save's local plan anew before it finds it equal to
     the cached one: 15-20 µs per DTensor (its shard's offsets from mesh and placements),
@@ -103,7 +135,7 @@ class ReusingSavePlanner(DefaultSavePlanner):
     """
 
     def __init__(self, items: dict[tuple, tuple[Any, "_Planned"]]) -> None:
-        super().__init__(enable_plan_caching=True)
+        super().__init__(enable_plan_caching=False)
         self.items = items
         self._values: dict[str, Any] = {}
 
@@ -173,6 +205,12 @@ class DigestingWriter(FileSystemWriter):
         self.gate = gate
         """Regular staging in waves (``roll_ckpt.regular_copy.WaveGate``), or ``None``."""
         self.pause = pause or CollectorPause(False)
+        self.written: dict[str, Written] = {}
+        """Per file this process wrote: each item's index, offset and length, in file order."""
+        self.final_items: list[Any] = []
+        """The items of this process's final plan (after DCP's global plan)."""
+        self.metadata_bytes: bytes | None = None
+        """The coordinator's ``.metadata``, as written."""
         """The save's hold on the garbage collector, let go while the data is written (a long
         write would otherwise keep the training loop's garbage uncollected)."""
 
@@ -180,36 +218,47 @@ class DigestingWriter(FileSystemWriter):
         root = self.path.rstrip("/") + "/"
         return {k[len(root):] if k.startswith(root) else k: v for k, v in self.fs.digests.items()}
 
-    def write_data(self, plan: Any, planner: Any) -> Any:
-        from torch.futures import Future
-
-        prefix = storage_prefix(plan)
-        if self.gate is not None:
-            self.gate.expect([i.index.fqn for i in plan.items if i.type != WriteItemType.BYTE_IO])
-        files = [(self.fs.concat_path(self.path, f"{prefix}{k}.distcp"), f"{prefix}{k}.distcp", bucket)
-                 for k, bucket in enumerate(_buckets(list(plan.items), max(1, self.thread_count)))]
-        results: list[list[WriteResult]] = [[] for _ in files]
+    def write_files(self, files: list[tuple[str, list[Any]]], planner: Any,
+                    slots: dict[MetadataIndex, int] | None = None,
+                    values: dict[MetadataIndex, Any] | None = None) -> list[WriteResult]:
+        """Write each ``(name, items)`` of ``files`` (one thread each), recording
+        :attr:`written`; the collector is let go meanwhile."""
+        specs = [(self.fs.concat_path(self.path, name), name, items) for name, items in files]
+        results: list[list[WriteResult]] = [[] for _ in specs]
+        layout: list[Written] = [[] for _ in specs]
         errors: list[BaseException] = []
 
         def run(k: int) -> None:
             try:
-                results[k] = _write_file(self.fs, *files[k], planner, self.gate)
+                results[k], layout[k] = _write_file(self.fs, *specs[k], planner, self.gate, slots, values)
             except BaseException as exc:  # raised below, once every thread is done
                 errors.append(exc)
 
-        threads = [threading.Thread(target=run, args=(k,), name="roll-ckpt-write") for k in range(1, len(files))]
+        threads = [threading.Thread(target=run, args=(k,), name="roll-ckpt-write") for k in range(1, len(specs))]
         self.pause.release()
         try:
             for t in threads:
                 t.start()
-            run(0)
+            if specs:
+                run(0)
             for t in threads:
                 t.join()
         finally:
             self.pause.hold()  # the gather of write results and .metadata follow
         if errors:
             raise errors[0]
-        flat = [r for rs in results for r in rs]
+        self.written = {name: w for (_, name, _), w in zip(specs, layout)}
+        return [r for rs in results for r in rs]
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        from torch.futures import Future
+
+        prefix = storage_prefix(plan)
+        if self.gate is not None:
+            self.gate.expect([i.index.fqn for i in plan.items if i.type != WriteItemType.BYTE_IO])
+        groups = plan_files(list(plan.items), max(1, self.thread_count), self.gate)
+        self.final_items = list(plan.items)
+        flat = self.write_files([(f"{prefix}{k}.distcp", items) for k, items in enumerate(groups)], planner)
         if len(flat) != len(plan.items):
             raise RuntimeError(f"the writer returned {len(flat)} results for {len(plan.items)} items")
         # Checksums travel with DCP's own gather of write results.
@@ -219,16 +268,30 @@ class DigestingWriter(FileSystemWriter):
         return out
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """The coordinator writes ``.metadata`` (DCP's own ``finish``, without its temporary
+        file: the whole folder is temporary until the commit) and keeps its bytes, which a
+        later save of the same structure writes again (:mod:`roll_ckpt.fixed_layout`)."""
+        import pickle
+
+        from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+
         digests: dict[str, tuple] = {}
-        clean = []
+        storage_md = {}
         for rank_results in results:
-            keep = []
             for wr in rank_results:
                 if wr.index.fqn == _DIGEST_FQN:
                     digests.update(wr.storage_data)
                 else:
-                    keep.append(wr)
-            clean.append(keep)
-        super().finish(metadata, clean)
-        digests.update({k: v for k, v in self._relative().items() if k == METADATA_NAME})
-        self.file_digests = digests
+                    storage_md[wr.index] = wr.storage_data
+        metadata.version = CURRENT_DCP_VERSION
+        metadata.storage_data = storage_md
+        metadata.storage_meta = self.storage_meta()
+        self.metadata_bytes = pickle.dumps(metadata)
+        self.file_digests = {**digests, METADATA_NAME: self.write_metadata(self.metadata_bytes)}
+
+    def write_metadata(self, data: bytes) -> tuple:
+        """Write ``.metadata`` with these bytes; its ``(size, checksum, chunks)``."""
+        path = self.fs.concat_path(self.path, METADATA_NAME)
+        with self.fs.create_stream(path, "wb") as stream:
+            stream.write(data)
+        return self.fs.digests[path]

@@ -56,12 +56,23 @@ class DCPStrategy:
         self._state_dicts = StateDictCache()
         self._estimate: tuple[int, Any] = (-1, None)
         self._write_items: dict[bool, dict] = {}  # DCP's write items kept across saves (ReusingSavePlanner)
+        self._layouts: Any = None
         self.rank = self._dist.get_rank() if self._dist else 0
         self.world_size = self._dist.get_world_size() if self._dist else 1
 
     @property
     def is_coordinator(self) -> bool:
         return self.rank == 0
+
+    @property
+    def layouts(self) -> Any:
+        """The layout of the last full save, repeated by saves of the same structure
+        (:class:`roll_ckpt.fixed_layout.FixedLayouts`)."""
+        if self._layouts is None:
+            from .fixed_layout import FixedLayouts
+
+            self._layouts = FixedLayouts(self._dist, self.rank, self.world_size)
+        return self._layouts
 
     # ------------------------------------------------------------ process group
 
@@ -146,8 +157,9 @@ class DCPStrategy:
               on_bytes: Any = None, *, save: Any = None, alone: bool = False) -> dict[str, tuple]:
         """Write ``sd`` as a standard DCP folder; returns per-file (size, checksum) on the coordinator.
 
-        DCP's plan is cached while the state keeps its structure (DCP's own plan caching,
-        keyed to this strategy so that two managers of one process never share it).
+        A save of the last full save's structure repeats its layout and ``.metadata`` with
+        a fixed-size message per process (:mod:`roll_ckpt.fixed_layout`); any other takes
+        DCP's protocol.
         ``alone``: this process writes a DCP folder of its own, without any collective
         (the fast recovery tier's unit): its metadata lists only this process's chunks, and
         replicated values are written in full, so it loads without any other process's files.
@@ -161,13 +173,41 @@ class DCPStrategy:
         # the collector is held off while DCP plans, gathers and writes .metadata; the
         # writer lets go of it while it writes the data (roll_ckpt.collector)
         pause = CollectorPause(self.config.checkpoint_config.pause_gc)
-        writer = DigestingWriter(storage, dcp_path, thread_count=threads, on_bytes=on_bytes, gate=gate, pause=pause)
-        planner = ReusingSavePlanner(self._write_items.setdefault(alone, {}))
-        planner._cached_plans_key = f"roll-ckpt-{'alone-' if alone else ''}{id(self)}"
+        def new_writer() -> DigestingWriter:
+            return DigestingWriter(storage, dcp_path, thread_count=threads, on_bytes=on_bytes, gate=gate, pause=pause)
+
         with warnings.catch_warnings(), pause:
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            writer = new_writer()
+            if not alone:  # a save of the last full save's structure: a fixed-size message per process
+                digests = self._write_fixed(sd, writer, threads, gate)
+                if digests is not None:
+                    return digests
+                tried, writer = writer, new_writer()
+            planner = ReusingSavePlanner(self._write_items.setdefault(alone, {}))
             dcp.save(sd, storage_writer=writer, planner=planner, **self._dcp_group(alone))
+            if not alone:
+                self.layouts.record(planner, writer, threads)
+                for name in set(tried.written) - set(writer.written):  # a layout written, then redone
+                    storage.remove(storage.join(dcp_path, name))
         return writer.file_digests
+
+    def _write_fixed(self, sd: dict[str, Any], writer: Any, threads: int, gate: Any) -> dict[str, tuple] | None:
+        """The save at the last full save's offsets (:mod:`roll_ckpt.fixed_layout`): the
+        coordinator's file digests, or ``None`` when it takes DCP's full path."""
+        from .dcp_write import ReusingSavePlanner
+
+        layouts = self.layouts
+        planner = ReusingSavePlanner(self._write_items.setdefault(False, {}))
+        planner.set_up_planner(sd, None, self.is_coordinator)
+        fast = layouts.prepare(planner, threads, gate)
+        if fast is not None and self.is_coordinator:  # the agreement below orders it before every write
+            writer.fs.mkdir(writer.path)
+        if not layouts.agree(fast, self.process_group):
+            layouts.forget()
+            return None
+        assert fast is not None
+        return layouts.save(fast, writer, self.process_group)
 
     def estimate(self, sd: dict[str, Any], user: Mapping[str, Any] | None = None) -> SpaceEstimate:
         """The size of a save of ``sd`` (every process's files). The modules' and optimizers'
@@ -210,22 +250,38 @@ class DCPStrategy:
 
         reader = SafeReader(storage, dcp_path, on_bytes, files=files, checkpoint=checkpoint, stream=stream)
         try:
-            self._load(state, reader, dcp_path, files, set_model_state_dict, set_optimizer_state_dict,
-                       get_model_state_dict, get_optimizer_state_dict, alone)
-        finally:
-            reader.release()  # the checked files, kept open for both loads below
+            if alone:
+                self._load_alone(state, reader, dcp_path, files)
+            else:
+                from .job_load import load_job
 
-    def _load(self, state: MutableMapping[str, Any], reader: Any, dcp_path: str, files: Any,
-              set_model_state_dict: Any, set_optimizer_state_dict: Any,
-              get_model_state_dict: Any, get_optimizer_state_dict: Any, alone: bool) -> None:
+                load_job(self, state, reader, storage, dcp_path, files, checkpoint or dcp_path)
+        finally:
+            reader.release()  # the checked files, kept open across the loads below
+
+    def _load_alone(self, state: MutableMapping[str, Any], reader: Any, dcp_path: str, files: Any) -> None:
+        """A folder this process wrote alone: its own files, checked as DCP plans the load."""
         if files:
-            # Saved by as many processes as load it: this one reads its own files. Start
-            # reading and checking them now, while the load is planned.
-            saved_ranks = {n[2:].split("_", 1)[0] for n in files if n.startswith("__") and n.endswith(".distcp")}
-            if saved_ranks == {str(r) for r in range(self.world_size)}:
-                reader.start_checks(sorted(n for n in files if n.startswith(f"__{self.rank}_")
-                                           and n.endswith(".distcp")))
+            reader.start_checks(sorted(n for n in files if n.startswith(f"__{self.rank}_") and n.endswith(".distcp")))
         md = reader.read_metadata()
+        target, src = self._targets(state, md, dcp_path)
+        self._dcp_load(target, reader, dcp_path, True)
+        self._apply(state, target, src)
+
+    def adopt_layout(self, state: Mapping[str, Any], md: Any, md_bytes: bytes, checksum: str) -> None:
+        """Start the next save from a resumed checkpoint's layout (its ``.metadata``)."""
+        from .dcp_write import ReusingSavePlanner
+
+        sd = self.state_dict(state)
+        planner = ReusingSavePlanner(self._write_items.setdefault(False, {}))
+        planner.set_up_planner(sd, None, self.is_coordinator)
+        self.layouts.adopt(md, md_bytes, checksum, planner, self.writer_threads(_local_bytes(sd)), self.process_group)
+
+    def _targets(self, state: Mapping[str, Any], md: Any, dcp_path: str) -> tuple[dict[str, Any], str]:
+        """The state dict to load into (live tensors, placeholders for per-process values),
+        and the rank whose per-process values this process takes."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
         owners = self._pairs(state)
         target: dict[str, Any] = {}
         for key, obj in state.items():
@@ -233,16 +289,20 @@ class DCPStrategy:
                 target[key] = get_model_state_dict(obj)
             elif isinstance(obj, torch.optim.Optimizer):
                 target[key] = get_optimizer_state_dict(state[owners[key]], obj)
-        src = self._source_rank(md)
-        mine = _placeholders(md, (PER_RANK, src))
-        target[PER_RANK] = {src: mine}
-        missing = [k for k in target if k != PER_RANK and not _has_prefix(md, k)]
+        top, ranks = _top_keys(md)
+        src = self._source_rank(ranks)
+        target[PER_RANK] = {src: _placeholders(md, (PER_RANK, src))}
+        missing = [k for k in target if k != PER_RANK and k not in top]
         if missing:
             raise RollCkptError(f"the checkpoint at {dcp_path} has no entry for state key(s) "
-                                f"{', '.join(missing)}; it holds {', '.join(sorted(_top_keys(md)))}")
-        # One load; SafeReader reads the per-process values (the only pickled ones) before
-        # any tensor, so a value weights_only refuses stops it before a live tensor is touched.
-        self._dcp_load(target, reader, dcp_path, alone)
+                                f"{', '.join(missing)}; it holds {', '.join(sorted(top))}")
+        return target, src
+
+    def _apply(self, state: MutableMapping[str, Any], target: dict[str, Any], src: str) -> None:
+        """Hand the loaded values to the modules, optimizers and objects of ``state``."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        owners = self._pairs(state)
         for key, obj in state.items():
             if isinstance(obj, torch.nn.Module):
                 set_model_state_dict(obj, target[key])
@@ -254,7 +314,7 @@ class DCPStrategy:
                 continue
             if key not in loaded:
                 warnings.warn(f"roll-ckpt: the checkpoint has no saved value for state['{key}']; "
-                              "it keeps its current value", stacklevel=3)
+                              "it keeps its current value", stacklevel=4)
                 continue
             value = _unbox(loaded[key])
             if _is_stateful(obj):
@@ -296,14 +356,13 @@ class DCPStrategy:
                     raise
                 raise found from None
 
-    def _source_rank(self, md: Any) -> str:
-        ranks = {path[1] for path in md.planner_data.values() if len(path) > 1 and path[0] == PER_RANK}
+    def _source_rank(self, ranks: set[str]) -> str:
         mine = str(self.rank)
         if mine in ranks:
             return mine
         if "0" in ranks:
             warnings.warn(f"roll-ckpt: the checkpoint was saved by fewer processes; rank {mine} "
-                          "takes rank 0's per-process state (RNG, scheduler, data position)", stacklevel=3)
+                          "takes rank 0's per-process state (RNG, scheduler, data position)", stacklevel=4)
             return "0"
         raise RollCkptError("the checkpoint holds no per-process state (RNG, scheduler...)")
 
@@ -338,12 +397,16 @@ def _unbox(value: Any) -> Any:
     return value[0] if isinstance(value, tuple) and len(value) == 1 else value
 
 
-def _top_keys(md: Any) -> set[str]:
-    return {path[0] for path in md.planner_data.values() if path}
-
-
-def _has_prefix(md: Any, key: str) -> bool:
-    return key in _top_keys(md)
+def _top_keys(md: Any) -> tuple[set[str], set[str]]:
+    """The top-level keys of a checkpoint, and the ranks that saved per-process values (one pass)."""
+    top: set[str] = set()
+    ranks: set[str] = set()
+    for path in md.planner_data.values():
+        if path:
+            top.add(path[0])
+            if len(path) > 1 and path[0] == PER_RANK:
+                ranks.add(path[1])
+    return top, ranks
 
 
 def _placeholders(md: Any, prefix: tuple[str, ...]) -> dict[str, Any]:
