@@ -19,15 +19,15 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
+from .collector import CollectorPause
 from .contracts import Storage
 from .dcp_fs import StorageFileSystem
-from .digest import Hasher, hash_bytes, hash_stream
+from .digest import hash_bytes, hash_stream
 from .errors import CheckpointCorruptError, PartlyLoadedError, UnsafeCheckpointError
 from .torch_compat import narrow_tensor_by_index
 from .unpickle import METADATA_NAME, pickle_reason, safe_load_metadata
 from .streamed_files import MAX_PIECE, StreamedFile
-from .verified_files import (CHECK_STREAMS, READ_CHUNK, Verified, load_tensor, piece_pool,
-                             verify_budget)
+from .verified_files import CHECK_STREAMS, Verified, load_tensor, piece_pool, read_hashed, verify_budget
 
 __all__ = ["SafeReader"]
 
@@ -75,7 +75,10 @@ class SafeReader(FileSystemReader):
         self._targets: dict[Any, torch.Tensor] = {}
         self.planner: Any = None
         """The load planner (set by ``DCPStrategy``): targets are looked up while files are checked."""
-        self._metadata_bytes: bytes | None = None
+        self._metadata: Metadata | None = None
+        self.job_checked = False
+        """Every file was checked before the load by the process it is assigned to, and the
+        job agreed on it (:mod:`roll_ckpt.job_load`): the plans need not carry it."""
         self._stream = stream
         self._pool: Any = None
         self._pool_lock = threading.Lock()
@@ -149,20 +152,8 @@ class SafeReader(FileSystemReader):
                 # The loader reads this same open file (a file renamed over it meanwhile is
                 # not the one loaded), from the page cache the check just filled.
                 return Verified(file=os.fdopen(os.dup(fd), "rb", buffering=0))
-            view = memoryview(torch.empty(entry.size, dtype=torch.uint8).numpy())
-            hasher = Hasher()
-            pos = 0
-            while pos < entry.size:
-                n = f.readinto(view[pos:pos + READ_CHUNK])
-                if not n:
-                    break
-                hasher.update(view[pos:pos + n])
-                pos += n
-                if self._on_bytes is not None:
-                    self._on_bytes(n)
-            if pos == entry.size and f.read(1):
-                pos += 1  # longer than the manifest says
-        self._check(name, pos, hasher.hexdigest())
+            view, pos, digest = read_hashed(f, entry.size, self._on_bytes)
+        self._check(name, pos, digest)
         return Verified(view=view)
 
     def release(self) -> None:
@@ -256,18 +247,23 @@ class SafeReader(FileSystemReader):
 
     # ------------------------------------------------------------ DCP's StorageReader
 
+    def use_metadata(self, md: Metadata) -> None:
+        """Answer DCP with ``md`` (read and checked once for the job) instead of reading it."""
+        self._metadata = md
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """``.metadata``, read, checked and unpickled once (DCP asks again for every load)."""
         from torch.distributed.checkpoint.metadata import StorageMeta
 
-        path = self._storage.join(self.path, METADATA_NAME)
-        data = self._metadata_bytes
-        if data is None:  # read (and checked) once; DCP asks again for every load
+        if self._metadata is None:
+            path = self._storage.join(self.path, METADATA_NAME)
             with self._storage.open_read(path) as f:
                 data = f.read()
             if self._files is not None:
                 self._check(METADATA_NAME, *hash_bytes(data))
-                self._metadata_bytes = data
-        md = safe_load_metadata(data, path)
+            with CollectorPause():
+                self._metadata = safe_load_metadata(data, path)
+        md = self._metadata
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id
@@ -290,6 +286,9 @@ class SafeReader(FileSystemReader):
         plan = super().prepare_local_plan(plan)
         if self._files is None:
             return plan
+        if self.job_checked:
+            self._resolve_targets(plan)
+            return dataclasses.replace(plan, storage_data={"roll_ckpt_checked": sorted(self._files)})
         reads = self._plan_bytes(plan)
         streamed = sorted(n for n in reads if self._streams(n))  # checked piece by piece as they load
         mine = sorted(n for n, b in reads.items() if 2 * b >= self._expected(n).size and n not in streamed)
@@ -305,7 +304,7 @@ class SafeReader(FileSystemReader):
         import dataclasses
 
         plans = super().prepare_global_plan(plans)
-        if self._files is None:
+        if self._files is None or self.job_checked:
             return plans
         checked = {n for p in plans for n in ((p.storage_data or {}).get("roll_ckpt_checked") or ())}
         needed = {n for p in plans for n in self._plan_bytes(p)}
@@ -313,6 +312,13 @@ class SafeReader(FileSystemReader):
         self._verify_plan(sorted(n for n in needed - checked if not self._streams(n)))
         checked |= needed
         return [dataclasses.replace(p, storage_data={"roll_ckpt_checked": sorted(checked)}) for p in plans]
+
+    def check_files(self, names: list[str]) -> None:
+        """Check ``names`` now (those a job-wide load assigned to this process), keeping
+        them open for the load; raises the first damage found."""
+        names = [n for n in names if not self._streams(n)]
+        self.start_checks(names)
+        self._verify_plan(names)
 
     def _checked_elsewhere(self, name: str, plan: Any) -> Verified | None:
         """A file another process checked for this load, opened to read a few items of it
@@ -436,7 +442,7 @@ class SafeReader(FileSystemReader):
 
     def reset(self, checkpoint_id: Any = None) -> None:
         if checkpoint_id is not None and str(checkpoint_id) != self.path:
-            self._metadata_bytes = None
+            self._metadata = None
             self.release()
         super().reset(checkpoint_id)
         self.path = str(self.path)

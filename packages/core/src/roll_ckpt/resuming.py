@@ -179,12 +179,12 @@ class Resumer:
     def _verify_part(self, storage: Storage, path: str, strategy: Strategy) -> tuple[str, Manifest]:
         """Coordinator: the folder to load and its manifest, everything but the data files checked."""
         part = self._part_to_load(storage, path)
-        # DCP's data files are checked while they are read, once, by the rank that reads
-        # them (before anything is deserialized); everything else here.
+        # DCP's files are checked while they are read, once for the job (before anything is
+        # deserialized): .metadata by the coordinator, each data file by one rank
+        # (roll_ckpt.job_load); everything else here.
         data_dir = f"{strategy.data_dir}/"
         with self.job.progress("verify") as progress:
-            manifest = verify(storage, part, on_bytes=progress,
-                              defer=lambda name: name.startswith(data_dir) and name != f"{data_dir}.metadata").manifest
+            manifest = verify(storage, part, on_bytes=progress, defer=lambda name: name.startswith(data_dir)).manifest
         _check_written_by(manifest, part, strategy)
         return part, manifest
 
@@ -193,19 +193,18 @@ class Resumer:
         job = self.job
         strategy = job.strategy
         assert strategy is not None
-        checked: dict[str, Any] = {}
+        def check() -> tuple[str, Manifest, bytes]:
+            part, manifest = self._verify_part(storage, path, strategy)
+            with storage.open_read(storage.join(part, TRAINER_STATE)) as f:
+                return part, manifest, f.read()
 
-        def check() -> str:
-            part, checked["manifest"] = self._verify_part(storage, path, strategy)
-            return part
-
-        part = decide(strategy, check, where=f"cannot verify {path}")
-        manifest = checked.get("manifest") or read_manifest(storage, part)
+        # The coordinator alone reads the manifest and the trainer state (the manifest grows
+        # with the job: read by every rank, its bytes would grow with the square of it).
+        part, manifest, trainer_bytes = decide(strategy, check, where=f"cannot verify {path}")
         data_dir = strategy.data_dir
         files = {name[len(data_dir) + 1:]: entry for name, entry in manifest.files.items()
                  if name.startswith(f"{data_dir}/")}
-        with storage.open_read(storage.join(part, TRAINER_STATE)) as f:
-            trainer_state = json.loads(f.read().decode())
+        trainer_state = json.loads(trainer_bytes.decode())
         with job.progress(f"load step {trainer_state.get('step')}") as progress:
             strategy.load(state, storage, storage.join(part, data_dir), progress, files=files, checkpoint=part,
                           stream=not job.config.checkpoint_config.verify_before_load)

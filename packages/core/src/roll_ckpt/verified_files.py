@@ -83,6 +83,27 @@ def verify_budget() -> int:
     return max(256 << 20, free // (4 * local_ranks))
 
 
+def read_hashed(f: Any, size: int, on_bytes: Any = None) -> tuple[memoryview, int, str]:
+    """Read a stream of ``size`` bytes (as the manifest says) into memory, hashing it: the
+    bytes, how many were there (one more when the stream is longer) and their checksum."""
+    from .digest import Hasher
+
+    view = memoryview(torch.empty(size, dtype=torch.uint8).numpy())
+    hasher = Hasher()
+    pos = 0
+    while pos < size:
+        n = f.readinto(view[pos:pos + READ_CHUNK])
+        if not n:
+            break
+        hasher.update(view[pos:pos + n])
+        pos += n
+        if on_bytes is not None:
+            on_bytes(n)
+    if pos == size and f.read(1):
+        pos += 1  # longer than the manifest says
+    return view, pos, hasher.hexdigest()
+
+
 def pread_into(fd: int, dst: memoryview, offset: int) -> None:
     done = 0
     while done < len(dst):
