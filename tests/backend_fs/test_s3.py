@@ -288,3 +288,38 @@ def test_full_cycle_over_s3(s3: s3server.SeaweedServer, monkeypatch: pytest.Monk
     verify(storage, refs[0].path)  # the older one is intact
 
     raw.rm(f"{s3.bucket}/{prefix}", recursive=True)
+
+
+def _count_requests(storage: FsspecStorage) -> list[tuple[str, str]]:
+    """Every HTTP request the storage's S3 client sends from now on: (method, query)."""
+    from urllib.parse import urlsplit
+
+    seen: list[tuple[str, str]] = []
+
+    def before_send(request: Any, **_: Any) -> None:
+        seen.append((request.method, urlsplit(request.url).query))
+
+    storage.fs.s3.meta.events.register("before-send.s3", before_send)
+    return seen
+
+
+def test_a_save_costs_the_same_requests_whatever_the_checkpoints_kept(s3: s3server.SeaweedServer, s3_url: str) -> None:
+    """A save's requests do not grow with the checkpoints already there: the only listing on
+    the save path (other writers' markers) asks for a key prefix."""
+    from collections import Counter
+    from urllib.parse import parse_qs
+
+    state = tiny_state(seed=3)
+    per_save: dict[int, Counter] = {}
+    with CheckpointManager.from_config(config(s3_url, storage_options=s3.storage_options, timestamp_subdir=False),
+                                       quiet=True) as m:
+        seen = _count_requests(m.storage)  # type: ignore[arg-type]
+        for step in range(1, 13):
+            drift(state, step)
+            del seen[:]
+            m.save(step, state)
+            per_save[step] = Counter(method for method, _ in seen)
+            prefixes = [parse_qs(q).get("prefix", [""])[0] for method, q in seen if method == "GET" and "list-type" in q]
+            # one checkpoint's keys, or its writers' markers: never the run folder, which grows
+            assert step == 1 or (prefixes and all("checkpoint-" in p for p in prefixes)), prefixes
+    assert per_save[3] == per_save[12], (per_save[3], per_save[12])  # 2 checkpoints there, then 11

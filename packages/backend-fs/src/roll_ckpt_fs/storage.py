@@ -298,18 +298,22 @@ class FsspecStorage:
             items = self.fs.ls(path, detail=True, refresh=True) if _takes_refresh(self.fs) else self.fs.ls(path, detail=True)
         except (FileNotFoundError, NotADirectoryError):
             return []
-        out = []
+        return _entries(items, path)
+
+    def list_prefix(self, path: str, prefix: str) -> list[Entry]:
+        """The files directly in ``path`` whose name starts with ``prefix``. An object store
+        that lists by key prefix (s3fs) is asked for those keys only: the request does not
+        grow with what else the folder holds (the checkpoints kept)."""
+        import inspect
+
+        if "prefix" not in inspect.signature(self.fs.find).parameters:
+            return [e for e in self.list(path) if e.name.startswith(prefix)]
+        try:
+            found = self.fs.find(path, prefix=prefix, detail=True)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
         base = path.rstrip("/")
-        for it in items:
-            name = it["name"].rstrip("/")
-            if name == base:
-                continue
-            mtime = it.get("mtime") or it.get("created") or it.get("LastModified")
-            if hasattr(mtime, "timestamp"):
-                mtime = mtime.timestamp()
-            out.append(Entry(posixpath.basename(name), name, it.get("type") == "directory",
-                             int(it.get("size") or 0), float(mtime) if mtime else None))
-        return out
+        return [e for e in _entries(found.values(), path) if posixpath.dirname(e.path) == self.fs._strip_protocol(base)]
 
     def makedirs(self, path: str) -> None:
         self.fs.makedirs(path, exist_ok=True)
@@ -394,7 +398,10 @@ class FsspecStorage:
                     walk(e.path)
                     folders.append(e.path)
 
-        walk(path)
+        # (a folder that is not there is not listed: s3fs would list its parent to find out,
+        # a request that grows with the checkpoints kept beside it)
+        if self.isdir(path):
+            walk(path)
         for folder in folders + [path]:
             bucket, key, _ = split(folder.rstrip("/"))
             if key:
@@ -436,6 +443,21 @@ def _conditional_write_answer(exc: BaseException) -> str | None:
     if isinstance(exc, OSError) and exc.errno == errno.ENOSYS:
         return "unsupported"
     return None
+
+
+def _entries(items: Any, path: str) -> list[Entry]:
+    out = []
+    base = path.rstrip("/")
+    for it in items:
+        name = it["name"].rstrip("/")
+        if name == base:
+            continue
+        mtime = it.get("mtime") or it.get("created") or it.get("LastModified")
+        if hasattr(mtime, "timestamp"):
+            mtime = mtime.timestamp()
+        out.append(Entry(posixpath.basename(name), name, it.get("type") == "directory",
+                         int(it.get("size") or 0), float(mtime) if mtime else None))
+    return out
 
 
 def _takes_refresh(fs: Any) -> bool:

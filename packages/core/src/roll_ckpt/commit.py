@@ -24,7 +24,7 @@ from .contracts import Storage
 from .errors import CheckpointNotFoundError, RollCkptError
 from .layout import TMP_PREFIX, basename, parent
 from .manifest import MANIFEST_NAME
-from .owners import MARKER_PREFIX, owner_gone, read_markers, write_marker
+from .owners import MARKER_PREFIX, markers_named, owner_gone, write_marker
 
 __all__ = ["PendingCheckpoint", "RenameIntoPlace", "ManifestLast", "pending_checkpoint", "require_committed"]
 
@@ -111,7 +111,8 @@ class ManifestLast(PendingCheckpoint):
         storage = self.storage
         now = time.time()
         mine = basename(self.marker_path)
-        busy = [o for e, o in read_markers(storage, storage.list(parent(self.final_path)))
+        # (by prefix: on an object store this listing must not grow with the checkpoints kept)
+        busy = [o for e, o in markers_named(storage, parent(self.final_path), basename(self.final_path))
                 if e.name != mine and str(o.get("final_path", "")).rstrip("/") == self.final_path.rstrip("/")
                 and not owner_gone(o, now)]
         if busy:

@@ -19,8 +19,8 @@ from .contracts import Storage
 from .layout import TMP_PREFIX, basename, parent, parse_step, run_folders
 from .manifest import MANIFEST_NAME
 
-__all__ = ["MARKER_PREFIX", "STALE_FOREIGN_S", "owner_record", "owner_gone", "is_mine", "read_markers",
-           "write_marker", "clean_stale", "live_writers"]
+__all__ = ["MARKER_PREFIX", "STALE_FOREIGN_S", "owner_record", "owner_gone", "is_mine", "markers_named",
+           "read_markers", "write_marker", "clean_stale", "live_writers"]
 
 MARKER_PREFIX = ".inflight-"
 STALE_FOREIGN_S = 24 * 3600.0
@@ -84,6 +84,17 @@ def write_marker(storage: Storage, path: str, write_path: str, final_path: str) 
     """Claim ``write_path`` (to become ``final_path``) with an owner marker at ``path``."""
     with storage.open_write(path) as f:
         f.write(json.dumps(dict(owner_record(), write_path=write_path, final_path=final_path)).encode())
+
+
+def markers_named(storage: Storage, folder: str, name: str) -> list[tuple[object, dict]]:
+    """The owner markers in ``folder`` of the save of ``name`` (every writer's token). Backends
+    that list by prefix (``list_prefix``, optional: object stores) list only those; the others
+    list the folder."""
+    prefix = f"{MARKER_PREFIX}{name}-"
+    lister = getattr(storage, "list_prefix", None)
+    entries = lister(folder, prefix) if lister is not None else \
+        [e for e in storage.list(folder) if e.name.startswith(prefix)]
+    return read_markers(storage, entries)
 
 
 def read_markers(storage: Storage, entries: list) -> list[tuple[object, dict]]:
