@@ -198,6 +198,8 @@ class DCPStrategy:
         from .dcp_write import ReusingSavePlanner
 
         layouts = self.layouts
+        if layouts.layout is None:  # then on no process: DCP's protocol (nothing to agree on)
+            return None
         planner = ReusingSavePlanner(self._write_items.setdefault(False, {}))
         planner.set_up_planner(sd, None, self.is_coordinator)
         fast = layouts.prepare(planner, threads, gate)
