@@ -35,6 +35,7 @@ from typing import Any, Callable, Mapping
 from .contracts import SpaceEstimate, Storage
 from .errors import StorageFullError
 from .units import human_bytes
+from .value_slots import slot_slack
 
 __all__ = ["estimate_checkpoint_bytes", "estimate_items", "SpaceGuard", "RefusingStorage", "committed_sizes"]
 
@@ -93,14 +94,17 @@ def _plain(obj: Any, budget: list[int]) -> bool:
 
 
 def _value_size(obj: Any) -> int:
-    """The bytes ``torch.save(obj)`` writes (DCP writes every non-tensor value that way)."""
+    """The bytes the writer gives a non-tensor value: ``torch.save(obj)`` (DCP writes every
+    such value that way) in its slot (:func:`roll_ckpt.value_slots.slot_capacity`)."""
     global _VALUE_FRAMING
     if _plain(obj, [10_000]):
         if _VALUE_FRAMING is None:
             _VALUE_FRAMING = _saved_size(None) - len(pickle.dumps(None, protocol=2))
         # torch.save's zip records around the pickle; within its 64-byte alignment of the real size.
-        return _VALUE_FRAMING + len(pickle.dumps(obj, protocol=2))
-    return _saved_size(obj)  # counted, not kept (tensors inside, custom classes...)
+        n = _VALUE_FRAMING + len(pickle.dumps(obj, protocol=2))
+    else:
+        n = _saved_size(obj)  # counted, not kept (tensors inside, custom classes...)
+    return n + slot_slack(n)
 
 
 def _tensor_framing() -> int:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-__all__ = ["slot_capacity", "padded_value"]
+__all__ = ["slot_capacity", "slot_slack", "padded_value"]
 
 _EOCD = b"PK\x05\x06"
 _EOCD_SIZE = 22
@@ -32,6 +32,12 @@ def _ends_with_bare_eocd(buf: memoryview) -> bool:
         and bytes(buf[n - 2:]) == b"\0\0"
 
 
+def slot_slack(n: int) -> int:
+    """The room a slot leaves a value of ``n`` bytes to grow: a quarter more (512 bytes at
+    least, a zip comment's limit at most)."""
+    return min(_MAX_COMMENT, max(512, n // 4))
+
+
 def slot_capacity(buf: Any) -> int:
     """The slot a value of these bytes gets at a full save: a quarter more (512 bytes at
     least, a zip comment's limit at most); the bytes exactly when they cannot be padded."""
@@ -39,7 +45,7 @@ def slot_capacity(buf: Any) -> int:
     n = mv.nbytes
     if not _ends_with_bare_eocd(mv):
         return n
-    return n + min(_MAX_COMMENT, max(512, n // 4))
+    return n + slot_slack(n)
 
 
 def padded_value(buf: Any, capacity: int) -> list[Any] | None:
