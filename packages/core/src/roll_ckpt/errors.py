@@ -12,6 +12,7 @@ from typing import Any
 
 __all__ = [
     "carried",
+    "portable",
     "carried_roll_error",
     "disk_full",
     "RollCkptError",
@@ -53,6 +54,18 @@ def carried(exc: BaseException):
 def carried_roll_error(exc: BaseException, *, include_self: bool = True) -> "RollCkptError | None":
     """The first roll-ckpt error ``exc`` is or carries (a refusal DCP brought from another rank)."""
     return next((e for e in carried(exc) if isinstance(e, RollCkptError) and (include_self or e is not exc)), None)
+
+
+def portable(exc: BaseException) -> BaseException:
+    """``exc`` if it survives a pickle (it is sent to other processes), else a
+    :class:`RollCkptError` with its type and message."""
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return RollCkptError(f"{type(exc).__name__}: {exc}")
 
 
 def disk_full(exc: BaseException) -> bool:

@@ -29,14 +29,15 @@ after a restart takes this path too. The folder is plain DCP either way.
 
 from __future__ import annotations
 
-import pickle
 import traceback
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from .dcp_write import DigestingWriter, Written, plan_files
+from .errors import portable
+from .torch_compat import all_reduce_ints
+from .unpickle import METADATA_NAME
+from .value_slots import padded_value
 
 __all__ = ["FixedLayouts", "RankLayout", "structure_of"]
 
@@ -125,8 +126,6 @@ class FixedLayouts:
             return None
         lengths = {index: length for _, w in layout.files for index, _, length in w}
         slots, values = {}, {}
-        from .value_slots import padded_value
-
         for item in final:
             if item.type == WriteItemType.BYTE_IO:
                 data = planner.resolve_data(item)
@@ -136,11 +135,6 @@ class FixedLayouts:
         return FastPlan(planner, files, slots, values)
 
     # ------------------------------------------------------------ collectives
-
-    def _device(self, group: Any) -> torch.device:
-        if self._dist.get_backend(group) == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
 
     def agree(self, fast: FastPlan | None, group: Any) -> bool:
         """True on every process when every process can repeat the same layout (one
@@ -154,11 +148,7 @@ class FixedLayouts:
     def _max(self, values: list[int], group: Any) -> list[int]:
         if self._dist is None or self.world_size == 1:
             return values
-        from .torch_compat import collective
-
-        t = torch.tensor(values, dtype=torch.int64, device=self._device(group))
-        collective(self._dist.all_reduce, (t,), t, op=self._dist.ReduceOp.MAX, group=group)
-        return [int(v) for v in t.tolist()]
+        return all_reduce_ints(self._dist, values, self._dist.ReduceOp.MAX, group)
 
     def _gather(self, message: Any, group: Any) -> list[Any] | None:
         if self._dist is None or self.world_size == 1:
@@ -192,7 +182,7 @@ class FixedLayouts:
             exact = [(n, writer.written.get(n)) for n, _ in fast.files] == layout.files
             message = ("ok" if exact else _REDO, writer._relative() if exact else None)
         except Exception as exc:  # every process must hear of it: none may stay in the gather
-            message = ("error", _portable(exc))
+            message = ("error", portable(exc))
         gathered = self._gather(message, group)
         outcome: Any = None
         digests: dict[str, tuple] = {}
@@ -206,11 +196,9 @@ class FixedLayouts:
                 try:
                     for m in gathered:
                         digests.update(m[1])
-                    from .unpickle import METADATA_NAME
-
                     digests[METADATA_NAME] = writer.write_metadata(layout.metadata)  # type: ignore[arg-type]
                 except Exception as exc:
-                    outcome = {0: _portable(exc)}
+                    outcome = {0: portable(exc)}
         outcome = self._broadcast(outcome, group)
         if outcome == _REDO:
             self.layout = None
@@ -313,11 +301,3 @@ def _files_of(md: Any, local: list[Any], rank: int, world_size: int, threads: in
             pos += length
     return [(n, files[n]) for n, _ in out]
 
-
-def _portable(exc: BaseException) -> BaseException:
-    """``exc`` if it pickles (it travels to the coordinator and back), else its description."""
-    try:
-        pickle.loads(pickle.dumps(exc))
-        return exc
-    except Exception:
-        return RuntimeError(f"{type(exc).__name__}: {exc}")

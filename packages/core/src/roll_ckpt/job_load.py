@@ -21,15 +21,13 @@ An error on one process is raised on every process (the same type and message).
 
 from __future__ import annotations
 
-import pickle
 from typing import Any, Mapping, MutableMapping
-
-import torch
 
 from .collector import CollectorPause
 from .collective import decide
 from .digest import hash_bytes
-from .errors import CheckpointCorruptError, RollCkptError
+from .errors import CheckpointCorruptError, portable
+from .torch_compat import all_reduce_ints
 from .unpickle import METADATA_NAME, safe_load_metadata
 
 __all__ = ["load_job", "job_metadata", "assigned_files", "raise_first", "writer_rank"]
@@ -72,22 +70,6 @@ def job_metadata(strategy: Any, storage: Any, dcp_path: str, files: Mapping[str,
         return safe_load_metadata(data, path), data
 
 
-def _device(dist: Any, group: Any) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _portable(exc: BaseException) -> BaseException:
-    if isinstance(exc, RollCkptError):
-        return exc
-    try:
-        pickle.loads(pickle.dumps(exc))
-        return exc
-    except Exception:
-        return RollCkptError(f"{type(exc).__name__}: {exc}")
-
-
 def raise_first(strategy: Any, error: BaseException | None) -> None:
     """Raise on every process the error of the lowest process that has one (one all-reduce
     of one integer when none has; a broadcast of the error when one has)."""
@@ -96,17 +78,12 @@ def raise_first(strategy: Any, error: BaseException | None) -> None:
         if error is not None:
             raise error
         return
-    from .torch_compat import collective
-
     group = strategy.process_group
     world = strategy.world_size
-    t = torch.tensor([strategy.rank if error is not None else world], dtype=torch.int64,
-                     device=_device(dist, group))
-    collective(dist.all_reduce, (t,), t, op=dist.ReduceOp.MIN, group=group)
-    first = int(t.item())
+    first = all_reduce_ints(dist, [strategy.rank if error is not None else world], dist.ReduceOp.MIN, group)[0]
     if first == world:
         return
-    box = [_portable(error) if strategy.rank == first else None]  # type: ignore[arg-type]
+    box = [portable(error) if strategy.rank == first else None]  # type: ignore[arg-type]
     src = dist.get_global_rank(group, first) if group is not None else first
     dist.broadcast_object_list(box, src=src, group=group)
     if strategy.rank == first:

@@ -173,6 +173,7 @@ class DCPStrategy:
         # the collector is held off while DCP plans, gathers and writes .metadata; the
         # writer lets go of it while it writes the data (roll_ckpt.collector)
         pause = CollectorPause(self.config.checkpoint_config.pause_gc)
+
         def new_writer() -> DigestingWriter:
             return DigestingWriter(storage, dcp_path, thread_count=threads, on_bytes=on_bytes, gate=gate, pause=pause)
 

@@ -25,7 +25,7 @@ __all__ = ["TorchCompatError", "local_tensor", "set_local_tensor", "rewrap_dtens
            "serializes_plainly", "create_write_items",
            "weights_only_load", "file_reader", "storage_info", "set_element", "get_element",
            "load_state_dict_no_dist", "module_tensor_ids", "empty_state_dict_load_planner", "planner_set_value", "storage_prefix",
-           "narrow_tensor_by_index", "local_chunk", "collective", "CHECKED_ON"]
+           "narrow_tensor_by_index", "local_chunk", "collective", "all_reduce_ints", "CHECKED_ON"]
 
 CHECKED_ON = ("2.6", "2.9", "2.11", "2.13")
 """torch releases these accessors were checked against (the test suite runs on 2.13)."""
@@ -311,3 +311,13 @@ def collective(call: Callable[..., Any], tensors: tuple[Any, ...], *args: Any, t
     while any(t._use_count() > n for t, n in zip(tensors, held)) and time.monotonic() < deadline:
         time.sleep(0.0002)
     return result
+
+
+def all_reduce_ints(dist: Any, values: list[int], op: Any, group: Any) -> list[int]:
+    """An all-reduce of a few integers on ``group`` (a GPU tensor on an NCCL group), through
+    :func:`collective`. Checked on torch 2.13 (``dist.get_backend``, ``all_reduce``)."""
+    nccl = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    t = torch.tensor(values, dtype=torch.int64, device=device)
+    collective(dist.all_reduce, (t,), t, op=op, group=group)
+    return [int(v) for v in t.tolist()]
