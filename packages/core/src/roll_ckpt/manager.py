@@ -15,7 +15,7 @@ from typing import Any, Mapping, MutableMapping
 from .backup import BackupLink
 from .components import check_component
 from .config import Config, load_config
-from .contracts import Storage, Strategy
+from .contracts import NetworkCounts, Storage, Strategy
 from .errors import RollCkptError
 from .job import Job, open_storage
 from .plugins import Plugins, get_plugins
@@ -212,6 +212,14 @@ class CheckpointManager:
     def failed_saves(self) -> int:
         """Periodic saves that failed and were let go (``checkpoint_config.on_save_error: warn``)."""
         return self._saves.failed_saves
+
+    @property
+    def network(self) -> NetworkCounts:
+        """The network faults this manager's storage met so far, retries and time lost
+        included (all zero on a local disk); each save's own are in ``last_save.network``."""
+        from .network import read_counts
+
+        return read_counts(self._job.storage) or NetworkCounts()
 
     @property
     def last_save(self) -> SaveStats | None:
