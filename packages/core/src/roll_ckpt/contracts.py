@@ -250,7 +250,7 @@ class Strategy(Protocol):
     def broadcast(self, obj: Any) -> Any:
         """The coordinator's ``obj`` on every process (picklable; exceptions included)."""
 
-    def any_true(self, flag: bool) -> bool:
+    def any_true(self, flag: bool, step: int | None = None) -> bool:
         """True on every process when ``flag`` is true on at least one (called every step by
         ``maybe_save`` to agree on a preemption request: it must cost well under a millisecond)."""
 

@@ -19,6 +19,7 @@ from .plugins import Plugins
 from .progress import Progress
 from .retention import note_open_run
 from .runs import claim_run_folder
+from .timeouts import bounded
 
 __all__ = ["Job", "open_storage"]
 
@@ -71,7 +72,9 @@ class Job:
                 raise RollCkptError("no installed strategy can save this state; `roll-ckpt plugins` lists them")
             record = max(fitting, key=lambda r: r.priority)
         strategy = record.factory(self.config, self.plugins)
-        self.token = strategy.broadcast(uuid.uuid4().hex[:12])
+        with bounded(strategy.rank, "the first save or resume: agreeing on a token", None,
+                     float(getattr(strategy, "collective_timeout_s", 0.0))):
+            self.token = strategy.broadcast(uuid.uuid4().hex[:12])
         self.strategy = strategy
         return strategy
 
@@ -83,7 +86,8 @@ class Job:
         assert self.strategy is not None
         name = decide(self.strategy, lambda: claim_run_folder(self.storage, self.root, cc, self.config.exp_name,
                                                                 self.component),
-                      where=f"checkpoint_config.output_dir {cc.output_dir}", on_error=storage_error)
+                      where=f"checkpoint_config.output_dir {cc.output_dir}", on_error=storage_error,
+                      phase="save: claiming the run folder")
         self.run_dir = self.storage.join(self.root, name) if name else self.root
         if name:
             note_open_run(self.run_dir, self.manager)  # retention by other managers leaves it alone

@@ -143,7 +143,7 @@ class CheckpointManager:
         self._check_open()
         if self._watch.signals:
             strategy = self.bind(state)
-            if strategy.any_true(self._watch.requested):
+            if strategy.any_true(self._watch.requested, step):
                 return self._preempt(step, state)
         every = self.config.save_steps
         local = self._job.local

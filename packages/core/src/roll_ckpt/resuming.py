@@ -93,7 +93,8 @@ class Resumer:
         if target != "latest":
             return self.candidates(target)
         agreed = decide(strategy, self._pick_latest,
-                        where=f"cannot find the checkpoint to resume from under {job.storage.url}")
+                        where=f"cannot find the checkpoint to resume from under {job.storage.url}",
+                        phase="resume: choosing the checkpoint")
         backup = job.backup.replica if job.backup is not None else None
         return [(backup if from_backup else job.storage, path, from_backup)  # type: ignore[misc]
                 for path, from_backup in agreed]
@@ -199,7 +200,8 @@ class Resumer:
             part, checked["manifest"] = self._verify_part(storage, path, strategy)
             return part
 
-        part = decide(strategy, check, where=f"cannot verify {path}")
+        part = decide(strategy, check, where=f"cannot verify {path}", phase="resume: verifying",
+                      step=layout.parse_step(layout.basename(path)))
         manifest = checked.get("manifest") or read_manifest(storage, part)
         data_dir = strategy.data_dir
         files = {name[len(data_dir) + 1:]: entry for name, entry in manifest.files.items()
