@@ -347,6 +347,7 @@ class CheckpointManager:
             try:
                 if self._job.strategy is not None:
                     self._job.strategy.close()
+                self._job.release()
             finally:
                 backup_error = self._job.backup.close() if self._job.backup is not None else None
         if backup_error is not None:

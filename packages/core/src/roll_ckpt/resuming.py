@@ -197,6 +197,8 @@ class Resumer:
         checked: dict[str, Any] = {}
 
         def check() -> str:
+            if storage is job.storage:  # another launch's retention must leave it alone meanwhile
+                job.hold(path)
             part, checked["manifest"] = self._verify_part(storage, path, strategy)
             return part
 
