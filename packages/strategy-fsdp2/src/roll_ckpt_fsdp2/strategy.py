@@ -29,7 +29,7 @@ class FSDP2Strategy(DCPStrategy):
         super().__init__(config, plugins)  # (its gloo group, bounded by checkpoint_config.collective_timeout_s)
         if self._dist is not None and self._group is None:  # one rank of its own
             self._group = self._dist.new_group(backend="gloo")
-        self.store = OffloadStore(config.options.get("offload_backend", "local"))
+        self.store = OffloadStore(config.options.get("offload_backend", "local"), self.collective_timeout_s)
 
     # ------------------------------------------------------------ offload cycle
 
