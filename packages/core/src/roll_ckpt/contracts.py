@@ -95,7 +95,9 @@ class Storage(Protocol):
     def isdir(self, path: str) -> bool: ...
 
     def list(self, path: str) -> list[Entry]:
-        """The direct children of ``path``; an empty list when it does not exist."""
+        """The direct children of ``path``; an empty list when it does not exist. A file's
+        ``size`` must be its size: on stores without atomic rename it is checked against
+        what the writer wrote before a checkpoint is committed."""
 
     def makedirs(self, path: str) -> None:
         """Create ``path`` and its parents; no error when it exists."""
