@@ -74,6 +74,7 @@ def soak(s3: Any, proxy: Any, *, saves: int, seed: int, options: dict[str, Any] 
     base = f"s3://{s3.bucket}/soak-{uuid.uuid4().hex[:10]}"
     proxy.clear()
     _, _, _, clean_s = _run(s3, proxy, base + "-clean", saves, options)
+    clean_requests = proxy.requests
     proxy.randomly(rates or RATES, seed)
     paths, snaps, network, faulty_s = _run(s3, proxy, base, saves, options)
 
@@ -112,7 +113,8 @@ def soak(s3: Any, proxy: Any, *, saves: int, seed: int, options: dict[str, Any] 
         FsspecStorage(base + suffix, s3.storage_options).remove_tree(storage.root + suffix)
     return {
         "saves": saves, "seed": seed, "rates": rates or RATES, "policy": options,
-        "requests": proxy.requests, "injected": injected,
+        "requests": proxy.requests - clean_requests, "requests_without_faults": clean_requests,
+        "injected": injected,
         "committed": len(paths), "failed": saves - len(paths),
         "committed_not_reported": sorted(committed - set(paths)),
         "faults": network.faults, "retries": network.retries, "lost_to_faults_s": round(network.lost_s, 2),
