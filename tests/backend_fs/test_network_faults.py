@@ -26,8 +26,9 @@ from .faultproxy import FaultProxy, fault_proxy  # noqa: E402
 
 pytestmark = [pytest.mark.usefixtures("offline_aws"), pytest.mark.timeout(120)]
 
-FAST = {"connect_timeout": 1, "read_timeout": 1, "max_attempts": 4, "retry_backoff": 0.05, "retry_backoff_max": 0.2}
-"""Short bounds for the tests (the defaults are 5 s, 10 s, 5 attempts, 0.25 s, 5 s)."""
+FAST = {"connect_timeout": 2, "read_timeout": 2, "max_attempts": 4, "retry_backoff": 0.05, "retry_backoff_max": 0.2}
+"""Short bounds for the tests (the defaults are 5 s, 10 s, 5 attempts, 0.25 s, 5 s); not
+shorter: on a loaded machine the server itself can take a second to answer."""
 
 
 @pytest.fixture
@@ -79,9 +80,9 @@ def test_each_fault_is_retried_counted_and_logged_once_per_save(
             assert net.faults >= 1 and net.retries == net.faults, (kind, net)
             assert len(lines) == 1 and f"checkpoint-{step} committed" in lines[0], lines
             if kind == "hang":
-                assert "read timeout" in net.kinds and took < 5, (net, took)  # read_timeout 1 s, not minutes
+                assert "read timeout" in net.kinds and took < 10, (net, took)  # read_timeout 2 s, not minutes
         totals = m.network
-        assert totals.faults >= 5 and totals.lost_s > 0.9
+        assert totals.faults >= 5 and totals.lost_s > 1.9
         storage = m.storage
     assert proxy.injected == {"503": 1, "500": 2, "reset_upload": 2, "hang": 1, "slow": 1}
     refs = layout.committed(storage, storage.root)
@@ -108,7 +109,7 @@ def test_faults_past_the_attempts_fail_the_save_and_leave_nothing(
     commits and earlier checkpoints are intact."""
     url = _url(s3)
     # 5 MiB parts (S3's smallest) so that a 12 MiB tensor is a multipart upload
-    cfg = config(url, storage_options=_options(s3, proxy, max_attempts=2, default_block_size=5 << 20),
+    cfg = config(url, storage_options=_options(s3, proxy, max_attempts=3, default_block_size=5 << 20),
                  on_save_error="warn")
     import torch
 
@@ -116,7 +117,7 @@ def test_faults_past_the_attempts_fail_the_save_and_leave_nothing(
     state["big"] = {"w": torch.randn(3 << 20)}
     with CheckpointManager.from_config(cfg, quiet=True) as m:
         first = m.save(1, state)
-        proxy.inject("500", method="PUT", path="partNumber=2", count=2)
+        proxy.inject("500", method="PUT", path="partNumber=2", count=3)
         assert m.save(2, state) is None and m.failed_saves == 1
         storage = m.storage
         assert not _uploads(storage, storage.root), "the failed multipart upload was aborted"
