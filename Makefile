@@ -33,7 +33,8 @@ test: venv
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # Crash consistency and fault injection at full strength: 50 SIGKILLs per mode (make test
-# runs 5), the kill-before-every-storage-operation sweep on S3 too. Replay a failure with
+# runs 5), the kill-before-every-storage-operation sweep on S3 too, a rank stopped in each phase
+# of a resume as well as of a save (tests/reliability/test_hangs.py). Replay a failure with
 # ROLL_CKPT_CRASH_SEED=<seed printed by the test>.
 RELIABILITY_KILLS ?= 50
 test-reliability: venv

@@ -13,9 +13,10 @@ import time
 from typing import Any, BinaryIO, Mapping
 
 from roll_ckpt import StorageError
-from roll_ckpt.contracts import Entry
+from roll_ckpt.contracts import Entry, NetworkCounts
 
 from .direct import open_direct
+from .network import RETRY_KEYS, FaultCounter, ObjectWriter, RetryingReader, RetryPolicy
 
 log = logging.getLogger("roll_ckpt")
 
@@ -267,6 +268,15 @@ class FsspecStorage:
         self.url = url
         protocol, _ = fsspec.core.split_protocol(url)
         options = dict(storage_options)
+        self.network: FaultCounter | None = None
+        if protocol in ("s3", "s3a"):  # roll-ckpt's retries and timeouts (roll_ckpt_fs.network)
+            self.network = FaultCounter(RetryPolicy.pop_from(options, url))
+            options = self.network.policy.s3fs_options(options)
+            options.setdefault("skip_instance_cache", True)  # a client (and counters) of its own
+        elif any(k in options for k in RETRY_KEYS):
+            log.warning("roll-ckpt: storage_options %s have no effect on %s (only on s3://)",
+                        ", ".join(k for k in RETRY_KEYS if k in options), url)
+            options = {k: v for k, v in options.items() if k not in RETRY_KEYS}
         try:
             try:
                 self.fs = fsspec.filesystem(protocol or "file", **{"use_listings_cache": False, **options})
@@ -281,6 +291,12 @@ class FsspecStorage:
         except TypeError as exc:
             raise StorageError(f"checkpoint_config.storage_options for {url}: {exc}") from None
         self.root = self.fs._strip_protocol(url).rstrip("/") or "/"
+        if self.network is not None:
+            self.network.install(self.fs)
+
+    def network_counts(self) -> NetworkCounts | None:
+        """The faults met so far (``None``: not a networked store); see :mod:`roll_ckpt_fs.network`."""
+        return None if self.network is None else self.network.counts()
 
     def join(self, *parts: str) -> str:
         return posixpath.join(*parts)
@@ -319,10 +335,14 @@ class FsspecStorage:
         self.fs.makedirs(path, exist_ok=True)
 
     def open_read(self, path: str) -> BinaryIO:
-        return self.fs.open(path, "rb")
+        if self.network is None:
+            return self.fs.open(path, "rb")
+        return RetryingReader(lambda: self.fs.open(path, "rb"), path, self.network)  # type: ignore[return-value]
 
     def open_write(self, path: str) -> BinaryIO:
-        return self.fs.open(path, "wb")
+        if self.network is None:
+            return self.fs.open(path, "wb")
+        return ObjectWriter(self.fs.open(path, "wb"))  # type: ignore[return-value]
 
     def write_create(self, path: str, data: bytes) -> None:
         for attempt in range(4):
@@ -376,6 +396,26 @@ class FsspecStorage:
             pass
         self.fs.invalidate_cache(path)
         self._remove_folder_entries(path)
+        self._abort_uploads(path)
+
+    def _abort_uploads(self, path: str) -> None:
+        """Abort the multipart uploads left under ``path`` (a writer that died mid-file):
+        their parts are stored, and billed, until someone aborts them."""
+        call_s3 = getattr(self.fs, "call_s3", None)
+        split = getattr(self.fs, "split_path", None)
+        if call_s3 is None or split is None:
+            return
+        bucket, key, _ = split(path.rstrip("/"))
+        try:
+            listing = call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key + "/" if key else "")
+        except Exception as exc:  # a store without the call: nothing we can do
+            log.debug("roll-ckpt: cannot list multipart uploads under %s: %s", path, exc)
+            return
+        for upload in listing.get("Uploads") or ():
+            try:
+                call_s3("abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+            except FileNotFoundError:
+                pass
 
     def _remove_folder_entries(self, path: str) -> None:
         """Remove the folders an S3 server may keep after their objects are gone.

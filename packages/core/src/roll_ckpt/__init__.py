@@ -13,7 +13,7 @@ from .config import BackupConfig, CheckpointConfig, Config, InitialLoadConfig, P
 from .errors import (BackupError, CheckpointCorruptError, CheckpointNotFoundError, ConfigError, PartlyLoadedError,
                      PluginError, RollCkptError, SaveError, StorageError, StorageFullError, UnknownPluginError,
                      UnsafeCheckpointError)
-from .contracts import (BackendRecord, CommandRecord, CommitInfo, ConfigKeyRecord, Entry, SaveContext,
+from .contracts import (BackendRecord, CommandRecord, CommitInfo, ConfigKeyRecord, Entry, NetworkCounts, SaveContext,
                         StagingPolicy, StagingPolicyRecord, Storage, Strategy, StrategyRecord)
 from .driver_state import DriverState
 from .hookspecs import hookimpl, hookspec
@@ -28,6 +28,7 @@ __all__ = [
     "__version__",
     "CheckpointManager",
     "SaveStats",
+    "NetworkCounts",
     "export_hf",
     "DriverState",
     "Preempted",

@@ -12,6 +12,7 @@ from typing import Any, Callable, TypeVar
 
 from .contracts import Strategy
 from .errors import RollCkptError, StorageError, StorageFullError, disk_full
+from .timeouts import bounded
 
 __all__ = ["decide", "storage_error"]
 
@@ -35,12 +36,15 @@ def _default_error(exc: Exception, where: str) -> RollCkptError:
 
 
 def decide(strategy: Strategy, fn: Callable[[], T], *, where: str,
-           on_error: Callable[[Exception, str], RollCkptError] = _default_error) -> T:
+           on_error: Callable[[Exception, str], RollCkptError] = _default_error,
+           phase: str = "taking the coordinator's decision", step: int | None = None) -> T:
     """``fn()`` run on the coordinator, its result (or its error) on every process.
 
     A :class:`RollCkptError` travels as it is; any other exception becomes
     ``on_error(exc, where)`` (default: a :class:`StorageError` for an ``OSError``, else a
     :class:`RollCkptError`, each naming ``where`` and the cause), chained on the coordinator.
+    A coordinator that never answers ends the wait after the strategy's
+    ``collective_timeout_s`` (:class:`~roll_ckpt.errors.CollectiveTimeoutError`, naming ``phase``).
     """
     result: Any = None
     error: RollCkptError | None = None
@@ -52,7 +56,8 @@ def decide(strategy: Strategy, fn: Callable[[], T], *, where: str,
             error = exc
         except Exception as exc:  # every rank must hear of it: none may stay in the broadcast
             error, cause = on_error(exc, where), exc
-    result, error = strategy.broadcast((result, error))
+    with bounded(strategy.rank, phase, step, float(getattr(strategy, "collective_timeout_s", 0.0))):
+        result, error = strategy.broadcast((result, error))
     if error is not None:
         raise error from cause
     return result

@@ -118,6 +118,9 @@ class CheckpointConfig:
     is read twice). ``false``: one pass, each 8 MiB piece checked just before its bytes are
     used, memory bounded; damage then raises ``PartlyLoadedError`` with the state partly
     loaded (resume falls back to a backup replica when there is one, which overwrites it)."""
+    collective_timeout_s: float = 600.0
+    """The longest any collective of a save, commit or resume waits for the other ranks (a
+    rank stopped or cut off): then every waiting rank raises ``CollectiveTimeoutError``."""
     initial_load: InitialLoadConfig | None = None
     """``{path: DIR, format: hf}``: loaded into ``state['model']`` (``key:`` another) by
     ``resume`` when there is no checkpoint to resume from; ``resume`` then returns 0.
@@ -359,6 +362,7 @@ def _checkpoint(value: Any, default_root: str, raw: Mapping[str, Any]) -> Checkp
         verify_before_load=expect(f"{key}.verify_before_load", value.get("verify_before_load", True), bool,
                                   "true or false"),
         keep_local_file=keep_local,
+        collective_timeout_s=seconds(f"{key}.collective_timeout_s", value.get("collective_timeout_s", 600.0)),
         initial_load=parse_initial_load(value.get("initial_load")),
         local=parse_local(value.get("local"), str(raw.get("exp_name", "roll-ckpt"))),
     )

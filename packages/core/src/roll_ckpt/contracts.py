@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable, Mapping, MutableMapping, Protocol, Sequence, runtime_checkable
 
 __all__ = [
-    "Entry", "Storage", "Strategy", "StagingPolicy", "SaveContext", "CommitInfo", "SpaceEstimate",
+    "Entry", "NetworkCounts", "Storage", "Strategy", "StagingPolicy", "SaveContext", "CommitInfo", "SpaceEstimate",
     "BackendRecord", "StrategyRecord", "StagingPolicyRecord", "ConfigKeyRecord", "CommandRecord",
 ]
 
@@ -40,6 +40,32 @@ class Entry:
     is_dir: bool
     size: int = 0
     mtime: float | None = None
+
+
+@dataclass(frozen=True)
+class NetworkCounts:
+    """What a networked backend met so far: faults (failed attempts: a reset connection, a
+    timeout, a 5xx answer), the retries it made, and the seconds those faults cost (the
+    failed attempts and the waits between them). ``kinds`` counts faults by kind
+    (``"503 SlowDown"``, ``"read timeout"``...). A backend that has them offers
+    ``network_counts()`` (optional: local disks have none); counters only grow."""
+
+    faults: int = 0
+    retries: int = 0
+    lost_s: float = 0.0
+    kinds: Mapping[str, int] = field(default_factory=dict)
+
+    def since(self, before: "NetworkCounts") -> "NetworkCounts":
+        """What was met after ``before`` (an earlier reading of the same counters)."""
+        kinds = {k: n - before.kinds.get(k, 0) for k, n in self.kinds.items() if n > before.kinds.get(k, 0)}
+        return NetworkCounts(self.faults - before.faults, self.retries - before.retries,
+                             max(0.0, self.lost_s - before.lost_s), kinds)
+
+    def describe(self) -> str:
+        """One line: ``3 fault(s), 3 retried, 1.2 s lost (2 × 503 SlowDown, 1 × read timeout)``."""
+        kinds = ", ".join(f"{n} × {k}" for k, n in sorted(self.kinds.items(), key=lambda kv: -kv[1]))
+        return (f"{self.faults} network fault(s), {self.retries} retried, {self.lost_s:.1f} s lost"
+                + (f" ({kinds})" if kinds else ""))
 
 
 @runtime_checkable
@@ -69,7 +95,9 @@ class Storage(Protocol):
     def isdir(self, path: str) -> bool: ...
 
     def list(self, path: str) -> list[Entry]:
-        """The direct children of ``path``; an empty list when it does not exist."""
+        """The direct children of ``path``; an empty list when it does not exist. A file's
+        ``size`` must be its size: on stores without atomic rename it is checked against
+        what the writer wrote before a checkpoint is committed."""
 
     def makedirs(self, path: str) -> None:
         """Create ``path`` and its parents; no error when it exists."""
@@ -78,7 +106,11 @@ class Storage(Protocol):
         """A seekable binary reader. ``FileNotFoundError`` when missing."""
 
     def open_write(self, path: str) -> BinaryIO:
-        """A binary writer, replacing any file there. The data is durable once ``close()`` returns."""
+        """A binary writer, replacing any file there. The data is durable once ``close()`` returns.
+
+        A writer may also have ``abort()``: the write failed, nothing of it may become a
+        file (an object store aborts the multipart upload instead of completing it with
+        what it has); ``close()`` after ``abort()`` does nothing."""
 
     def write_create(self, path: str, data: bytes) -> None:
         """Write ``data`` durably only if ``path`` does not exist, else ``FileExistsError``.
@@ -220,7 +252,7 @@ class Strategy(Protocol):
     def broadcast(self, obj: Any) -> Any:
         """The coordinator's ``obj`` on every process (picklable; exceptions included)."""
 
-    def any_true(self, flag: bool) -> bool:
+    def any_true(self, flag: bool, step: int | None = None) -> bool:
         """True on every process when ``flag`` is true on at least one (called every step by
         ``maybe_save`` to agree on a preemption request: it must cost well under a millisecond)."""
 

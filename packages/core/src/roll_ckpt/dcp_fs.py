@@ -98,6 +98,12 @@ class StorageFileSystem(FileSystemBase):
                 # Kept for the writer: a failure in one of its threads must fail the save.
                 with self._lock:
                     self.errors.append(exc)
+                abort = getattr(stream._inner, "abort", None)
+                if abort is not None:  # an object store: no short object from a failed write
+                    try:
+                        abort()
+                    except Exception:  # the folder is removed by the save's cleanup anyway
+                        pass
                 raise
             finally:
                 stream.close()

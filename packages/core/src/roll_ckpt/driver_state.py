@@ -110,7 +110,7 @@ class JSONStrategy:
     def broadcast(self, obj: Any) -> Any:
         return obj
 
-    def any_true(self, flag: bool) -> bool:
+    def any_true(self, flag: bool, step: int | None = None) -> bool:
         return flag
 
     def state_dict(self, state: Mapping[str, Any]) -> dict[str, Any]:

@@ -27,6 +27,7 @@ __all__ = [
     "UnsafeCheckpointError",
     "SaveError",
     "BackupError",
+    "CollectiveTimeoutError",
 ]
 
 
@@ -159,6 +160,12 @@ class UnsafeCheckpointError(CheckpointCorruptError):
 
 class SaveError(RollCkptError):
     """A save (usually an asynchronous one) failed; the cause is chained."""
+
+
+class CollectiveTimeoutError(RollCkptError):
+    """A collective of a save, commit or resume did not complete within
+    ``checkpoint_config.collective_timeout_s``: another rank is stopped, hung or cut off.
+    The message names this rank, the phase and the step; nothing was half-committed."""
 
 
 class BackupError(RollCkptError):

@@ -27,6 +27,7 @@ from .collector import CollectorPause
 from .collective import decide
 from .digest import hash_bytes
 from .errors import CheckpointCorruptError, portable
+from .layout import basename, parent, parse_step
 from .torch_compat import all_reduce_ints
 from .unpickle import METADATA_NAME, safe_load_metadata
 
@@ -65,7 +66,7 @@ def job_metadata(strategy: Any, storage: Any, dcp_path: str, files: Mapping[str,
                                                            "content changed after it was written)")])
         return data
 
-    data = decide(strategy, read, where=f"cannot read {path}")
+    data = decide(strategy, read, where=f"cannot read {path}", phase="resume: reading .metadata")
     with CollectorPause(pause_gc):
         return safe_load_metadata(data, path), data
 
@@ -97,6 +98,12 @@ def load_job(strategy: Any, state: MutableMapping[str, Any], reader: Any, storag
     once, each file checked by one process before any process reads it, each process
     planning its own reads; an error anywhere is raised everywhere. Then the next save
     starts from the checkpoint's layout (:meth:`FixedLayouts.adopt`)."""
+    with strategy.bounded("resume: loading", parse_step(basename(parent(dcp_path)))):
+        _load_job(strategy, state, reader, storage, dcp_path, files, checkpoint)
+
+
+def _load_job(strategy: Any, state: MutableMapping[str, Any], reader: Any, storage: Any, dcp_path: str,
+              files: Mapping[str, Any] | None, checkpoint: str) -> None:
     md, md_bytes = job_metadata(strategy, storage, dcp_path, files, checkpoint,
                                 strategy.config.checkpoint_config.pause_gc)
     reader.use_metadata(md)

@@ -91,7 +91,8 @@ class LocalTier:
         if strategy.world_size > 1:  # (several processes: torch.distributed is initialized)
             from .peer_replicas import PeerGroup
 
-            self.peers = PeerGroup(self.node, self.config.replicas)
+            self.peers = PeerGroup(self.node, self.config.replicas,
+                                   float(getattr(strategy, "collective_timeout_s", 0.0)))
             if self.config.replicas and len(set(self.peers.nodes)) < 2:
                 log.warning("roll-ckpt: checkpoint_config.local.replicas is %d but every rank is on node %s: local "
                             "checkpoints get no replica (set %s per node to simulate nodes)",

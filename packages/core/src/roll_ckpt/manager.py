@@ -15,7 +15,7 @@ from typing import Any, Mapping, MutableMapping
 from .backup import BackupLink
 from .components import check_component
 from .config import Config, load_config
-from .contracts import Storage, Strategy
+from .contracts import NetworkCounts, Storage, Strategy
 from .errors import RollCkptError
 from .job import Job, open_storage
 from .plugins import Plugins, get_plugins
@@ -143,7 +143,7 @@ class CheckpointManager:
         self._check_open()
         if self._watch.signals:
             strategy = self.bind(state)
-            if strategy.any_true(self._watch.requested):
+            if strategy.any_true(self._watch.requested, step):
                 return self._preempt(step, state)
         every = self.config.save_steps
         local = self._job.local
@@ -212,6 +212,14 @@ class CheckpointManager:
     def failed_saves(self) -> int:
         """Periodic saves that failed and were let go (``checkpoint_config.on_save_error: warn``)."""
         return self._saves.failed_saves
+
+    @property
+    def network(self) -> NetworkCounts:
+        """The network faults this manager's storage met so far, retries and time lost
+        included (all zero on a local disk); each save's own are in ``last_save.network``."""
+        from .network import read_counts
+
+        return read_counts(self._job.storage) or NetworkCounts()
 
     @property
     def last_save(self) -> SaveStats | None:
@@ -339,6 +347,7 @@ class CheckpointManager:
             try:
                 if self._job.strategy is not None:
                     self._job.strategy.close()
+                self._job.release()
             finally:
                 backup_error = self._job.backup.close() if self._job.backup is not None else None
         if backup_error is not None:

@@ -96,12 +96,14 @@ class PeerGroup:
     """The tier's gloo group (made in the caller's thread, once, by every rank at the same
     point), every rank's node, and transfers on it (run in the save's writer thread)."""
 
-    def __init__(self, node: str, replicas: int) -> None:
+    def __init__(self, node: str, replicas: int, timeout_s: float = 0.0) -> None:
         import torch.distributed as dist
+
+        from .timeouts import checkpoint_group
 
         self.dist = dist
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.group = dist.new_group(backend="gloo")
+        self.group = checkpoint_group(dist, timeout_s)  # (checkpoint_config.collective_timeout_s)
         self.nodes: list[str] = [str(n) for n in self.all_gather(node)]
         self.targets = ring_targets(self.nodes, replicas)
         self.sources = [r for r, peers in self.targets.items() if self.rank in peers]

@@ -93,7 +93,8 @@ class Resumer:
         if target != "latest":
             return self.candidates(target)
         agreed = decide(strategy, self._pick_latest,
-                        where=f"cannot find the checkpoint to resume from under {job.storage.url}")
+                        where=f"cannot find the checkpoint to resume from under {job.storage.url}",
+                        phase="resume: choosing the checkpoint")
         backup = job.backup.replica if job.backup is not None else None
         return [(backup if from_backup else job.storage, path, from_backup)  # type: ignore[misc]
                 for path, from_backup in agreed]
@@ -194,13 +195,16 @@ class Resumer:
         strategy = job.strategy
         assert strategy is not None
         def check() -> tuple[str, Manifest, bytes]:
+            if storage is job.storage:  # another launch's retention must leave it alone meanwhile
+                job.hold(path)
             part, manifest = self._verify_part(storage, path, strategy)
             with storage.open_read(storage.join(part, TRAINER_STATE)) as f:
                 return part, manifest, f.read()
 
         # The coordinator alone reads the manifest and the trainer state (the manifest grows
         # with the job: read by every rank, its bytes would grow with the square of it).
-        part, manifest, trainer_bytes = decide(strategy, check, where=f"cannot verify {path}")
+        part, manifest, trainer_bytes = decide(strategy, check, where=f"cannot verify {path}", phase="resume: verifying",
+                                               step=layout.parse_step(layout.basename(path)))
         data_dir = strategy.data_dir
         files = {name[len(data_dir) + 1:]: entry for name, entry in manifest.files.items()
                  if name.startswith(f"{data_dir}/")}

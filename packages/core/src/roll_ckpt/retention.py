@@ -16,6 +16,7 @@ from typing import Any
 from .contracts import Storage
 from .layout import CheckpointRef, basename, parent, scan
 from .manifest import MANIFEST_NAME
+from .holds import held
 from .owners import MARKER_PREFIX, is_mine, live_writers, owner_gone, write_marker
 
 __all__ = ["plan_retention", "remove_checkpoint", "apply_retention", "note_open_run"]
@@ -95,13 +96,16 @@ def apply_retention(storage: Storage, output_dir: str, keep: int, protect: set[s
 
     Checkpoints of another run that is still alive (its run folder's owner process runs;
     in this process: its manager is open) are neither removed nor counted: two jobs
-    sharing an ``output_dir`` never touch each other's checkpoints. ``own_run`` is the
+    sharing an ``output_dir`` never touch each other's checkpoints. Nor is a checkpoint
+    that a live launch resumed from (:mod:`roll_ckpt.holds`). ``own_run`` is the
     caller's run folder.
     """
     removed = []
     live = _live_foreign_runs(storage, output_dir, own_run)
     refs = [r for r in scan(storage, output_dir) if not r.run or r.run not in live]
     for ref in plan_retention(refs, keep, protect):
+        if held(storage, ref.path, clean=True):  # another launch resumed from it (roll_ckpt.holds)
+            continue
         remove_checkpoint(storage, ref.path)
         removed.append(ref.path)
     refs = [r for r in refs if r.path not in removed]  # pending steps are judged by what is left

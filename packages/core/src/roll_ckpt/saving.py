@@ -36,12 +36,14 @@ from .commit import PendingCheckpoint, pending_checkpoint
 from .components import check_part_free, try_complete
 from .background import lower_priority
 from .collector import CollectorPause
-from .contracts import SaveContext, Storage
+from .contracts import NetworkCounts, SaveContext, Storage
 from .digest import hash_bytes
 from .errors import RollCkptError, SaveError, StorageError, StorageFullError, carried_roll_error, disk_full
 from .job import Job
 from .layout import TRAINER_STATE
+from .leftovers import Leftovers
 from .manifest import FileEntry, Manifest
+from .network import check_objects, read_counts, report_save
 from .retention import apply_retention
 from .runs import utc_now
 from .staging import stage_state_dict
@@ -67,6 +69,8 @@ class SaveStats:
     """Bytes copied while staging (0 when every tensor was staged without a copy)."""
     policies: Mapping[str, int] = field(default_factory=dict)
     """How many tensors each staging policy took (``regular``, ``zero_copy``...)."""
+    network: NetworkCounts | None = None
+    """Network faults this process met while writing and committing (``None``: not a networked store)."""
 
 
 def _plugin_versions(job: Job) -> dict[str, str]:
@@ -93,6 +97,7 @@ class SavePipeline:
         self._policies: list[Any] | None = None
         self._executor: cf.ThreadPoolExecutor | None = None
         self._inflight: cf.Future[SaveStats] | None = None
+        self.leftovers = Leftovers()
 
     # ------------------------------------------------------------------ the caller's part
 
@@ -268,11 +273,13 @@ class SavePipeline:
         job = self.job
         strategy, storage = job.strategy, job.storage
         pending = pending_checkpoint(storage, ctx.path, job.token)
+        before = read_counts(storage)
         error: BaseException | None = None
         begun = False
         total = 0
         try:
             if strategy.is_coordinator and refuse is None:
+                self.leftovers.retry()
                 try:
                     if job.component:
                         check_part_free(storage, ctx.path, ctx.step, job.component)
@@ -299,13 +306,9 @@ class SavePipeline:
                 ctx.gate.abort(exc)  # the caller may be waiting to stage the next wave
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
-            try:
-                if begun:
-                    pending.abort()
-                elif strategy.is_coordinator:
-                    pending.abandon()
-            except Exception:
-                log.warning("roll-ckpt: could not clean up %s", pending.write_path, exc_info=True)
+            if begun or strategy.is_coordinator:
+                self.leftovers.discard(pending, begun)
+            report_save(f"checkpoint-{ctx.step}", strategy.rank, _since(read_counts(storage), before), failed=True)
             raise self._save_error(ctx, exc) from exc
         finally:
             ctx.run_finished_callbacks()
@@ -315,7 +318,9 @@ class SavePipeline:
         stats = SaveStats(step=ctx.step, path=ctx.path, is_async=ctx.is_async,
                           blocked_s=ctx.blocked_s if ctx.is_async else time.perf_counter() - t0,
                           total_s=time.perf_counter() - t0, bytes=total, bytes_copied=ctx.bytes_copied,
-                          policies=dict(Counter(ctx.staging.values())))
+                          policies=dict(Counter(ctx.staging.values())),
+                          network=_since(read_counts(storage), before))
+        report_save(f"checkpoint-{ctx.step}", strategy.rank, stats.network)
         self.last_save = stats
         return stats
 
@@ -329,6 +334,8 @@ class SavePipeline:
         with storage.open_write(storage.join(pending.write_path, TRAINER_STATE)) as f:
             f.write(ts)
         files[TRAINER_STATE] = FileEntry(*hash_bytes(ts))
+        if not storage.atomic_rename:  # an object store: every upload completed, whole
+            check_objects(storage, pending.write_path, {name: e.size for name, e in files.items()})
         manifest = Manifest(step=ctx.step, files=files, created=utc_now(), world_size=strategy.world_size,
                             component=job.component, plugins=_plugin_versions(job),
                             extra={"strategy": strategy.name})
@@ -424,6 +431,7 @@ class SavePipeline:
         finally:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
+            self.leftovers.retry()
             self._reuse.clear()
 
 
@@ -431,3 +439,7 @@ def _refusing(storage: Storage, error: BaseException) -> Storage:
     from .space import RefusingStorage
 
     return RefusingStorage(storage, error)  # type: ignore[return-value]
+
+
+def _since(now: NetworkCounts | None, before: NetworkCounts | None) -> NetworkCounts | None:
+    return None if now is None or before is None else now.since(before)

@@ -27,8 +27,10 @@ import torch
 from .collector import CollectorPause
 from .contracts import SpaceEstimate, Storage
 from .errors import RollCkptError, carried_roll_error
+from .layout import basename, parent, parse_step
 from .rng import capture_rng, restore_rng
 from .state_dict_cache import StateDictCache
+from .timeouts import bounded, checkpoint_group
 from .torch_compat import collective, local_tensor, set_element
 
 __all__ = ["DCPStrategy", "PER_RANK", "RNG_KEY"]
@@ -59,6 +61,13 @@ class DCPStrategy:
         self._layouts: Any = None
         self.rank = self._dist.get_rank() if self._dist else 0
         self.world_size = self._dist.get_world_size() if self._dist else 1
+        self.collective_timeout_s = float(getattr(config.checkpoint_config, "collective_timeout_s", 600.0))
+        """How long a collective of a save, commit or resume waits for the other ranks (:mod:`roll_ckpt.timeouts`)."""
+        self._group = None
+        if self._dist is not None and self.world_size > 1:  # (every rank creates its strategy at the same point)
+            # both now: creating a group is itself a wait for every rank, with no bound of ours
+            self._group = checkpoint_group(self._dist, self.collective_timeout_s)
+            self._control = checkpoint_group(self._dist, self.collective_timeout_s)
 
     @property
     def is_coordinator(self) -> bool:
@@ -78,8 +87,13 @@ class DCPStrategy:
 
     @property
     def process_group(self) -> Any:
-        """The group DCP's collectives use (``None``: the default group)."""
-        return None
+        """The group DCP's collectives use: a gloo group of roll-ckpt's own, whose
+        collectives give up after ``checkpoint_config.collective_timeout_s``."""
+        return self._group
+
+    def bounded(self, phase: str, step: int | None = None, after: str = "") -> Any:
+        """A context in which a peer that never answers raises ``CollectiveTimeoutError``."""
+        return bounded(self.rank, phase, step, self.collective_timeout_s, after)
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank (used once per manager, never per save)."""
@@ -89,19 +103,20 @@ class DCPStrategy:
         self._dist.broadcast_object_list(box, src=0, group=self.process_group)
         return box[0]
 
-    def any_true(self, flag: bool) -> bool:
+    def any_true(self, flag: bool, step: int | None = None) -> bool:
         """True on every process when ``flag`` is true on one (an all-reduce of one integer).
 
-        On a gloo group of its own, created by the first call (every process makes that call
-        at the same step): it never interleaves with the collectives of an asynchronous save
-        still writing in the background, and works whatever backend the job's group uses.
+        On a gloo group of its own, created with the strategy: it never interleaves with the
+        collectives of an asynchronous save still writing in the background, and works
+        whatever backend the job's group uses.
         """
         if self._dist is None or self.world_size == 1:
             return flag
         if self._control is None:
-            self._control = self._dist.new_group(backend="gloo")
+            self._control = checkpoint_group(self._dist, self.collective_timeout_s)
         t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-        collective(self._dist.all_reduce, (t,), t, op=self._dist.ReduceOp.MAX, group=self._control)
+        with self.bounded("maybe_save: the preemption check", step):
+            collective(self._dist.all_reduce, (t,), t, op=self._dist.ReduceOp.MAX, group=self._control)
         return bool(t.item())
 
     # ------------------------------------------------------------ state dicts
@@ -177,7 +192,9 @@ class DCPStrategy:
         def new_writer() -> DigestingWriter:
             return DigestingWriter(storage, dcp_path, thread_count=threads, on_bytes=on_bytes, gate=gate, pause=pause)
 
-        with warnings.catch_warnings(), pause:
+        step = getattr(save, "step", None)
+        with warnings.catch_warnings(), pause, self.bounded(
+                "save: writing", step, after=f"Nothing of checkpoint-{step} was committed; earlier ones are intact."):
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             writer = new_writer()
             if not alone:  # a save of the last full save's structure: a fixed-size message per process
@@ -352,7 +369,8 @@ class DCPStrategy:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             try:
-                dcp.load(target, storage_reader=reader, planner=planner, **self._dcp_group(alone))
+                with self.bounded("resume: loading", parse_step(basename(parent(dcp_path)))):
+                    dcp.load(target, storage_reader=reader, planner=planner, **self._dcp_group(alone))
             except BaseException as exc:  # DCP wraps every rank's error in a CheckpointException
                 found = carried_roll_error(exc)
                 if found is None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from datetime import timedelta
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
@@ -119,10 +120,12 @@ def _replicated_dim(t: DTensor) -> int | None:
 
 
 class OffloadStore:
-    def __init__(self, kind: str = "local") -> None:
+    def __init__(self, kind: str = "local", timeout_s: float = 0.0) -> None:
         if kind not in ("local", "local_dedup"):
             raise ValueError(f"unknown offload_backend {kind!r}")
         self.kind = kind
+        self.timeout_s = timeout_s
+        """``checkpoint_config.collective_timeout_s``: how long a rebuild's all-gather waits for its peers (0: gloo's default)."""
         self.buffers: dict[torch.dtype, torch.Tensor] = {}
         self.slots: dict[str, Slot] = {}
         self.offloaded = False
@@ -288,7 +291,8 @@ class OffloadStore:
         group = self._gather_groups.get(key)
         if group is None:
             ranks = dist.get_process_group_ranks(mesh.get_group(dim))
-            group = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+            bound = {"timeout": timedelta(seconds=self.timeout_s)} if self.timeout_s else {}
+            group = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True, **bound)
             self._gather_groups[key] = group
         return group
 

@@ -26,15 +26,10 @@ class FSDP2Strategy(DCPStrategy):
     name = "fsdp2"
 
     def __init__(self, config: Any, plugins: Any = None) -> None:
-        super().__init__(config, plugins)
-        self._group = None
-        if self._dist is not None:
+        super().__init__(config, plugins)  # (its gloo group, bounded by checkpoint_config.collective_timeout_s)
+        if self._dist is not None and self._group is None:  # one rank of its own
             self._group = self._dist.new_group(backend="gloo")
-        self.store = OffloadStore(config.options.get("offload_backend", "local"))
-
-    @property
-    def process_group(self) -> Any:
-        return self._group
+        self.store = OffloadStore(config.options.get("offload_backend", "local"), self.collective_timeout_s)
 
     # ------------------------------------------------------------ offload cycle
 
