@@ -7,7 +7,8 @@ import threading
 import time
 from typing import Any, Iterable
 
-__all__ = ["PeakRSS", "rss_bytes", "drop_cache", "tree_bytes", "tree_files", "median", "io_read_bytes", "state_size"]
+__all__ = ["PeakRSS", "rss_bytes", "drop_cache", "tree_bytes", "tree_files", "median", "io_read_bytes", "state_size",
+           "cpu_all"]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -170,3 +171,27 @@ def state_size(model: Any, opt: Any) -> tuple[int, int]:
     tensors = [p for p in model.parameters()] + [v for st in opt.state.values() for v in st.values()]
     local = [getattr(t, "_local_tensor", t) for t in tensors]
     return len(tensors), sum(t.numel() * t.element_size() for t in local if hasattr(t, "numel"))
+
+
+def cpu_all() -> float:
+    """CPU seconds (user + system) of this process (every thread) and of its children: the
+    live ones (psutil; DCP's process-mode checkpointer stays alive between saves) and the
+    ones that ended and were waited for (``RUSAGE_CHILDREN``)."""
+    import resource
+
+    total = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        ru = resource.getrusage(who)
+        total += ru.ru_utime + ru.ru_stime
+    try:
+        import psutil
+
+        for child in psutil.Process().children(recursive=True):
+            try:
+                t = child.cpu_times()
+                total += t.user + t.system
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                pass
+    except ImportError:
+        pass
+    return total

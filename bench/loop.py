@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from common import state_size
+from common import cpu_all, state_size
 from roll_ckpt import CheckpointManager, load_config
 
 METHODS = ["dcp_thread", "dcp_process", "rc_regular", "rc_zc", "rc_zc_nice0"]
@@ -157,6 +157,41 @@ class Loop:
         return {"wall_s": wall, "cpu_s": cpu, "blocked_s": blocked if save else 0.0, "durable_s": durable,
                 "steps_s": t_steps, "step_times": step_times}
 
+    def save_cpu(self, method: str) -> dict[str, Any]:
+        """T6: one async save alone (no training beside it), from the call until durable: the
+        CPU seconds of this process (the calling thread, the writer threads) and of its
+        children (DCP's process-mode checkpointer), and the wall time."""
+        zc = method.startswith("rc_zc")
+        m = self.m.get(method)
+        if zc:
+            m.strategy.offload_states(self.state, optimizer=True)
+        dist.barrier()
+        written: str | None = None
+        c0, t0 = cpu_all(), time.perf_counter()
+        if method in ("dcp_thread", "dcp_process"):
+            msd, osd = get_state_dict(self.model, self.opt)
+            written = self.path(method)
+            kw = {}
+            if method == "dcp_process":
+                from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+                kw["async_checkpointer_type"] = AsyncCheckpointerType.PROCESS
+            resp = dcp.async_save({"model": msd, "optimizer": osd}, checkpoint_id=written, process_group=self.pg, **kw)
+            getattr(resp, "upload_completion", resp).result()
+        else:
+            self.n += 1
+            written = m.save(self.n, self.state)
+            m.wait()
+        wall = time.perf_counter() - t0
+        cpu = cpu_all() - c0
+        if zc:
+            m.strategy.load_states(self.state)
+        dist.barrier()
+        if written and dist.get_rank() == 0:
+            shutil.rmtree(written, ignore_errors=True)
+        return {"cpu_s": cpu, "wall_s": wall, "bytes": self.state_bytes,
+                "cpu_s_per_gb": cpu / (self.state_bytes / 1e9) if self.state_bytes else None}
+
     def close(self) -> None:
         for m in self.m.values():
             m.close()
@@ -208,10 +243,17 @@ def run_group(spec: dict[str, Any], scratch: str, out: dict[str, Any]) -> None:
             dist.all_gather_object(everyone, mine)
             reps[meth].append(everyone)
         log(f"{spec['name']}: repetition {rep + 1} took {time.perf_counter() - t_rep:.1f} s")
+    # T6: the CPU the whole save path spends, each save alone, alternating order
+    cpu: dict[str, list[Any]] = {m: [] for m in methods}
+    for rep in range(max(spec["reps"], spec.get("cpu_reps", 3))):
+        for meth in (methods if rep % 2 == 0 else methods[::-1]):
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, lp.save_cpu(meth))
+            cpu[meth].append(everyone)
     lp.close()
     out["groups"].append({"name": spec["name"], "kind": "loop", "world_size": dist.get_world_size(),
                           "tensors": lp.tensors, "state_bytes": lp.state_bytes, "threads": threads,
-                          "k": k, "step_s": step_s, "titles": TITLES, "methods": reps})
+                          "k": k, "step_s": step_s, "titles": TITLES, "methods": reps, "save_cpu": cpu})
     if dist.get_rank() == 0:
         shutil.rmtree(lp.dir, ignore_errors=True)
     dist.barrier()

@@ -59,15 +59,19 @@ def markdown(res: dict[str, Any]) -> str:
             extra = (f"; vs dcp.save {_f(t['vs_dcp']['value'])} (>= 1.0); vs an O_DIRECT write "
                      f"{_f(t.get('vs_direct'))} (reported, not the target)")
         if k == "T4":
-            if t.get("vs_disk_read") is not None:
-                extra = f"; {t['vs_disk_read']:.2f}× the uncached read bandwidth"
             st = t.get("stream") or {}
-            extra += f"; one-pass `rc_load_stream` / dcp.load {_f(st.get('value'))} (reported, not the target)"
+            extra = (f"; {_f(t.get('ours_gbps'), '{:.2f}')} GB/s vs {_f(t.get('disk_read_gbps'), '{:.2f}')} GB/s; "
+                     f"dcp.load {_f(t.get('dcp_gbps'), '{:.2f}')} GB/s ({_f(t.get('dcp_vs_disk_read'))}× the disk; "
+                     f"roll-ckpt / dcp.load {_f(t.get('vs_dcp'))}); one-pass `rc_load_stream` "
+                     f"{_f(st.get('value'))}× the disk (reported, not the target)")
         if k == "T6":
-            extra = (f"; regular staging {_f(t.get('regular'))}, DCP process mode {_f(t.get('process_mode'))}, "
-                     f"zero-copy with background_nice 0 {_f(t.get('zc_nice0'))}")
+            cps = t.get("cpu_s_per_gb") or {}
+            extra = (f"; CPU s per GB: " + ", ".join(f"{m} {_f(v, '{:.2f}')}" for m, v in cps.items())
+                     + f" (medians of {t.get('runs')}); regular staging {_f(t.get('regular'))}, DCP process mode "
+                     f"{_f(t.get('process_mode'))}; former T6 (loop time lost) {_f((t.get('loop_lost') or {}).get('value'))}")
         if k == "T7":
-            extra = (f"; at {t.get('tensors')} tensors: zero-copy {_f(t.get('zc_ms'), '{:.1f}')} ms, "
+            extra = (f"; median of {t.get('runs')} runs (>= 3); at {t.get('tensors')} tensors: zero-copy "
+                     f"{_f(t.get('zc_ms'), '{:.1f}')} ms, "
                      f"dcp {_f(t.get('dcp_ms'), '{:.1f}')} ms, regular / dcp {_f(t.get('regular'))} (<= 0.5); "
                      f"vs DCP plan caching: zero-copy {_f((t.get('vs_plan_caching') or {}).get('zc'))}, "
                      f"regular {_f((t.get('vs_plan_caching') or {}).get('regular'))}")
@@ -102,11 +106,15 @@ def markdown(res: dict[str, Any]) -> str:
 LIMITS_TEXT = [
     "**Machine**: 2 shared cores, a virtual disk; another job may run at the same time. Ratios are taken "
     "within one run, side by side; absolute times move 2× between runs.",
-    "**T4 (load)**: the disk's uncached read bandwidth for all loaders; B read from storage / B comes from "
+    "**T4 (load)**: against the disk's uncached read bandwidth measured with as many readers at once as ranks "
+    "(limit_read2 for 2 ranks); the disk's read bandwidth for all loaders; B read from storage / B comes from "
     "/proc/self/io read_bytes (page-cache hits do not count), summed over ranks. With a page cache larger than "
     "the checkpoint the default verify-first resume reads each byte from storage once too (its second pass hits "
     "the cache); only a checkpoint larger than the page cache shows the second pass (the --full cgroup case).",
-    "**T6, T11 (loop time lost)**: a window of K steps with the save against K times the median step of a window "
+    "**T6 (save CPU)**: each async save alone (no training beside it) from the call until durable: "
+    "getrusage of this process (every thread) and of its ended children, plus psutil's CPU times of its live "
+    "children (DCP's process-mode checkpointer), per GB of the rank's state; medians of at least 3 saves.",
+    "**T11, and the former T6 (loop time lost)**: a window of K steps with the save against K times the median step of a window "
     "without it (each ~1.5 s or more; a slow step there from another job does not count against the save): "
     "step-time noise "
     "from other jobs on the 2 cores is of the same order as the loss itself, so single repetitions can be "
@@ -133,12 +141,12 @@ def _loop_md(res: dict[str, Any]) -> list[str]:
                f"{lp['state_bytes'] / MB:.0f} MiB, {lp['threads']} torch threads; K = {lp['k']} steps of "
                f"{lp['step_s'] * 1e3:.0f} ms; medians)", "",
            "| method | blocked | durable after (beside the loop) | loop time lost | CPU s of this process, extra "
-           "| K steps without | save ended after the steps by |",
-           "|---|---:|---:|---:|---:|---:|---:|"]
+           "| K steps without | save ended after the steps by | save alone: CPU s per GB (children too) |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for meth, r in lp["methods"].items():
         out.append(f"| `{meth}` {r['title']} | {_ms(r['blocked_s'])} | {_ms(r['durable_s'])} | "
                    f"{_ms(r['lost_s'])} | {_f(r['cpu_s'], '{:.2f}')} | {_ms(r['without_s'])} | "
-                   f"{_ms(r.get('tail_s')) if r.get('tail_s') else '—'} |")
+                   f"{_ms(r.get('tail_s')) if r.get('tail_s') else '—'} | {_f(r.get('cpu_s_per_gb'), '{:.2f}')} |")
     out += ["", "loop time lost: (K steps with the save in flight, until both the steps are done and the save is "
                 "durable) − K × the median step of the same K steps without a save, run next to them; blocked "
                 "time included. "
@@ -266,6 +274,223 @@ def plot(res: dict[str, Any], path: str) -> None:
     m = res["machine"]
     fig.suptitle(f"roll-ckpt ({'blue'}) vs torch/DCP (grey) — {res['mode']}, {m.get('cpus')} cores, "
                  f"{m.get('device')}; {passed}", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- scale (scale.py)
+
+
+def _b(x: float | None) -> str:
+    """Bytes, human-sized (decimal units, as the issue's table)."""
+    if x is None:
+        return "—"
+    for unit, k in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(x) >= k:
+            return f"{x / k:.{1 if x / k < 100 else 0}f} {unit}"
+    return f"{x:.0f} B"
+
+
+def _s(x: float | None) -> str:
+    if x is None:
+        return "—"
+    if x < 1e-3:
+        return f"{x * 1e6:.0f} µs"
+    return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s"
+
+
+def scale_markdown(res: dict[str, Any]) -> str:
+    """scale.json -> markdown: the save table, the resume table, the real jobs, T12-T14."""
+    m = res.get("machine", {})
+    sh = res.get("shapes", {})
+    lines = [f"# roll-ckpt at scale ({res['mode']}): coordination cost against N simulated ranks", "",
+             f"torch {m.get('torch')}, Python {m.get('python')}, {m.get('cpus')} cores; {res['created']}, commit "
+             f"{m.get('commit', '?')}, run took {res['duration_s']} s. State: a Llama (hidden {sh.get('hidden')}, "
+             f"intermediate {sh.get('intermediate')}, vocab {sh.get('vocab')}) of P parameters, fp32, each "
+             "`Shard(0)` over N; AdamW (exp_avg, exp_avg_sq, a replicated 0-d step per parameter, the param "
+             "group); per rank `per_rank.<r>.__rng__.*` (5 tensors), a scheduler and counters. One process runs "
+             "DCP's own planner, global plan (dedup, validation, plan caching), finish and pickling for all N "
+             "ranks; every object collective is a pickle on the sender and an unpickle on the receiver, and the "
+             "coordinator's share of both is in its CPU.",
+             "", f"roll-ckpt's unchanged-structure column: **{res.get('rc_source', 'modelled')}** "
+             "(`roll_ckpt.fixed_layout`: the library's own `FixedLayouts.save` on the coordinator, over a simulated "
+             "group that hands it the N ranks' pickled messages; `modelled`: the same message shapes, merged by "
+             "bench/scale.py's `RollCkptFastPath`). Its full save (the first of a structure) is DCP's protocol with "
+             "roll-ckpt's own global plan (`ReusingSavePlanner._create_global_plan`, timed on the same gathered plans). "
+             "\"Before issue 20\": each rank read and unpickled `.metadata` twice per resume (collector on, "
+             "restricted unpickler).", ""]
+    cells = [c for c in res.get("cells", []) if not c.get("error")]
+    for p in sorted({c["params"] for c in cells}):
+        rows = sorted((c for c in cells if c["params"] == p), key=lambda c: c["ranks"])
+        lines += [f"## Save, P = {p} ({rows[0].get('items_per_rank', '?')} state entries per rank)", "",
+                  "| N ranks | local plans gathered | coordinator CPU per save: plan caching on / off | write results "
+                  "gathered | `.metadata` (broadcast to every rank) | use_collectives=False: rank 0 CPU, all "
+                  "`__r.metadata` | roll-ckpt full save (first of a structure): coordinator CPU | **roll-ckpt**, "
+                  "unchanged structure: coordinator CPU | roll-ckpt: bytes per rank sent (less checksums) "
+                  "| roll-ckpt: all bytes moved |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for c in rows:
+            ms = c["methods"]
+            d, dc, nc, rc, rf = (ms.get(k) or {} for k in ("dcp", "dcp_cached", "dcp_nocoord", "rc", "rc_full"))
+            skip = " (DCP skipped: memory)" if c.get("skipped") else ""
+            lines.append(
+                f"| {c['ranks']:,}{skip} | {_b((d.get('collective_bytes') or {}).get('local_plans'))} | "
+                f"{_s(dc.get('coordinator_cpu_s'))} / {_s(d.get('coordinator_cpu_s'))} | "
+                f"{_b((d.get('collective_bytes') or {}).get('write_results'))} | {_b(d.get('metadata_bytes'))} "
+                f"({_b((d.get('collective_bytes') or {}).get('metadata_bcast'))}) | "
+                f"{_s(nc.get('coordinator_cpu_s'))}, {_b(nc.get('metadata_bytes'))} | "
+                f"{_s(rf.get('coordinator_cpu_s'))} | {_s(rc.get('coordinator_cpu_s'))} | {_b(rc.get('per_rank_sent'))} "
+                f"({_b(rc.get('per_rank_overhead_max'))}) | {_b(rc.get('collective_total'))} |")
+        lines += ["", f"## Resume, P = {p}", "",
+                  "| N ranks | `.metadata` | one rank unpickles it: plain, collector off / on | restricted "
+                  "(`safe_load_metadata`), off / on | read for it, all ranks: dcp.load / roll-ckpt before issue 20 (twice "
+                  "per rank) / roll-ckpt (coordinator, then broadcast) | use_collectives=False: all ranks read |",
+                  "|---:|---:|---:|---:|---:|---:|"]
+        for c in rows:
+            r = c.get("resume") or {}
+            u = r.get("unpickle") or {}
+            rd = r.get("read_all_ranks") or {}
+            est = " (estimated: linear in N from the largest cell that ran DCP)" if r.get("metadata_estimated") else ""
+            lines.append(f"| {c['ranks']:,} | {_b(r.get('metadata_bytes'))}{est} | {_s(u.get('plain_gc_off_s'))} / "
+                         f"{_s(u.get('plain_gc_on_s'))} | {_s(u.get('safe_gc_off_s'))} / {_s(u.get('safe_gc_on_s'))} | "
+                         f"{_b(rd.get('dcp'))} / {_b(rd.get('rc_today'))} / {_b(rd.get('rc'))} | "
+                         f"{_b(rd.get('dcp_nocoord'))} |")
+        lines.append("")
+    for c in res.get("cells", []):
+        if c.get("error"):
+            lines.append(f"**Cell N={c['ranks']}, P={c['params']} failed:** {str(c['error'])[-300:]}")
+    lines += ["Coordinator CPU: `time.process_time` of the coordinator's own steps (its pickles and unpickles "
+              "of the collectives' objects, the global plan, `finish`, the metadata broadcast's pickle), with the "
+              "collector held off as roll-ckpt's `CollectorPause` does (DCP alone runs them with it on: slower); "
+              "unpickle times are CPU seconds too (the wall time, on a shared machine, is in scale.json); "
+              "plan caching on = a second save of the same structure; off = DCP's default (the first save). "
+              "use_collectives=False: each rank plans alone and writes `__<r>.metadata` (sizes of 3 ranks, "
+              "summed as N x their mean); torch 2.13's `dcp.load` then still gathers and scatters load plans (its "
+              "`use_collectives` check runs before `local_step` finds the per-rank file), and a rank's metadata "
+              "holds only its own chunks: no N -> M resharding. `no_dist=True` on N processes makes every one "
+              "rank 0 (`__0_0.distcp`, `.metadata` for all): not a multi-rank format.", ""]
+    lines += _scale_jobs_md(res.get("jobs"))
+    tg = res.get("targets") or {}
+    if tg:
+        lines += ["", "| target | value | limit | result | what |", "|---|---:|---:|---|---|"]
+        for k, t in tg.items():
+            extra = ""
+            if k == "T12":
+                extra = (f"; N={t.get('ranks')}, P={t.get('params')}: {_s(t.get('rc_cpu_s'))} vs "
+                         f"{_s(t.get('dcp_cached_cpu_s'))}; per rank {_b(t.get('per_rank_sent'))} sent, "
+                         f"{_b(t.get('per_rank_overhead'))} without its checksums (<= 1 KiB); {t.get('source')}")
+            if k == "T13":
+                extra = (f"; dcp.load {_f(t.get('dcp'), '{:.0f}')}×, roll-ckpt before issue 20 "
+                         f"{_f(t.get('rc_today'), '{:.0f}')}×"
+                         f" of {_b(t.get('metadata_bytes'))}; {t.get('source')}")
+            if k == "T14":
+                extra = f"; the same for every N and number kept: {t.get('independent')}"
+            lines.append(f"| {k} | {_f(t['value'])} | {t['op']} {t['limit']} | {'PASS' if t['pass'] else '**FAIL**'} "
+                         f"| {t['what']}{extra} |")
+    return "\n".join(lines) + "\n"
+
+
+def _scale_jobs_md(jobs: dict[str, Any] | None) -> list[str]:
+    if not jobs:
+        return []
+    sm = jobs.get("summary") or {}
+    out = ["## Real jobs: storage operations and collective bytes per rank (gloo, FSDP2, CPU)", "",
+           "| processes | max_ckpt_to_keep | earlier checkpoints | storage ops per save, first / later: "
+           "coordinator, others (max) | entries listed per save (coordinator) | bytes sent per rank per save, first / "
+           "later: coordinator, others | ops per resume: coordinator, others (of them files opened) | bytes "
+           "received per rank on resume: "
+           "coordinator, others | resume bit-exact |",
+           "|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+
+    def pr(d: dict[str, Any] | None, fmt: Any = str) -> str:
+        if not d:
+            return "—"
+        o = d.get("others_max")
+        return f"{fmt(d.get('coordinator'))}, {fmt(o) if o is not None else '—'}"
+
+    for r in sm.get("rows", []):
+        out.append(f"| {r['world_size']} | {r['keep']} | {r['present']} | {pr(r.get('first_ops'))} / "
+                   f"{pr(r.get('later_ops'))} | {(r.get('later_entries_listed') or r.get('first_entries_listed') or {}).get('coordinator')} | "
+                   f"{pr(r.get('first_sent'), _b)} / {pr(r.get('later_sent'), _b)} | {pr(r.get('resume_ops'))} "
+                   f"({pr(r.get('resume_reads'))}) | "
+                   f"{pr(r.get('resume_received'), _b)} | {'yes' if r.get('exact') else '**NO**'} |")
+    rss = sm.get("reshard") or []
+    for rs in ([rss] if isinstance(rss, dict) else rss):
+        out += ["", f"Resharding {rs['from']} -> {rs['to']} processes: bit-exact {'yes' if rs['exact'] else '**NO**'}; "
+                    f"ops per resume {pr(rs.get('resume_ops'))} (files opened {pr(rs.get('resume_reads'))}); "
+                    f"bytes received {pr(rs.get('resume_received'), _b)}."]
+    kinds = next((r.get("later_ops_by_kind") or r.get("first_ops_by_kind") for r in sm.get("rows", [])
+                  if r["world_size"] > 1), None)
+    if kinds:
+        out += ["", "Operations of a later save by kind: coordinator "
+                + ", ".join(f"{k} {v}" for k, v in sorted((kinds.get("coordinator") or {}).items()))
+                + "; another rank " + ", ".join(f"{k} {v}" for k, v in sorted((kinds.get("other") or {}).items()))
+                + "."]
+    s3 = jobs.get("s3")
+    if s3:
+        if s3.get("error"):
+            out += ["", f"S3 (SeaweedFS): not run ({s3['error'][:200]})."]
+        else:
+            out += ["", "S3 (SeaweedFS, 1 process, max_ckpt_to_keep 2): HTTP requests per save "
+                    + "; ".join(", ".join(f"{k} {v}" for k, v in sorted(sv["http"].items())) for sv in s3["saves"])
+                    + "; per resume " + ", ".join(f"{k} {v}" for k, v in sorted(s3["resume"]["http"].items())) + "."]
+    for p in sm.get("problems", []):
+        out += ["", f"**Problem:** {p}"]
+    out += ["", "Storage ops: every call of the rank's `Storage` (bench/opcount.py: files created, renames, mkdirs, "
+                "listings, stats/exists, syncs (a durable file counts as one), removes, reads). Bytes: what the rank "
+                "puts into each collective (the pickled object, a tensor's bytes), summed over the save."]
+    return out
+
+
+def scale_plot(res: dict[str, Any], path: str) -> None:
+    """Log-log: coordinator CPU per save, bytes moved per save, bytes read for .metadata per resume, against N."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = [c for c in res.get("cells", []) if not c.get("error")]
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5))
+    styles = {"dcp": ("tab:gray", "o"), "dcp_cached": ("tab:brown", "s"), "dcp_nocoord": ("tab:green", "^"),
+              "rc_full": ("tab:purple", "v"), "rc": ("tab:blue", "D")}
+    titles = {"dcp": "DCP default", "dcp_cached": "DCP plan caching", "dcp_nocoord": "DCP use_collectives=False",
+              "rc_full": "roll-ckpt full save", "rc": f"roll-ckpt unchanged ({res.get('rc_source', 'modelled')})"}
+    for p, ls in zip(sorted({c["params"] for c in cells}), ("-", "--", ":")):
+        rows = sorted((c for c in cells if c["params"] == p), key=lambda c: c["ranks"])
+        for meth, (colour, mk) in styles.items():
+            pts = [(c["ranks"], c["methods"][meth]) for c in rows if meth in c["methods"]]
+            if not pts:
+                continue
+            xs = [n for n, _ in pts]
+            axes[0].plot(xs, [max(r["coordinator_cpu_s"], 1e-6) for _, r in pts], ls, marker=mk, color=colour,
+                         label=f"{titles[meth]}, P={p}")
+            if any(r["collective_total"] > 0 for _, r in pts):  # use_collectives=False: a barrier, 0 B
+                axes[1].plot(xs, [max(r["collective_total"], 1) for _, r in pts], ls, marker=mk, color=colour,
+                             label=f"{titles[meth]}, P={p}")
+        for key, colour, mk, name in (("dcp", "tab:gray", "o", "dcp.load"), ("rc_today", "tab:red", "x",
+                                                                               "roll-ckpt before issue 20"),
+                                      ("rc", "tab:blue", "D", "roll-ckpt"),
+                                      ("dcp_nocoord", "tab:green", "^", "use_collectives=False")):
+            pts = [(c["ranks"], (c.get("resume") or {}).get("read_all_ranks", {}).get(key)) for c in rows]
+            pts = [(n, v) for n, v in pts if v]
+            if pts:
+                axes[2].plot([n for n, _ in pts], [v for _, v in pts], ls, marker=mk, color=colour,
+                             label=f"{name}, P={p}")
+    axes[1].text(0.02, 0.02, "DCP use_collectives=False: 0 B (a barrier; no resharding)", transform=axes[1].transAxes,
+                 fontsize=7, color="tab:green")
+    for ax, yl, t in ((axes[0], "coordinator CPU s per save", "coordinator CPU per save"),
+                      (axes[1], "bytes through collectives per save (all ranks)", "bytes moved per save"),
+                      (axes[2], "bytes read for .metadata per resume (all ranks)", "resume: .metadata reads")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("N ranks (simulated)")
+        ax.set_ylabel(yl)
+        ax.set_title(t, fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=6, loc="upper left", framealpha=0.6)
+    fig.suptitle(f"roll-ckpt vs DCP at scale ({res['mode']}); torch {res.get('machine', {}).get('torch')}",
+                 fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
