@@ -69,3 +69,25 @@ def test_chunk_validation_is_linear_for_fsdp2_shards_of_wide_tensors() -> None:
 def test_planner_data_merge_is_the_chainmap() -> None:
     plans = [SimpleNamespace(planner_data={"a": (r,), f"per_rank.{r}.x": ("per_rank", str(r), "x")}) for r in range(50)]
     assert merge_planner_data(plans) == dict(ChainMap(*[p.planner_data for p in plans]))
+
+
+def test_small_replicated_values_go_to_the_lowest_rank_and_large_ones_are_spread() -> None:
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+    from roll_ckpt.global_plan import SMALL_REPLICATED, dedup_plans
+
+    def item(fqn: str, n: int) -> WriteItem:
+        props = TensorProperties(dtype=torch.uint8)
+        data = TensorWriteData(ChunkStorageMetadata(torch.Size([0]), torch.Size([n])), props, torch.Size([n]))
+        return WriteItem(MetadataIndex(fqn, torch.Size([0])), WriteItemType.TENSOR, tensor_data=data)
+
+    ranks = 8
+    big = [item(f"w{k}", SMALL_REPLICATED * 4) for k in range(ranks)]
+    plans = [SavePlan([item(f"own{r}", 10), *(item(f"step{k}", 8) for k in range(20)), *big]) for r in range(ranks)]
+    out = dedup_plans(plans)
+    names = [[i.index.fqn for i in p.items] for p in out]
+    assert all(f"step{k}" in names[0] for k in range(20))  # every small one on rank 0
+    assert not any(n.startswith("step") for r in range(1, ranks) for n in names[r])
+    assert all(f"own{r}" in names[r] for r in range(ranks))
+    assert sorted(sum(n.startswith("w") for n in ns) for ns in names) == [1] * ranks  # spread: one each

@@ -161,15 +161,15 @@ class ReusingSavePlanner(DefaultSavePlanner):
         return find_state_dict_object(self._values, index)
 
     def _create_global_plan(self, all_plans: list[Any]) -> tuple[list[Any], Metadata]:
-        """DCP's global plan, with its planner-data merge and its chunk validation in linear
-        time (:mod:`roll_ckpt.global_plan`)."""
+        """DCP's global plan, with small replicated values in the lowest process's file and
+        the planner-data merge and chunk validation in linear time (:mod:`roll_ckpt.global_plan`)."""
         import dataclasses
 
         from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
 
-        from .global_plan import chunk_errors, merge_planner_data
+        from .global_plan import chunk_errors, dedup_plans, merge_planner_data
 
-        global_plan, metadata = create_default_global_save_plan(self._dedup_save_plans(all_plans))
+        global_plan, metadata = create_default_global_save_plan(dedup_plans(all_plans))
         if self.flatten_state_dict:
             metadata = dataclasses.replace(metadata, planner_data=merge_planner_data(global_plan))
         errors = chunk_errors(metadata, len(global_plan) > 1)

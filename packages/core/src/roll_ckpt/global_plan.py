@@ -20,7 +20,39 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["merge_planner_data", "chunk_errors"]
+__all__ = ["dedup_plans", "merge_planner_data", "chunk_errors", "SMALL_REPLICATED"]
+
+
+SMALL_REPLICATED = 64 << 10
+"""A value every process holds alike up to this size (AdamW's ``step``, the optimizer's
+param groups) is written by the lowest process that holds it."""
+
+
+def dedup_plans(plans: list[Any]) -> list[Any]:
+    """Each value several processes hold, written by one of them (DCP's dedup otherwise).
+
+    DCP gives each such value to the process with the least planned so far, which spreads
+    the small ones (a step counter per parameter) over every process's file: each process
+    then opens every other's file on resume, N² opens for the job. Here the small ones go to
+    the lowest process holding them (one extra file per process), the large ones (the
+    replicated weights of a plain or DDP module) are spread by size as DCP does."""
+    import dataclasses
+
+    holders: dict[Any, list[int]] = {}
+    items: dict[Any, Any] = {}
+    for r, plan in enumerate(plans):
+        for item in plan.items:
+            holders.setdefault(item.index, []).append(r)
+            items[item.index] = item
+    planned = [0] * len(plans)
+    keep: dict[Any, int] = {}
+    for index, ranks in holders.items():
+        size = items[index].tensor_storage_size() or 1
+        chosen = ranks[0] if len(ranks) == 1 or size <= SMALL_REPLICATED else min(ranks, key=lambda r: planned[r])
+        planned[chosen] += size
+        keep[index] = chosen
+    return [dataclasses.replace(plan, items=[i for i in plan.items if keep[i.index] == r])
+            for r, plan in enumerate(plans)]
 
 
 def merge_planner_data(plans: list[Any]) -> dict[str, Any]:
