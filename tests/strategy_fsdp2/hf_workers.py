@@ -2,7 +2,8 @@
 
 ``python -m torch.distributed.run --standalone --nproc_per_node N hf_workers.py hf_roundtrip OUT NAME=FOLDER...``
 
-For each ``save_pretrained`` folder: a LlamaForCausalLM built from its config with other
+For each ``save_pretrained`` folder: a model (Llama, or an MoE whose experts transformers
+fuses and the folder holds one tensor each) built from its config with other
 weights (for a ``NAME`` starting with ``refused``: from the config of the first folder, so
 that the folder does not fit; each rank writes the error it raised), sharded with FSDP2 (each decoder layer, then the root; CPU offload), gets the
 folder's weights through ``checkpoint_config.initial_load`` (``resume`` returns 0), is
@@ -34,12 +35,12 @@ def tokens(seed: int) -> torch.Tensor:
 
 
 def roundtrip(out: str, name: str, folder: str, config_folder: str) -> None:
-    from transformers import AutoConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from roll_ckpt.errors import RollCkptError
 
     torch.manual_seed(123)  # not the folder's weights
-    model = LlamaForCausalLM(AutoConfig.from_pretrained(config_folder))
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_folder))  # Llama, or an MoE
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     offload = CPUOffloadPolicy(pin_memory=False)
     for layer in model.model.layers:
