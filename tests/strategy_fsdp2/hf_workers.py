@@ -7,7 +7,7 @@ fuses and the folder holds one tensor each) built from its config with other
 weights (for a ``NAME`` starting with ``refused``: from the config of the first folder, so
 that the folder does not fit; each rank writes the error it raised), sharded with FSDP2 (each decoder layer, then the root; CPU offload), gets the
 folder's weights through ``checkpoint_config.initial_load`` (``resume`` returns 0), is
-trained 3 steps, saved, and run once more. Each rank writes what it read; rank 0 writes
+trained 3 steps, saved (with the Hugging Face files in the checkpoint: hf_weights), and run once more. Each rank writes what it read; rank 0 writes
 the parameters after the initial load, the trained parameters and the logits.
 """
 
@@ -50,7 +50,8 @@ def roundtrip(out: str, name: str, folder: str, config_folder: str) -> None:
     state = {"model": model, "optimizer": opt}
     cfg = load_config({"checkpoint_config": {"output_dir": os.path.join(out, f"ckpt-{name}"),
                                              "timestamp_subdir": False,
-                                             "initial_load": {"path": folder, "format": "hf"}}})
+                                             "initial_load": {"path": folder, "format": "hf"},
+                                             "hf_weights": {"max_shard_size": "20KB"}}})
     manager = CheckpointManager.from_config(cfg, quiet=True)
     rank = dist.get_rank()
     if name.startswith("refused"):

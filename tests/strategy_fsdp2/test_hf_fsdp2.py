@@ -53,6 +53,13 @@ def test_initial_load_train_and_export_on_two_ranks(tmp_path: Path) -> None:
         assert all(r["bytes_read"] < 0.6 * total for r in ranks), ranks
         assert not all(torch.equal(got["trained"][k], expected[k]) for k in expected)  # it trained
 
+        # the checkpoint's own Hugging Face files (hf_weights), written by the coordinator from the
+        # dcp/ shards of both ranks: transformers opens the checkpoint folder itself
+        inside = from_pretrained(Path(ranks[0]["checkpoint"]))
+        assert torch.equal(logits(inside), got["logits"]), name
+        assert json.loads((Path(ranks[0]["checkpoint"]) / "manifest.json").read_text())["extra"]["hf"]["status"] \
+            == "written"
+
         # the 2-rank checkpoint exported by one process, read back by transformers
         out = tmp_path / f"export-{name}"
         rc = main(["--quiet", "export", ranks[0]["checkpoint"], "--format", "hf", "--out", str(out),

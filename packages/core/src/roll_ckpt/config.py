@@ -128,7 +128,8 @@ class CheckpointConfig:
     local: LocalTierConfig | None = None
     """The fast recovery tier (node-local checkpoints and peer replicas); ``None``: off."""
     hf_weights: HFWeightsConfig | None = None
-    """The model as a Hugging Face folder (``hf/``) in every checkpoint, written off the loop."""
+    """The model as Hugging Face files in every checkpoint (beside ``dcp/``, as ROLL writes them),
+    written off the loop (:mod:`roll_ckpt.hf_in_checkpoint`); ``true`` or a mapping."""
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,7 @@ class StrategyConfig:
     """The most regular staging holds at once (``2GiB``, ``512MB`` or bytes); 0: no bound. An
     asynchronous save then stages in waves and returns once the last is staged."""
     save_only_model: bool = False
-    """ROLL's key: checkpoints hold the model's weights (and ``hf/``) and the trainer state
+    """ROLL's key: checkpoints hold the model's weights (``dcp/`` and the HF files) and the trainer state
     only; a resume loads the weights and starts the optimizer afresh (with a warning)."""
     extra: Mapping[str, Any] = field(default_factory=dict)
 

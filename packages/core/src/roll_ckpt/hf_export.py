@@ -7,7 +7,7 @@
     DIR/config.json, generation_config.json,   copied from ``hf_config`` when given
         tokenizer files
 
-With the model's ``config.json`` (``hf_config``, or the checkpoint's own ``hf/config.json``)
+With the model's ``config.json`` (``hf_config``, or the checkpoint's own ``config.json``)
 the folder is what ``save_pretrained`` writes for that model (:mod:`roll_ckpt.hub_layout`,
 by transformers' own rules): the hub's names (an MoE layer's fused experts written one
 tensor per expert), tied weights once, the same shards, ``total_parameters`` in the index.
@@ -307,7 +307,7 @@ def export_hf(path: str, out: str | os.PathLike[str], *, component: str | None =
 
 def _model_config(configs: list[str], storage: Any, target: str) -> Any:
     """The transformers config the hub's layout is taken from: ``--hf-config``'s
-    ``config.json``, else the checkpoint's own ``hf/config.json``; ``None`` (names kept as
+    ``config.json``, else the checkpoint's own ``config.json``; ``None`` (names kept as
     saved) when there is neither, or transformers is not installed."""
     import tempfile
 
@@ -318,9 +318,7 @@ def _model_config(configs: list[str], storage: Any, target: str) -> Any:
     src = next((f for f in configs if os.path.basename(f) == "config.json"), None)
     if src is not None:
         return AutoConfig.from_pretrained(os.path.dirname(src))
-    from .hf_weights_config import HF_DIR
-
-    own = storage.join(target, HF_DIR, "config.json")
+    own = storage.join(target, "config.json")  # the checkpoint's own Hugging Face files (hf_weights)
     if not storage.exists(own):
         return None
     with tempfile.TemporaryDirectory() as tmp, storage.open_read(own) as f:

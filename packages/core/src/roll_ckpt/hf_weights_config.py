@@ -1,4 +1,4 @@
-"""``checkpoint_config.hf_weights``: the model as a Hugging Face folder inside every checkpoint
+"""``checkpoint_config.hf_weights``: the model as Hugging Face files inside every checkpoint
 (see :mod:`roll_ckpt.hf_in_checkpoint`), and ``save_only_model``.
 
 ::
@@ -20,10 +20,7 @@ from typing import Any, Mapping
 from .config_values import expect, field_names, location, reject_unknown, string
 from .errors import ConfigError
 
-__all__ = ["HFWeightsConfig", "parse_hf_weights", "HF_DIR"]
-
-HF_DIR = "hf"
-"""The checkpoint's Hugging Face folder (``checkpoint-<step>/hf/``)."""
+__all__ = ["HFWeightsConfig", "parse_hf_weights"]
 
 _DTYPES = ("bfloat16", "float16", "float32")
 
