@@ -68,6 +68,7 @@ def test_every_checkpoint_carries_what_save_pretrained_writes(tmp_path: Path, fa
     assert AutoTokenizer.from_pretrained(str(folder))("hello world")["input_ids"] == [1, 2]
     assert main(["verify", path]) == 0 and "Hugging Face files" in capsys.readouterr().out
     assert main(["ls", str(tmp_path / "ckpt")]) == 0 and "written" in capsys.readouterr().out
+    assert main(["inspect", path]) == 0 and f"hf files     written ({len(hf_names)} files" in capsys.readouterr().out
 
 
 def test_a_resume_reads_dcp_as_always(tmp_path: Path) -> None:
