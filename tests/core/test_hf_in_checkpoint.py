@@ -169,3 +169,18 @@ def test_hf_files_without_hf_weights_is_an_error(tmp_path: Path) -> None:
     cfg = load_config({"checkpoint_config": {"output_dir": str(tmp_path)}})
     with CheckpointManager(cfg, quiet=True) as manager, pytest.raises(RollCkptError, match="hf_weights"):
         manager.hf_files(_tokenizer())
+
+
+def test_with_components_the_part_holding_the_model_carries_them(tmp_path: Path) -> None:
+    from roll_ckpt import DriverState, new_run_name
+
+    cfg = load_config({"checkpoint_config": {"output_dir": str(tmp_path), "run_name": new_run_name(),
+                                             "components": ["actor_train", "pipeline"], "hf_weights": True}})
+    model = tiny_llama()
+    with CheckpointManager(cfg, component="actor_train", quiet=True) as actor, \
+            CheckpointManager(cfg, component="pipeline", quiet=True) as pipeline:
+        part = actor.save(1, {"model": model}, final=True)
+        driver = pipeline.save(1, {"driver": DriverState(step=1)}, final=True)
+    assert _manifest(part)["extra"]["hf"]["status"] == "written"
+    assert torch.equal(logits(from_pretrained(Path(part))), logits(model))
+    assert "hf" not in _manifest(driver)["extra"]                         # the driver holds no model

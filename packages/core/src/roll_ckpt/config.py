@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 from .config_values import (choice, count, expect, nice, field_names, location, options as options_map, reject_unknown, seconds,
                             staging_budget, string)
-from .config_file import HYDRA_HINT, read_config_file, read_yaml
+from .config_file import read_config_file, read_yaml
 from .errors import ConfigError
 from .interpolation import interpolate, key_path
 from .layout import RUN_RE
@@ -250,9 +250,11 @@ def read_source(source: Any) -> dict[str, Any]:
     for k in raw:
         if not isinstance(k, str):
             raise ConfigError(key_path("", k), "top-level keys must be strings", k)
-    if isinstance(raw.get("defaults"), list):
+    if isinstance(raw.get("defaults"), list):  # a mapping (a file's is composed by read_config_file)
         raise ConfigError("defaults", "is a Hydra defaults list: roll-ckpt reads one composed config, not the "
-                          "files it lists", None, HYDRA_HINT)
+                          "files it lists", None, "compose it with Hydra first: pass the DictConfig your @hydra.main "
+                          "function gets (or hydra.compose(...)), or the path of the file (composed with the "
+                          "hydra extra)")
     return raw
 
 

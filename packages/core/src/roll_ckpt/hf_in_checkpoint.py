@@ -21,6 +21,9 @@ shard's tensors at a time (:mod:`roll_ckpt.hf_writer`, in the hub's layout of
 lists them in its manifest; the commit then publishes both at once. No collective, no
 gather, no full copy of the model on any rank.
 
+A process whose state holds no ``state[key]`` (a driver component saving ``DriverState``)
+writes none.
+
 **A failed HF part** (a model transformers cannot convert, a config that cannot be written,
 an error while writing): the training state is what a resume needs, so the checkpoint is
 still committed, without the HF files (those written are removed), and its manifest says

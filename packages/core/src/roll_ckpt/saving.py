@@ -332,7 +332,7 @@ class SavePipeline:
         extra: dict[str, Any] = {"strategy": strategy.name}
         if job.config.strategy_config.save_only_model:
             extra["save_only_model"] = self.hf.config.key  # type: ignore[union-attr]
-        if self.hf is not None:  # read back from the dcp/ files just written (see hf_in_checkpoint)
+        if self.hf is not None and module is not None:  # from the dcp/ files just written (hf_in_checkpoint)
             hf_files, extra["hf"] = self.hf.write(storage, pending.write_path, module,
                                                   storage.join(pending.write_path, strategy.data_dir))
             files.update(hf_files)
