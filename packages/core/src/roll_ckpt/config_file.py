@@ -76,7 +76,8 @@ def compose_with_hydra(path: Path) -> dict[str, Any]:
     try:
         with initialize_config_dir(config_dir=folder, version_base=None):
             composed = compose(config_name=path.stem)
-    except (HydraException, OmegaConfBaseException) as exc:
+    except (HydraException, OmegaConfBaseException, ValueError, TypeError, KeyError, OSError) as exc:
+        # (Hydra reports a malformed defaults list with plain ValueErrors as well as its own)
         first = (str(exc).splitlines() or [type(exc).__name__])[0]
         raise ConfigError("defaults", f"Hydra cannot compose {path}: {first}", None,
                           "fix the defaults list (each entry names a file relative to the config's folder)") from None
