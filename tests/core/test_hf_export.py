@@ -15,7 +15,7 @@ import torch
 from roll_ckpt import CheckpointManager, DriverState, export_hf, load_config, new_run_name
 from roll_ckpt.errors import CheckpointNotFoundError, RollCkptError
 
-from ._hf_helpers import from_pretrained, logits, tiny_llama, train, train_and_save
+from ._hf_helpers import assert_same_as_save_pretrained, from_pretrained, logits, tiny_llama, train, train_and_save
 from .test_cli import assert_one_line_error, run_cli
 
 pytest.importorskip("transformers")
@@ -29,24 +29,14 @@ def trained(tmp_path: Path):
     return train_and_save(tmp_path / "ckpt")
 
 
-def _check_sharded(folder: Path, model: torch.nn.Module) -> list[str]:
-    """The folder is a sharded Hugging Face folder of ``model``'s state dict; its shard names."""
-    from safetensors import safe_open
-
-    index = json.loads((folder / "model.safetensors.index.json").read_text())
+def _check_sharded(folder: Path, model: torch.nn.Module, tmp: Path, max_shard_size: str = "20KB") -> list[str]:
+    """The folder is a sharded Hugging Face folder of ``model``, exactly as ``save_pretrained``
+    writes it (a tied model's ``lm_head.weight`` once, under the embeddings' name); its shards."""
+    index = assert_same_as_save_pretrained(folder, model, max_shard_size, tmp)
     shards = sorted(p.name for p in folder.glob("*.safetensors"))
-    assert len(shards) > 1 and all(SHARD_RE.fullmatch(s) for s in shards), shards
+    assert index is not None and len(shards) > 1 and all(SHARD_RE.fullmatch(s) for s in shards), shards
     assert {int(SHARD_RE.fullmatch(s).group(2)) for s in shards} == {len(shards)}
-    assert set(index["weight_map"].values()) == set(shards)
-    expected = model.state_dict()
-    assert set(index["weight_map"]) == set(expected)
-    total = 0
-    for shard in shards:
-        with safe_open(str(folder / shard), framework="pt") as f:
-            assert f.metadata() == {"format": "pt"}
-            assert {k for k, v in index["weight_map"].items() if v == shard} == set(f.keys())
-            total += sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
-    assert index["metadata"]["total_size"] == total == sum(t.numel() * t.element_size() for t in expected.values())
+    assert index["metadata"]["total_parameters"] == model.num_parameters()
     return shards
 
 
@@ -61,7 +51,7 @@ def test_float32_export_gives_the_trained_models_logits_exactly(capsys, tmp_path
     rc, stdout, err = run_cli(capsys, "export", str(ckpt), "--format", "hf", "--out", str(out),
                               "--max-shard-size", "20KB", "--hf-config", str(config_dir))
     assert rc == 0, err
-    shards = _check_sharded(out, model)
+    shards = _check_sharded(out, model, tmp_path)
     assert f"({len(shards)} shards)" in stdout and "float32" in stdout
     assert {"config.json", "tokenizer_config.json"} <= set(os.listdir(out)) and "notes.md" not in os.listdir(out)
     assert json.loads((out / "config.json").read_text()) == json.loads((config_dir / "config.json").read_text())

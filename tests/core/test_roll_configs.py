@@ -16,6 +16,7 @@ override (``resume_from_checkpoint=true``), applied here with ``OmegaConf.from_d
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
@@ -159,21 +160,20 @@ def test_rlvr_save_and_resume_cycle(job_dir: Path) -> None:
 @pytest.mark.filterwarnings("ignore:In 'agentic_fsdp2'. Defaults list is missing `_self_`")  # as in ROLL's files
 def test_agentic_keys_mean_what_roll_means(job_dir: Path, monkeypatch, caplog) -> None:
     caplog.set_level(logging.INFO, logger="roll_ckpt")
-    with pytest.raises(ConfigError) as info:                          # the file alone lists others
-        load_config(AGENTIC / "agentic_fsdp2.yaml")
-    assert info.value.key == "defaults" and "compose it with Hydra first" in str(info.value)
-
     monkeypatch.setenv("ROLL_CKPT_RUN_NAME", "20250101-000000")
     cfg = load_config(composed())
+    assert load_config(AGENTIC / "agentic_fsdp2.yaml") == cfg         # the file itself: composed by Hydra too
     cc = cfg.checkpoint_config
     assert cc.max_ckpt_to_keep == 3                                   # set alike in both places
     assert cc.components == ("actor_train", "pipeline") and cc.run_name == "20250101-000000"
     assert cc.backup is not None and cc.backup.keep_local == 1       # keep_local_file: false
     assert cfg.resume_target == "latest"
-    assert not cfg.async_save and cfg.offload_backend == "local"     # no top-level strategy_config
+    assert cfg.defaults == "roll" and cfg.offload_backend == "local"  # no top-level strategy_config
+    assert cfg.async_save and cfg.checkpoint_config.async_upload      # ROLL's default async_upload: true
+    assert not cfg.strategy_config.async_save_ckpt
     actor, pipeline = cfg.for_component("actor_train"), cfg.for_component("pipeline")
-    assert (actor.async_save, actor.offload_backend) == (True, "local_dedup")   # the worker's own
-    assert (pipeline.async_save, pipeline.offload_backend) == (False, "local")
+    assert (actor.strategy_config.async_save_ckpt, actor.offload_backend) == (True, "local_dedup")  # the worker's own
+    assert (pipeline.async_save, pipeline.offload_backend) == (True, "local")
     assert not no_effect_lines(caplog)
 
     env = cfg.extra["custom_envs"]["FrozenLake"]                      # from the defaults list, resolved
@@ -202,7 +202,7 @@ def test_agentic_save_and_resume_cycle_with_two_components(job_dir: Path, monkey
             if actor.maybe_save(step, state) is not None:
                 assert actor.wait().is_async                           # the actor's own async_save_ckpt
                 pipeline.maybe_save(step, {"driver": driver})
-                assert not pipeline.last_save.is_async
+                assert pipeline.wait().is_async                        # ROLL's async_upload: true
         expected, expected_driver = state_snapshot(state), dict(driver)
     finally:
         actor.close()
@@ -232,8 +232,10 @@ def test_sft_names_and_paths_from_the_environment(job_dir: Path, monkeypatch, ca
     cfg = load_config(SFT)                                            # the defaults of ${oc.env:VAR,default}
     assert cfg.exp_name == "qwen3-sft-smoke" and cfg.output_dir == "./output/qwen3-sft-smoke"
     assert cfg.checkpoint_config.output_dir == "./output/qwen3-sft-smoke/checkpoints/qwen3-sft-smoke"
-    assert (cfg.save_steps, cfg.checkpoint_config.max_ckpt_to_keep, cfg.async_save) == (1, 0, False)
-    assert cfg.for_component("sft_train") == cfg                     # nothing of ours in its strategy_config
+    assert (cfg.save_steps, cfg.checkpoint_config.max_ckpt_to_keep, cfg.async_save) == (1, 0, True)  # ROLL's async_upload
+    worker = cfg.for_component("sft_train")                           # its strategy_config's save_only_model: true
+    assert worker.strategy_config.save_only_model and not cfg.strategy_config.save_only_model
+    assert dataclasses.replace(worker, strategy_config=cfg.strategy_config) == cfg  # nothing else of ours there
     assert cfg.extra["pretrain"] == "/models/qwen3"
     assert cfg.extra["sft_train"] == resolved_sections(SFT)["sft_train"]
     assert not no_effect_lines(caplog)
@@ -256,7 +258,7 @@ def test_sft_save_and_resume_cycle(job_dir: Path) -> None:
         for step in range(1, 6):                                      # stopped after step 5
             train(state, step)
             manager.maybe_save(step, state)
-            assert not manager.last_save.is_async
+            assert manager.wait().is_async                             # ROLL's default async_upload: true
         expected = state_snapshot(state)
         assert committed_steps(manager) == [1, 2, 3, 4, 5]           # max_ckpt_to_keep 0: all kept
     finally:
@@ -276,8 +278,8 @@ def test_dpo_explicit_resume_path_and_async_worker(job_dir: Path, caplog) -> Non
     cc = cfg.checkpoint_config
     assert (cc.output_dir, cc.timestamp_subdir, cc.max_ckpt_to_keep) == ("./ckpt/qwen3-4B-dpo-config", False, 2)
     assert cfg.resume_target == "./ckpt/qwen3-4B-dpo-config/checkpoint-250"
-    assert not cfg.async_save and cfg.for_component("actor_train").async_save
-    assert not cfg.for_component("reference").async_save
+    assert cfg.async_save and cfg.for_component("actor_train").strategy_config.async_save_ckpt  # ROLL's async_upload
+    assert not cfg.for_component("reference").strategy_config.async_save_ckpt
     assert cfg.extra["track_name"] == "None" and cfg.extra["reference"] == resolved_sections(DPO)["reference"]
     assert not no_effect_lines(caplog)
 

@@ -167,7 +167,7 @@ def test_a_worker_strategy_config_wins_for_its_component() -> None:
         "actor_train": _worker({"fsdp_size": 2, "async_save_ckpt": False, "offload_backend": "local_dedup"}),
         "critic": _worker({"fsdp_size": 1}),
         "reference": _worker(None),                               # ROLL writes strategy_config: ~
-    })
+    }, defaults="roll-ckpt")                                      # (ROLL's would make async_upload true)
     actor = cfg.for_component("actor_train")
     assert (actor.async_save, actor.offload_backend) == (False, "local_dedup")
     assert actor.strategy_config.strategy_name is None          # ROLL's strategy_name is not ours
@@ -197,7 +197,7 @@ def test_a_manager_for_a_component_reads_its_worker_section(tmp_path) -> None:
         "checkpoint_config": {"output_dir": str(tmp_path), "components": ["actor_train", "pipeline"],
                               "run_name": "20250101-000000"},
         "actor_train": _worker({"async_save_ckpt": True}),
-    })
+    }, defaults="roll-ckpt")                                      # (ROLL's would make every part async)
     actor = CheckpointManager(cfg, component="actor_train", quiet=True)
     pipeline = CheckpointManager(cfg, component="pipeline", quiet=True)
     try:

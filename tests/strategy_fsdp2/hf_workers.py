@@ -2,11 +2,12 @@
 
 ``python -m torch.distributed.run --standalone --nproc_per_node N hf_workers.py hf_roundtrip OUT NAME=FOLDER...``
 
-For each ``save_pretrained`` folder: a LlamaForCausalLM built from its config with other
+For each ``save_pretrained`` folder: a model (Llama, or an MoE whose experts transformers
+fuses and the folder holds one tensor each) built from its config with other
 weights (for a ``NAME`` starting with ``refused``: from the config of the first folder, so
 that the folder does not fit; each rank writes the error it raised), sharded with FSDP2 (each decoder layer, then the root; CPU offload), gets the
 folder's weights through ``checkpoint_config.initial_load`` (``resume`` returns 0), is
-trained 3 steps, saved, and run once more. Each rank writes what it read; rank 0 writes
+trained 3 steps, saved (with the Hugging Face files in the checkpoint: hf_weights), and run once more. Each rank writes what it read; rank 0 writes
 the parameters after the initial load, the trained parameters and the logits.
 """
 
@@ -34,12 +35,12 @@ def tokens(seed: int) -> torch.Tensor:
 
 
 def roundtrip(out: str, name: str, folder: str, config_folder: str) -> None:
-    from transformers import AutoConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from roll_ckpt.errors import RollCkptError
 
     torch.manual_seed(123)  # not the folder's weights
-    model = LlamaForCausalLM(AutoConfig.from_pretrained(config_folder))
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_folder))  # Llama, or an MoE
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     offload = CPUOffloadPolicy(pin_memory=False)
     for layer in model.model.layers:
@@ -49,7 +50,8 @@ def roundtrip(out: str, name: str, folder: str, config_folder: str) -> None:
     state = {"model": model, "optimizer": opt}
     cfg = load_config({"checkpoint_config": {"output_dir": os.path.join(out, f"ckpt-{name}"),
                                              "timestamp_subdir": False,
-                                             "initial_load": {"path": folder, "format": "hf"}}})
+                                             "initial_load": {"path": folder, "format": "hf"},
+                                             "hf_weights": {"max_shard_size": "20KB"}}})
     manager = CheckpointManager.from_config(cfg, quiet=True)
     rank = dist.get_rank()
     if name.startswith("refused"):

@@ -1,4 +1,5 @@
-"""Hugging Face folders and FSDP2 on 2 gloo ranks: a ``save_pretrained`` folder loaded
+"""Hugging Face folders and FSDP2 on 2 gloo ranks: a ``save_pretrained`` folder (dense, or MoE
+in the hub's layout) loaded
 through ``initial_load`` (each rank reading its slices), trained, saved, and exported in
 one process with ``--format hf`` for transformers' ``from_pretrained``."""
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from core._hf_helpers import from_pretrained, logits, tiny_llama
+from core._hf_helpers import from_pretrained, logits, tiny_llama, tiny_moe
 from roll_ckpt.cli import main
 from test_fsdp2 import torchrun
 
@@ -25,6 +26,10 @@ def test_initial_load_train_and_export_on_two_ranks(tmp_path: Path) -> None:
         sources[name] = tiny_llama(tied=tied, seed=0)
         sources[name].save_pretrained(tmp_path / f"hf-{name}", max_shard_size="20KB")
         folders.append(f"{name}={tmp_path / f'hf-{name}'}")
+    for family in ("qwen2_moe", "mixtral"):                  # the hub's layout: one tensor per expert
+        sources[family] = tiny_moe(family, seed=0)
+        sources[family].save_pretrained(tmp_path / f"hf-{family}", max_shard_size="20KB")
+        folders.append(f"{family}={tmp_path / f'hf-{family}'}")
     tiny_llama(intermediate_size=48).save_pretrained(tmp_path / "hf-narrow", max_shard_size="20KB")
     folders.append(f"refused={tmp_path / 'hf-narrow'}")  # loaded into the untied model's configuration
     torchrun(2, "hf_roundtrip", str(tmp_path), *folders, timeout=360, workers=WORKERS)
@@ -47,6 +52,13 @@ def test_initial_load_train_and_export_on_two_ranks(tmp_path: Path) -> None:
         assert sum(r["bytes_read"] for r in ranks) == total
         assert all(r["bytes_read"] < 0.6 * total for r in ranks), ranks
         assert not all(torch.equal(got["trained"][k], expected[k]) for k in expected)  # it trained
+
+        # the checkpoint's own Hugging Face files (hf_weights), written by the coordinator from the
+        # dcp/ shards of both ranks: transformers opens the checkpoint folder itself
+        inside = from_pretrained(Path(ranks[0]["checkpoint"]))
+        assert torch.equal(logits(inside), got["logits"]), name
+        assert json.loads((Path(ranks[0]["checkpoint"]) / "manifest.json").read_text())["extra"]["hf"]["status"] \
+            == "written"
 
         # the 2-rank checkpoint exported by one process, read back by transformers
         out = tmp_path / f"export-{name}"

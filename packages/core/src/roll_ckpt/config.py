@@ -20,16 +20,19 @@ from typing import Any, Mapping
 
 from .config_values import (choice, count, expect, nice, field_names, location, options as options_map, reject_unknown, seconds,
                             staging_budget, string)
+from .config_file import read_config_file, read_yaml
 from .errors import ConfigError
 from .interpolation import interpolate, key_path
 from .layout import RUN_RE
+from .hf_weights_config import HFWeightsConfig, parse_hf_weights
 from .initial_load import InitialLoadConfig, parse_initial_load
 from .local_config import LocalTierConfig, parse_local
 from .preemption import PreemptionConfig, parse_preemption
+from .roll_defaults import ROLL, apply_roll_defaults, recognize
 from .roll_keys import keep_local_file, log_keys_without_effect, max_ckpt_to_keep, worker_overrides
 
 __all__ = ["Config", "CheckpointConfig", "BackupConfig", "InitialLoadConfig", "LocalTierConfig", "PreemptionConfig",
-           "StrategyConfig", "load_config", "read_yaml"]
+           "StrategyConfig", "load_config", "read_yaml"]  # read_yaml: config_file's, kept importable from here
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,9 @@ class CheckpointConfig:
     Checked as a resume is: missing and unexpected names, shapes; dtypes are converted."""
     local: LocalTierConfig | None = None
     """The fast recovery tier (node-local checkpoints and peer replicas); ``None``: off."""
+    hf_weights: HFWeightsConfig | None = None
+    """The model as Hugging Face files in every checkpoint (beside ``dcp/``, as ROLL writes them),
+    written off the loop (:mod:`roll_ckpt.hf_in_checkpoint`); ``true`` or a mapping."""
 
 
 @dataclass(frozen=True)
@@ -140,6 +146,9 @@ class StrategyConfig:
     max_staging_bytes: int = 0
     """The most regular staging holds at once (``2GiB``, ``512MB`` or bytes); 0: no bound. An
     asynchronous save then stages in waves and returns once the last is staged."""
+    save_only_model: bool = False
+    """ROLL's key: checkpoints hold the model's weights (``dcp/`` and the HF files) and the trainer state
+    only; a resume loads the weights and starts the optimizer afresh (with a warning)."""
     extra: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -162,6 +171,10 @@ class Config:
     also an attribute (``config.<key>``)."""
     extra: Mapping[str, Any] = field(default_factory=dict)
     """Every other top-level key of the file, interpolated but not interpreted."""
+    defaults: str = "roll-ckpt"
+    """Whose defaults filled the unset keys: ``roll`` (a ROLL pipeline config) or ``roll-ckpt``."""
+    roll_defaults: Mapping[str, str] = field(default_factory=dict)
+    """The keys that took ROLL's default, with where ROLL sets it (:mod:`roll_ckpt.roll_defaults`)."""
 
     def __getattr__(self, name: str) -> Any:
         options = self.__dict__.get("options") or {}
@@ -185,7 +198,7 @@ class Config:
         A config without that section is returned unchanged.
         """
         strategy, opts = worker_overrides(self.extra, name, self.strategy_config, self.options,
-                                          _plugin_keys(plugins))
+                                          _plugin_keys(plugins), roll=self.defaults == ROLL)
         return dataclasses.replace(self, strategy_config=strategy, options=opts)
 
     @property
@@ -201,63 +214,51 @@ class Config:
 
 # --------------------------------------------------------------------------- loading
 
-def read_yaml(path: Path) -> dict[str, Any]:
-    """The mapping a YAML config file holds, or a ConfigError saying why it cannot be read."""
-    import yaml
+def load_config(source: str | os.PathLike[str] | Mapping[str, Any], *, plugins: Any = None,
+                defaults: str | None = None) -> Config:
+    """Read (a YAML path; a Hydra ``defaults:`` list composed by Hydra, :mod:`roll_ckpt.config_file`)
+    or take (a mapping, an OmegaConf ``DictConfig`` as Hydra composes it), interpolate and
+    validate a config.
 
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError("<file>", f"config file {path} does not exist", None,
-                          "a readable YAML file; see examples/") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError("<file>", f"config file {path} cannot be read: {exc}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError("<file>", f"config file {path} is not valid YAML: {exc}".replace("\n", " ")) from None
-    except RecursionError:
-        raise ConfigError("<file>", f"config file {path} is nested too deeply") from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError("<file>", f"config file {path} must hold a mapping at top level",
-                          type(data).__name__)
-    return data
-
-
-def load_config(source: str | os.PathLike[str] | Mapping[str, Any], *, plugins: Any = None) -> Config:
-    """Read (a YAML path) or take (a mapping, an OmegaConf ``DictConfig`` as Hydra composes
-    it), interpolate and validate a config.
-
-    ``plugins`` (default: the process's plugin manager) provides the keys plugins own. Keys
-    that have no effect here are named in one log line each.
+    ``defaults``: whose defaults fill the unset keys: ``"roll"`` (ROLL's,
+    :mod:`roll_ckpt.roll_defaults`), ``"roll-ckpt"`` (ours), or ``None``: ROLL's for a ROLL
+    pipeline config, ours otherwise. ``plugins`` (default: the process's plugin manager)
+    provides the keys plugins own. Keys that have no effect here are named in one log line each.
     """
+    raw = read_source(source)
+    which = recognize(raw, defaults)
+    given, applied = (apply_roll_defaults(raw) if which == ROLL else (raw, {}))
+    try:
+        cfg = _build(interpolate(given), _plugin_keys(plugins))
+    except RecursionError:
+        raise ConfigError("<config>", "is nested too deeply, or its ${...} references chain too far") from None
+    cfg = dataclasses.replace(cfg, defaults=which, roll_defaults=applied)
+    log_keys_without_effect(cfg, raw)
+    return cfg
+
+
+def read_source(source: Any) -> dict[str, Any]:
+    """The raw (not yet interpolated) mapping of a path, a mapping or a DictConfig."""
     if _is_omegaconf(source):
         from omegaconf import OmegaConf
 
-        raw = OmegaConf.to_container(source, resolve=False)  # resolved below, with errors naming the key
+        raw = OmegaConf.to_container(source, resolve=False)  # resolved later, with errors naming the key
     elif isinstance(source, Mapping):
         raw = dict(source)
     elif isinstance(source, (str, os.PathLike)):
-        raw = read_yaml(Path(source))
+        raw = read_config_file(Path(source))
     else:
         raise ConfigError("<config>", "must be a path to a YAML file or a mapping",
                           type(source).__name__)
     for k in raw:
         if not isinstance(k, str):
             raise ConfigError(key_path("", k), "top-level keys must be strings", k)
-    if isinstance(raw.get("defaults"), list):
+    if isinstance(raw.get("defaults"), list):  # a mapping (a file's is composed by read_config_file)
         raise ConfigError("defaults", "is a Hydra defaults list: roll-ckpt reads one composed config, not the "
-                          "files it lists", None, "compose it with Hydra first: pass the DictConfig your "
-                          "@hydra.main function gets (or hydra.compose(...)) to load_config, or write it out "
-                          "with `python your_app.py --cfg job > composed.yaml`")
-    try:
-        cfg = _build(interpolate(raw), _plugin_keys(plugins))
-    except RecursionError:
-        raise ConfigError("<config>", "is nested too deeply, or its ${...} references chain too far") from None
-    log_keys_without_effect(cfg, raw)
-    return cfg
+                          "files it lists", None, "compose it with Hydra first: pass the DictConfig your @hydra.main "
+                          "function gets (or hydra.compose(...)), or the path of the file (composed with the "
+                          "hydra extra)")
+    return raw
 
 
 def _is_omegaconf(source: Any) -> bool:
@@ -365,6 +366,7 @@ def _checkpoint(value: Any, default_root: str, raw: Mapping[str, Any]) -> Checkp
         collective_timeout_s=seconds(f"{key}.collective_timeout_s", value.get("collective_timeout_s", 600.0)),
         initial_load=parse_initial_load(value.get("initial_load")),
         local=parse_local(value.get("local"), str(raw.get("exp_name", "roll-ckpt"))),
+        hf_weights=parse_hf_weights(value.get("hf_weights")),
     )
 
 
@@ -379,9 +381,11 @@ def _strategy(value: Any, owned: Mapping[str, Any]) -> StrategyConfig:
     if name is not None:
         name = string(f"{key}.strategy_name", name)
     budget = staging_budget(f"{key}.max_staging_bytes", value.get("max_staging_bytes", 0))
-    ours = ("async_save_ckpt", "strategy_name", "max_staging_bytes")
+    only = expect(f"{key}.save_only_model", value.get("save_only_model", False), bool, "true or false")
+    ours = ("async_save_ckpt", "strategy_name", "max_staging_bytes", "save_only_model")
     extra = {k: v for k, v in value.items() if k not in ours and k not in owned}
-    return StrategyConfig(async_save_ckpt=asv, strategy_name=name, max_staging_bytes=budget, extra=extra)
+    return StrategyConfig(async_save_ckpt=asv, strategy_name=name, max_staging_bytes=budget, save_only_model=only,
+                          extra=extra)
 
 
 def _plugin_options(raw: Mapping[str, Any], keys: Mapping[str, Any]) -> tuple[dict[str, Any], set[str], set[str]]:

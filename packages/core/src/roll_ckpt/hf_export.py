@@ -7,10 +7,12 @@
     DIR/config.json, generation_config.json,   copied from ``hf_config`` when given
         tokenizer files
 
-Names are the module's own (``model.layers.0.mlp.up_proj.weight``, ``lm_head.weight``):
-the DCP keys under the state key, without it. A module with tied weights is written
-under every name its state dict has, as ``torch.nn.Module.state_dict`` gives them;
-``from_pretrained`` and vLLM tie them again.
+With the model's ``config.json`` (``hf_config``, or the checkpoint's own ``config.json``)
+the folder is what ``save_pretrained`` writes for that model (:mod:`roll_ckpt.hub_layout`,
+by transformers' own rules): the hub's names (an MoE layer's fused experts written one
+tensor per expert), tied weights once, the same shards, ``total_parameters`` in the index.
+Without it the names are the module's own (the DCP keys under the state key, without it),
+tied weights under every name the state dict has.
 
 Memory stays bounded by one shard: the shards are planned from DCP's metadata alone
 (every tensor's shape and dtype is known without reading it), then each shard's tensors
@@ -32,12 +34,11 @@ from typing import Any, Callable, Mapping
 
 from .errors import RollCkptError, StorageError, StorageFullError, disk_full
 from .layout import DCP_DIR
+from .hf_writer import INDEX_NAME, SINGLE_NAME, index_bytes, layout_of, write_shards
 from .units import human_bytes, parse_size
 
 __all__ = ["HFExportReport", "export_hf", "plan_shards", "module_keys", "DTYPES", "INDEX_NAME", "SINGLE_NAME"]
 
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
 DTYPES = ("bfloat16", "float16", "float32")
 _CONFIG_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "spiece.model",
@@ -186,12 +187,9 @@ def _write_shard(tensors: dict[str, Any], dst: str) -> None:
     _fsync(dst)
 
 
-def _write_index(plan: Any, dst: str) -> None:
-    index = {"metadata": {"total_size": plan.metadata["total_size"]},
-             "weight_map": dict(sorted(plan.tensor_to_filename.items()))}
-    with open(dst, "w", encoding="utf-8") as f:
-        json.dump(index, f, indent=2)
-        f.write("\n")
+def _write_file(data: bytes, dst: str) -> None:
+    with open(dst, "wb") as f:
+        f.write(data)
     _fsync(dst)
 
 
@@ -264,11 +262,14 @@ def export_hf(path: str, out: str | os.PathLike[str], *, component: str | None =
     dcp_dir = storage.join(target, DCP_DIR)
     md = SafeReader(storage, dcp_dir, checkpoint=target).read_metadata()
     names, skipped = module_keys(md, key, target)
-    plan = _plan(md, names, dtype, shard_bytes)
 
     import torch
 
     out_dtype = getattr(torch, dtype) if dtype else None
+    sizes = {name: (tuple(md.state_dict_metadata[fqn].size), md.state_dict_metadata[fqn].properties.dtype)
+             for name, fqn in names.items()}
+    layout = layout_of(_model_config(configs, storage, target), sizes, shard_bytes, out_dtype)
+    plan = layout.plan
     saved = {md.state_dict_metadata[k].properties.dtype for k in names.values()}
     saved = {d for d in saved if d.is_floating_point}
     written = out_dtype or (saved.pop() if len(saved) == 1 else None)  # for the report
@@ -278,16 +279,16 @@ def export_hf(path: str, out: str | os.PathLike[str], *, component: str | None =
         os.makedirs(tmp)
         with Progress("export", read_total, enabled=not quiet) as progress:
             reader = SafeReader(storage, dcp_dir, progress, checkpoint=target)
-            for filename, shard in plan.filename_to_tensors.items():
-                full = read_full_tensors(reader, md, [names[n] for n in shard], target)
-                tensors = {}
-                for n in shard:
-                    t = full.pop(names[n])
-                    tensors[n] = t.to(out_dtype) if out_dtype is not None and t.is_floating_point() else t
-                _write_shard(tensors, os.path.join(tmp, filename))
-                del tensors, full  # one shard in memory at a time
-        if plan.is_sharded:
-            _write_index(plan, os.path.join(tmp, INDEX_NAME))
+
+            def read(module_keys: list[str]) -> dict[str, Any]:
+                full = read_full_tensors(reader, md, [names[n] for n in module_keys], target)
+                return {n: full.pop(names[n]) for n in module_keys}
+
+            write_shards(layout, read, lambda filename, tensors: _write_shard(tensors, os.path.join(tmp, filename)),
+                         out_dtype)
+        index = index_bytes(layout)
+        if index is not None:
+            _write_file(index, os.path.join(tmp, INDEX_NAME))
         copied = _copy_configs(configs, tmp, out_dtype)  # config.json says what --dtype wrote
         _put_in_place(tmp, out)
     except OSError as exc:
@@ -298,19 +299,29 @@ def export_hf(path: str, out: str | os.PathLike[str], *, component: str | None =
         raise StorageError(f"cannot export to {out}: {exc.strerror or exc}; nothing was left there") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already when the export succeeded
-    return HFExportReport(checkpoint=target, out=out, step=manifest.step, key=key, tensors=len(names),
+    return HFExportReport(checkpoint=target, out=out, step=manifest.step, key=key, tensors=len(layout.hub),
                           bytes=plan.metadata["total_size"], shards=list(plan.filename_to_tensors),
                           component=manifest.component, dtype=str(written or "").removeprefix("torch."),
                           copied=copied, skipped=skipped)
 
 
-def _plan(md: Any, names: Mapping[str, str], dtype: str | None, max_shard_size: int) -> Any:
-    import torch
+def _model_config(configs: list[str], storage: Any, target: str) -> Any:
+    """The transformers config the hub's layout is taken from: ``--hf-config``'s
+    ``config.json``, else the checkpoint's own ``config.json``; ``None`` (names kept as
+    saved) when there is neither, or transformers is not installed."""
+    import tempfile
 
-    out_dtype = getattr(torch, dtype) if dtype else None
-    sizes = {}
-    for name, fqn in names.items():
-        entry = md.state_dict_metadata[fqn]
-        saved = entry.properties.dtype
-        sizes[name] = (tuple(entry.size), out_dtype if out_dtype is not None and saved.is_floating_point else saved)
-    return plan_shards(sizes, max_shard_size)
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        return None
+    src = next((f for f in configs if os.path.basename(f) == "config.json"), None)
+    if src is not None:
+        return AutoConfig.from_pretrained(os.path.dirname(src))
+    own = storage.join(target, "config.json")  # the checkpoint's own Hugging Face files (hf_weights)
+    if not storage.exists(own):
+        return None
+    with tempfile.TemporaryDirectory() as tmp, storage.open_read(own) as f:
+        with open(os.path.join(tmp, "config.json"), "wb") as out:
+            out.write(f.read())
+        return AutoConfig.from_pretrained(tmp)

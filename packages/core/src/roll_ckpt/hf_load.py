@@ -13,6 +13,13 @@ module ``state[key]``, plain or FSDP2, on any number of processes:
    copies it into the live tensor, converting the dtype to the module's. Nothing but one
    slice at a time is allocated; no collective is needed.
 
+A transformers model's tensors may be in the hub's layout (:mod:`roll_ckpt.hub_layout`): an
+MoE layer's experts one tensor each, as ``save_pretrained`` and published checkpoints have
+them, where the module holds them fused. Such a module tensor is assembled by transformers'
+own conversion rules from the hub tensors holding part of this process's slice (the fused
+tensor is built whole, one at a time, then sliced: memory of one fused tensor, plus its
+index); a folder in the module's own layout is read as it is.
+
 Tied weights (``lm_head.weight`` and the input embeddings) are one tensor under several
 names: a folder holding any of the names loads it (``save_pretrained`` writes one; ``roll-ckpt
 export`` writes all, equal). A folder holding several that differ was saved from an untied
@@ -29,9 +36,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from .errors import CheckpointCorruptError, CheckpointNotFoundError, RollCkptError
-from .hf_export import INDEX_NAME, SINGLE_NAME
+from .hf_writer import INDEX_NAME, SINGLE_NAME
 
-__all__ = ["HFFolder", "HFLoadReport", "read_hf_folder", "check_against", "check_tied", "load_hf", "load_initial"]
+__all__ = ["HFFolder", "HFLoadReport", "read_hf_folder", "check_against", "check_tied", "load_hf", "load_initial",
+           "module_layout", "present"]
 
 log = logging.getLogger("roll_ckpt")
 
@@ -148,19 +156,44 @@ def _tied_groups(module: Any, names: list[str]) -> list[list[str]]:
     return list(groups.values())
 
 
-def check_against(folder: HFFolder, targets: Mapping[str, Any], groups: list[list[str]], key: str) -> None:
-    """Raise, naming the keys, when the folder and the module do not match (names, shapes)."""
+def _hub_names(layout: Any, name: str) -> list[str]:
+    """The names ``name`` (a module key) may have in a folder: its own, or the hub's it
+    becomes by transformers' conversion rules (:mod:`roll_ckpt.hub_layout`)."""
+    outs = layout.outputs.get(name) if layout is not None else None
+    return outs if outs and outs != [name] else []
+
+
+def present(folder: HFFolder, name: str, layout: Any = None) -> str | None:
+    """How the folder holds module key ``name``: ``"own"`` (its own name), ``"hub"`` (every
+    name the hub's layout gives it), or ``None``."""
+    if name in folder.files:
+        return "own"
+    hub = _hub_names(layout, name)
+    return "hub" if hub and all(h in folder.files for h in hub) else None
+
+
+def check_against(folder: HFFolder, targets: Mapping[str, Any], groups: list[list[str]], key: str,
+                  layout: Any = None) -> None:
+    """Raise, naming the keys, when the folder and the module do not match (names, shapes).
+    With ``layout`` (a transformers model's), a tensor may be in the hub's layout (an MoE
+    layer's experts one tensor each, as ``save_pretrained`` writes them) or in the module's."""
     where = f"initial_load: {folder.path} does not fit state['{key}']"
-    missing = [g[0] for g in groups if not any(n in folder.files for n in g)]
-    unexpected = sorted(n for n in folder.files if n not in targets)
+    missing = [g[0] for g in groups if not any(present(folder, n, layout) for n in g)]
+    known = set(targets) | {h for n in targets for h in _hub_names(layout, n)}
+    unexpected = sorted(n for n in folder.files if n not in known)
     if missing or unexpected:
         parts = ([f"missing {len(missing)} key(s) (the module's, not in the folder): {_listed(missing)}"]
                  if missing else []) + \
                 ([f"unexpected {len(unexpected)} key(s) (the folder's, not in the module): {_listed(unexpected)}"]
                  if unexpected else [])
-        raise RollCkptError(f"{where}: {'; '.join(parts)}; load the folder saved from this model's architecture")
+        arch = f" ({layout.architecture})" if layout is not None and layout.architecture else ""
+        raise RollCkptError(f"{where}{arch}: {'; '.join(parts)}; load the folder saved from this model's architecture")
     wrong = [f"'{n}' is {list(folder.shapes[n])} in {folder.files[n]}, the module's is {list(targets[n].shape)}"
-             for n in folder.files if tuple(targets[n].shape) != folder.shapes[n]]
+             for n in folder.files if n in targets and tuple(targets[n].shape) != folder.shapes[n]]
+    if layout is not None:
+        wrong += [f"'{h}' is {list(folder.shapes[h])} in {folder.files[h]}, the hub's layout of the module gives "
+                  f"{list(layout.hub[h][0])}" for n in targets if n not in folder.files
+                  for h in _hub_names(layout, n) if h in folder.shapes and folder.shapes[h] != tuple(layout.hub[h][0])]
     if wrong:
         more = f" (+{len(wrong) - 3} more)" if len(wrong) > 3 else ""
         raise RollCkptError(f"{where}: shape mismatch: {'; '.join(wrong[:3])}{more}; load the folder saved from "
@@ -195,11 +228,15 @@ def check_tied(folder: HFFolder, groups: list[list[str]], key: str, chunk_bytes:
 
 
 def load_hf(module: Any, folder: HFFolder, key: str = "model",
-            on_bytes: Callable[[int], None] | None = None) -> HFLoadReport:
+            on_bytes: Callable[[int], None] | None = None, layout: Any = None) -> HFLoadReport:
     """Copy the tensors of ``folder`` into ``module`` in place, this process reading only its slices.
 
-    The folder must have been checked against the module (:func:`check_against`).
+    The folder must have been checked against the module (:func:`check_against`). A tensor
+    the folder holds in the hub's layout (``layout``) is assembled by transformers' rules
+    from the hub tensors that hold part of this process's slice.
     """
+    import contextlib
+
     import torch
     from safetensors import safe_open
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -208,34 +245,56 @@ def load_hf(module: Any, folder: HFFolder, key: str = "model",
 
     targets = get_model_state_dict(module)  # the live tensors (this process's shards of DTensors)
     groups = _tied_groups(module, list(targets))
-    source = {g[0]: next(n for n in g if n in folder.files) for g in groups}  # a tied tensor: its first name
-    per_file: dict[str, list[tuple[str, str]]] = {}
-    for name, src in source.items():
-        per_file.setdefault(folder.files[src], []).append((name, src))
     read = 0
     converted: dict[str, str] = {}
-    with torch.no_grad():
-        for file, pairs in sorted(per_file.items()):
-            with safe_open(os.path.join(folder.path, file), framework="pt") as f:
-                for name, src in pairs:
-                    target = targets[name]
-                    local = local_tensor(target)
-                    if local is not target:  # a DTensor: this process's shard only
-                        offsets, sizes = local_chunk(target)
-                        if 0 in sizes:
-                            continue
-                        data = f.get_slice(src)[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
-                    else:
-                        data = f.get_tensor(src)
-                    if data.dtype != local.dtype:
-                        converted[name] = f"{folder.dtypes[src]} -> {str(local.dtype).removeprefix('torch.')}"
-                    local.copy_(data.reshape(local.shape))
-                    nbytes = data.numel() * data.element_size()
-                    read += nbytes
-                    if on_bytes is not None:
-                        on_bytes(nbytes)
-                    del data
-    return HFLoadReport(folder.path, key, len(source), read, converted)
+    with torch.no_grad(), contextlib.ExitStack() as stack:
+        handles: dict[str, Any] = {}
+
+        def opened(file: str) -> Any:
+            if file not in handles:
+                handles[file] = stack.enter_context(safe_open(os.path.join(folder.path, file), framework="pt"))
+            return handles[file]
+
+        for group in groups:
+            name = group[0]
+            src = next((n for n in group if n in folder.files), None)  # a tied tensor: its first name
+            target = targets[name]
+            local = local_tensor(target)
+            rows = None
+            if local is not target:  # a DTensor: this process's shard only
+                offsets, sizes = local_chunk(target)
+                if 0 in sizes:
+                    continue
+                rows = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
+            if src is not None:
+                f = opened(folder.files[src])
+                data = f.get_slice(src)[rows] if rows is not None else f.get_tensor(src)
+                dtype = folder.dtypes[src]
+            else:
+                hub = next(n for n in group if present(folder, n, layout) == "hub")
+                data = layout.assemble(hub, lambda h: opened(folder.files[h]).get_tensor(h), rows)
+                dtype = folder.dtypes[layout.outputs[hub][0]]
+            if data.dtype != local.dtype:
+                converted[name] = f"{dtype} -> {str(local.dtype).removeprefix('torch.')}"
+            local.copy_(data.reshape(local.shape))
+            nbytes = data.numel() * data.element_size()
+            read += nbytes
+            if on_bytes is not None:
+                on_bytes(nbytes)
+            del data
+    return HFLoadReport(folder.path, key, len(groups), read, converted)
+
+
+def module_layout(module: Any, targets: Mapping[str, Any]) -> Any:
+    """The hub's layout of a transformers model's state dict (``None`` for other modules)."""
+    from .hub_layout import transformers_model
+
+    if transformers_model(module) is None:
+        return None
+    from .hf_writer import layout_of
+
+    sizes = {k: (tuple(t.shape), t.dtype) for k, t in targets.items()}
+    return layout_of(module, sizes, 5 << 30)
 
 
 def load_initial(state: Mapping[str, Any], initial: Any, strategy: Any,
@@ -260,13 +319,15 @@ def load_initial(state: Mapping[str, Any], initial: Any, strategy: Any,
 
     def check() -> HFFolder:
         folder = read_hf_folder(initial.path)
-        check_against(folder, targets, groups, key)
+        layout = module_layout(module, targets) if any(n not in folder.files for n in targets) else None
+        check_against(folder, targets, groups, key, layout)
         check_tied(folder, groups, key)
         return folder
 
     folder = decide(strategy, check, where=f"cannot read the initial weights at {initial.path}")
+    layout = module_layout(module, targets) if any(n not in folder.files for n in targets) else None
     with progress("initial load") as bar:
-        report = load_hf(module, folder, key, on_bytes=bar)
+        report = load_hf(module, folder, key, on_bytes=bar, layout=layout)
     log.info("roll-ckpt: no checkpoint to resume from; loaded the initial weights of state['%s'] from %s "
              "(%d tensors%s)", key, initial.path, report.tensors,
              f", {len(report.converted)} converted to the module's dtype" if report.converted else "")

@@ -387,6 +387,12 @@ def format_inspection(ins: Inspection) -> str:
         lines.append(f"strategy     {m.extra['strategy']}")
     if m.component:
         lines.append(f"component    {m.component}")
+    hf = m.extra.get("hf") if isinstance(m.extra.get("hf"), dict) else {}
+    if hf:  # the Hugging Face files the checkpoint carries (hf_weights)
+        what = f"{hf.get('files')} files, {hf.get('architecture') or 'the module'}" if hf.get("status") == "written" \
+            else f"not written: {hf.get('error')}"
+        lines.append(f"hf files     {hf.get('status')} ({what})" + (" -- model only (save_only_model)"
+                                                                    if m.extra.get("save_only_model") else ""))
     lines.append(f"files        {ins.files} ({human_bytes(ins.bytes)}), sizes and checksums match the manifest")
     if m.plugins:
         lines.append("written by   " + ", ".join(f"{k} {v}" for k, v in sorted(m.plugins.items())))

@@ -199,6 +199,15 @@ class CheckpointManager:
         self._check_open()
         return self._saves.save(step, state, final=final, metadata=metadata)
 
+    def hf_files(self, *objects: Any) -> None:
+        """Hand over the tokenizer, processor... (objects with ``save_pretrained(dir)``) whose
+        files every checkpoint's Hugging Face files include (``checkpoint_config.hf_weights``)."""
+        if self._saves.hf is None:
+            raise RollCkptError("manager.hf_files(...): checkpoints carry no Hugging Face files; set "
+                                "checkpoint_config.hf_weights: true (or strategy_config.save_only_model)")
+        self._saves.hf.extras.extend(objects)
+        self._saves.hf.forget_files()
+
     def wait(self) -> SaveStats | None:
         """Wait for the save in flight; raise its error if it failed."""
         return self._saves.wait()

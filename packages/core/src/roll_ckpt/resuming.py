@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 from typing import Any, MutableMapping
 
 from . import layout
@@ -209,8 +210,9 @@ class Resumer:
         files = {name[len(data_dir) + 1:]: entry for name, entry in manifest.files.items()
                  if name.startswith(f"{data_dir}/")}
         trainer_state = json.loads(trainer_bytes.decode())
+        into = only_model(state, manifest, part)
         with job.progress(f"load step {trainer_state.get('step')}") as progress:
-            strategy.load(state, storage, storage.join(part, data_dir), progress, files=files, checkpoint=part,
+            strategy.load(into, storage, storage.join(part, data_dir), progress, files=files, checkpoint=part,
                           stream=not job.config.checkpoint_config.verify_before_load)
         self.trainer_state = trainer_state
         job.resumed_from = storage.url if storage is not job.storage else path
@@ -246,3 +248,21 @@ def _check_written_by(manifest: Manifest, path: str, strategy: Strategy) -> None
             f"{path} was written by the '{manifest.extra.get('strategy')}' strategy and holds no "
             f"'{strategy.data_dir}/' folder, which the '{strategy.name}' strategy chosen for this state "
             "loads; resume it with the same kind of state it was saved from")
+
+
+def only_model(state: MutableMapping[str, Any], manifest: Manifest, path: str) -> MutableMapping[str, Any]:
+    """What a resume loads of ``state``: all of it; from a ``save_only_model`` checkpoint the
+    module alone, the rest starting afresh (said in a warning)."""
+    key = manifest.extra.get("save_only_model")
+    if not key:
+        return state
+    if key not in state:
+        raise RollCkptError(f"{path} was saved with save_only_model and holds the weights of state['{key}'] only; "
+                            f"this state has no '{key}' ({', '.join(repr(k) for k in state)}): resume it into a "
+                            "state with the same model key")
+    fresh = [k for k in state if k != key]
+    warnings.warn(f"roll-ckpt: {path} was saved with save_only_model: it holds the weights of state['{key}'] and the "
+                  f"trainer state only; {', '.join(f'state[{k!r}]' for k in fresh) or 'nothing else'} start"
+                  f"{'' if len(fresh) > 1 else 's'} fresh (the optimizer's moments, the scheduler, the data "
+                  "position)", stacklevel=3)
+    return {key: state[key]}

@@ -77,13 +77,26 @@ def log_keys_without_effect(cfg: Any, raw: Mapping[str, Any]) -> None:
 
 
 def worker_overrides(extra: Mapping[str, Any], name: str, strategy: Any, options: Mapping[str, Any],
-                     plugin_keys: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
+                     plugin_keys: Mapping[str, Any], roll: bool = False) -> tuple[Any, dict[str, Any]]:
     """``strategy`` (a ``StrategyConfig``) and ``options`` with worker ``name``'s
-    ``strategy_args.strategy_config`` applied: its ``async_save_ckpt`` and the plugins' keys."""
+    ``strategy_args.strategy_config`` applied: its ``async_save_ckpt`` and the plugins' keys.
+    ``roll``: ROLL's defaults apply (an FSDP2 worker saves asynchronously unless it says not)."""
+    from .roll_defaults import worker_async_default
+
     values, where = section(extra, (name, *WORKER_STRATEGY))
+    worker = extra.get(name)
+    if roll and isinstance(worker, Mapping) and worker_async_default(worker):
+        strategy = dataclasses.replace(strategy, async_save_ckpt=True)
     if "async_save_ckpt" in values:
         asv = expect(f"{where}.async_save_ckpt", values["async_save_ckpt"], bool, "true or false")
         strategy = dataclasses.replace(strategy, async_save_ckpt=asv)
+    if "save_only_model" in values:
+        strategy = dataclasses.replace(strategy, save_only_model=expect(
+            f"{where}.save_only_model", values["save_only_model"], bool, "true or false"))
+    megatron, at = section(extra, (name, "training_args"))
+    if megatron.get("save_hf_model") is not None:  # Megatron's: the HF model only, as save_only_model
+        strategy = dataclasses.replace(strategy, save_only_model=expect(
+            f"{at}.save_hf_model", megatron["save_hf_model"], bool, "true or false"))
     if "max_staging_bytes" in values:
         strategy = dataclasses.replace(strategy, max_staging_bytes=staging_budget(
             f"{where}.max_staging_bytes", values["max_staging_bytes"]))

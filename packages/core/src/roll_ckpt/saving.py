@@ -38,6 +38,7 @@ from .background import lower_priority
 from .collector import CollectorPause
 from .contracts import NetworkCounts, SaveContext, Storage
 from .digest import hash_bytes
+from .hf_in_checkpoint import HFPart, saved_state
 from .errors import RollCkptError, SaveError, StorageError, StorageFullError, carried_roll_error, disk_full
 from .job import Job
 from .layout import TRAINER_STATE
@@ -98,6 +99,8 @@ class SavePipeline:
         self._executor: cf.ThreadPoolExecutor | None = None
         self._inflight: cf.Future[SaveStats] | None = None
         self.leftovers = Leftovers()
+        self.hf = HFPart.of(job.config.checkpoint_config, job.config.strategy_config)
+        """The Hugging Face files each checkpoint carries (``hf_weights``, ``save_only_model``), or ``None``."""
 
     # ------------------------------------------------------------------ the caller's part
 
@@ -205,7 +208,7 @@ class SavePipeline:
         if local:  # (before the space check: every rank makes the tier's group at the same point)
             job.local.bind(strategy, forget_after=step - 1)
         with CollectorPause(job.config.checkpoint_config.pause_gc):  # (the loop waits for this part)
-            sd = strategy.state_dict(state)
+            sd = strategy.state_dict(saved_state(state, self.hf, job.config.strategy_config.save_only_model))
             refusal = self._check_space(sd, ctx, user) if strategy.is_coordinator else None
             if refusal is not None:  # refused before anything is staged or written
                 self.write_and_commit(sd, ctx, user, t0, refuse=refusal)  # raises it, on every rank
@@ -214,7 +217,8 @@ class SavePipeline:
         if local and ctx.gate is None:  # (staged in waves, the state is written once: persistently)
             trainer_state = self._trainer_state(ctx, user)
             also = lambda: job.local.save(staged, step, trainer_state, save=ctx)  # noqa: E731
-        self._launch(ctx, t0, lambda: self.write_and_commit(staged, ctx, user, t0, also=also))
+        module = state.get(self.hf.config.key) if self.hf is not None else None
+        self._launch(ctx, t0, lambda: self.write_and_commit(staged, ctx, user, t0, also=also, module=module))
         return final_path
 
     @property
@@ -269,7 +273,7 @@ class SavePipeline:
     # ------------------------------------------------------------------ write and commit
 
     def write_and_commit(self, sd: dict[str, Any], ctx: SaveContext, user: dict[str, Any], t0: float,
-                         refuse: BaseException | None = None, also: Any = None) -> SaveStats:
+                         refuse: BaseException | None = None, also: Any = None, module: Any = None) -> SaveStats:
         job = self.job
         strategy, storage = job.strategy, job.storage
         pending = pending_checkpoint(storage, ctx.path, job.token)
@@ -298,7 +302,7 @@ class SavePipeline:
                 digests = strategy.write(sd, target, storage.join(pending.write_path, strategy.data_dir), progress,
                                          save=ctx)
             if strategy.is_coordinator:
-                total = self._commit(pending, ctx, user, digests)
+                total = self._commit(pending, ctx, user, digests, module)
             self.committed_steps.add(ctx.step)
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             error = exc
@@ -325,11 +329,18 @@ class SavePipeline:
         return stats
 
     def _commit(self, pending: PendingCheckpoint, ctx: SaveContext, user: dict[str, Any],
-                digests: dict[str, tuple]) -> int:
-        """Coordinator: trainer state, manifest, commit; then the step, retention, replication."""
+                digests: dict[str, tuple], module: Any = None) -> int:
+        """Coordinator: the HF files, trainer state, manifest, commit; then the step, retention, replication."""
         job = self.job
         storage, strategy = job.storage, job.strategy
         files = {f"{strategy.data_dir}/{name}": FileEntry(*digest) for name, digest in digests.items()}
+        extra: dict[str, Any] = {"strategy": strategy.name}
+        if job.config.strategy_config.save_only_model:
+            extra["save_only_model"] = self.hf.config.key  # type: ignore[union-attr]
+        if self.hf is not None and module is not None:  # from the dcp/ files just written (hf_in_checkpoint)
+            hf_files, extra["hf"] = self.hf.write(storage, pending.write_path, module,
+                                                  storage.join(pending.write_path, strategy.data_dir))
+            files.update(hf_files)
         ts = self._trainer_state(ctx, user)
         with storage.open_write(storage.join(pending.write_path, TRAINER_STATE)) as f:
             f.write(ts)
@@ -337,8 +348,7 @@ class SavePipeline:
         if not storage.atomic_rename:  # an object store: every upload completed, whole
             check_objects(storage, pending.write_path, {name: e.size for name, e in files.items()})
         manifest = Manifest(step=ctx.step, files=files, created=utc_now(), world_size=strategy.world_size,
-                            component=job.component, plugins=_plugin_versions(job),
-                            extra={"strategy": strategy.name})
+                            component=job.component, plugins=_plugin_versions(job), extra=extra)
         pending.commit(manifest.to_bytes())
         job.announce(ctx.path, manifest, job.component)
         step_path = layout.parent(ctx.path) if job.component else ctx.path

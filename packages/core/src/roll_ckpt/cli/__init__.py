@@ -10,6 +10,7 @@
     roll-ckpt export PATH [--component C] --out F.safetensors
     roll-ckpt export PATH [--component C] --format hf --out DIR   a Hugging Face folder of one module
     roll-ckpt copy SRC DST                 one checkpoint or a folder of them, between any two backends
+    roll-ckpt config PATH                  the resolved checkpoint settings, per worker, and their sources
     roll-ckpt COMMAND ...                  commands plugins add (``roll-ckpt demo``: roll-ckpt-demo)
 
 DIR and PATH are local paths or fsspec URLs; ``--type`` picks the backend plugin and
@@ -39,14 +40,14 @@ import sys
 from typing import Any, Sequence
 
 from ..errors import PluginError, RollCkptError
-from . import copy, export, ls, plugins_cmd, prune, verify
+from . import config_cmd, copy, export, ls, plugins_cmd, prune, verify
 from ._common import UsageError
 
 __all__ = ["main", "build_parser"]
 
 PROG = "roll-ckpt"
 _ADD_PARSERS = (plugins_cmd.add_parser, ls.add_parser, verify.add_verify_parser, verify.add_inspect_parser,
-                prune.add_parser, export.add_parser, copy.add_parser)
+                prune.add_parser, export.add_parser, copy.add_parser, config_cmd.add_parser)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -14,6 +14,7 @@ def _describe(storage: Any, ref: Any, expected: Any = None, guess: bool = True) 
     when committed; for a step of components that is not committed, its parts (``expected``:
     the components its run's steps have; when ``None`` and ``guess``, found beside it)."""
     from ..components import components_of
+    from ..hf_in_checkpoint import hf_status
     from ..inspection import parts_status
     from ..manifest import MANIFEST_NAME, Manifest
     from ..verify import list_files
@@ -27,6 +28,7 @@ def _describe(storage: Any, ref: Any, expected: Any = None, guess: bool = True) 
             row["created"] = manifest.created
             row["bytes"] = sum(e.size for e in manifest.files.values())
             row["components"] = sorted(components_of(manifest))
+            row["hf"] = hf_status(manifest.extra) + (" (model only)" if manifest.extra.get("save_only_model") else "")
             return row
         except (OSError, ValueError) as exc:
             row["problem"] = f"unreadable manifest: {exc}"
@@ -103,6 +105,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
         cells = [[str(r["step"]), r["run"] or ".", local_time(r["created"]),
                   human_bytes(r["bytes"]), "yes" if r["committed"] else "NO" + (f" ({r['problem']})" if "problem" in r else "")]
                  for r in rows]
+        if any(r.get("hf") for r in rows):  # the Hugging Face files each checkpoint carries (hf_weights)
+            header.append("HF")
+            for line, r in zip(cells, rows):
+                line.append(r.get("hf") or "-")
         if any(r["components"] or "parts" in r for r in rows):
             header.append("COMPONENTS")
             for line, r in zip(cells, rows):

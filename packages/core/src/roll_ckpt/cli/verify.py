@@ -43,6 +43,13 @@ def _verify_one(storage: Any, path: str) -> tuple[bool, str]:
          f"sizes and checksums match the manifest{tail}")
     if note:
         say(note)
+    hf = m.extra.get("hf") if isinstance(m.extra.get("hf"), dict) else {}
+    if hf.get("status") == "written":
+        say(f"    with the Hugging Face files of {hf.get('architecture') or 'the model'} ({hf.get('files')} files, "
+            "covered by the manifest)")
+    elif hf.get("status") == "failed":
+        say(f"    NOTE: its Hugging Face files could not be written ({hf.get('error')}); the training state is "
+            "complete; `roll-ckpt export --format hf` writes them from it")
     return True, ""
 
 
