@@ -1,4 +1,4 @@
-"""T12: the Hugging Face files inside a checkpoint (checkpoint_config.hf_weights), against
+"""T15: the Hugging Face files inside a checkpoint (checkpoint_config.hf_weights), against
 the same save without them and against ROLL's way.
 
     python bench/hf_weights.py [--layers N] [--hidden H] [--reps R] [--out DIR]
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "hf_weights.json"), "w") as f:
         json.dump(report, f, indent=1)
-    lines = [f"# T12: Hugging Face files in the checkpoint ({params / 1e6:.1f} M params, "
+    lines = [f"# T15: Hugging Face files in the checkpoint ({params / 1e6:.1f} M params, "
              f"{params * 4 / 2**20:.0f} MiB fp32 model, AdamW; 1 process, medians of {args.reps})", "",
              "| case | blocked s | committed s | HF folder readable s |", "|---|---:|---:|---:|"]
     for c in cases:
