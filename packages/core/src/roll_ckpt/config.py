@@ -187,7 +187,6 @@ class Config:
         """Whether periodic saves are asynchronous: ``strategy_config.async_save_ckpt`` (a
         worker's own, after :meth:`for_component`) or ``checkpoint_config.async_upload``."""
         return self.strategy_config.async_save_ckpt or self.checkpoint_config.async_upload
-
     def for_component(self, name: str, *, plugins: Any = None) -> "Config":
         """This config as the processes of component ``name`` (a ROLL worker section such as
         ``actor_train``) see it: ``<name>.strategy_args.strategy_config.async_save_ckpt`` and
@@ -212,7 +211,6 @@ class Config:
         return r
 
 
-# --------------------------------------------------------------------------- loading
 
 def load_config(source: str | os.PathLike[str] | Mapping[str, Any], *, plugins: Any = None,
                 defaults: str | None = None) -> Config:
@@ -276,7 +274,6 @@ def _plugin_keys(plugins: Any) -> Mapping[str, Any]:
     return plugins.config_keys()
 
 
-# --------------------------------------------------------------------------- validation
 
 
 def _backup(value: Any) -> BackupConfig | None:

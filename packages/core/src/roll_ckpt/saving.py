@@ -102,7 +102,6 @@ class SavePipeline:
         self.hf = HFPart.of(job.config.checkpoint_config, job.config.strategy_config)
         """The Hugging Face files each checkpoint carries (``hf_weights``, ``save_only_model``), or ``None``."""
 
-    # ------------------------------------------------------------------ the caller's part
 
     def save(self, step: int, state: Mapping[str, Any], *, final: bool,
              metadata: Mapping[str, Any] | None, local: bool = False) -> str | None:
@@ -120,13 +119,11 @@ class SavePipeline:
                 raise
             self._tolerate(step, exc)
             return None
-
     def _tolerate(self, step: int | None, exc: BaseException) -> None:
         self.failed_saves += 1
         what = f"checkpoint-{step}" if step is not None else "the background save"
         log.warning("roll-ckpt: saving %s failed: %s -- training goes on and the next save tries again "
                     "(checkpoint_config.on_save_error: warn; %d failed save(s) so far)", what, exc, self.failed_saves)
-
     def save_local(self, step: int, state: Mapping[str, Any]) -> None:
         """A checkpoint of the fast recovery tier alone (no persistent save at ``step``): the
         same staging, the unit written (and replicated) by the writer; never raises a storage error."""
@@ -159,12 +156,10 @@ class SavePipeline:
                                    "policies": dict(Counter(ctx.staging.values()))}
 
         self._launch(ctx, t0, write)
-
     def _stage(self, sd: dict[str, Any], ctx: SaveContext) -> dict[str, Any]:
         if self._policies is None:
             self._policies = self.job.plugins.staging_order()
         return stage_state_dict(sd, ctx, self._policies)
-
     def _launch(self, ctx: SaveContext, t0: float, write: Any) -> None:
         """Run ``write`` now, or in the writer thread for an asynchronous save."""
         if not ctx.is_async:
@@ -184,7 +179,6 @@ class SavePipeline:
                 pass
             ctx.blocked_s = time.perf_counter() - t0
             ctx.gate.caller_done.set()
-
     def _save(self, step: int, state: Mapping[str, Any], *, final: bool, metadata: Mapping[str, Any] | None,
               local: bool = False) -> str:
         t0 = time.perf_counter()
@@ -270,7 +264,6 @@ class SavePipeline:
         return self.space.check(estimate, path=job.run_dir or job.root, step=ctx.step, keep=keep,
                                 retention=retention, sizes=lambda: committed_sizes(job.storage, job.root, job.run_dir))
 
-    # ------------------------------------------------------------------ write and commit
 
     def write_and_commit(self, sd: dict[str, Any], ctx: SaveContext, user: dict[str, Any], t0: float,
                          refuse: BaseException | None = None, also: Any = None, module: Any = None) -> SaveStats:
