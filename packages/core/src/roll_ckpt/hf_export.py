@@ -311,16 +311,16 @@ def _model_config(configs: list[str], storage: Any, target: str) -> Any:
     saved) when there is neither, or transformers is not installed."""
     import tempfile
 
+    src = next((f for f in configs if os.path.basename(f) == "config.json"), None)
+    own = storage.join(target, "config.json")  # the checkpoint's own Hugging Face files (hf_weights)
+    if src is None and not storage.exists(own):
+        return None  # transformers is not imported: it costs ~45 MiB of RSS for nothing here
     try:
         from transformers import AutoConfig
     except ImportError:
         return None
-    src = next((f for f in configs if os.path.basename(f) == "config.json"), None)
     if src is not None:
         return AutoConfig.from_pretrained(os.path.dirname(src))
-    own = storage.join(target, "config.json")  # the checkpoint's own Hugging Face files (hf_weights)
-    if not storage.exists(own):
-        return None
     with tempfile.TemporaryDirectory() as tmp, storage.open_read(own) as f:
         with open(os.path.join(tmp, "config.json"), "wb") as out:
             out.write(f.read())
