@@ -19,7 +19,7 @@ unpickled on its receiver; the coordinator's share of that is timed with it.
 Methods (see ``METHODS``): DCP default (the first save, = plan caching's first save),
 DCP with plan caching (a second save of the same structure), DCP ``use_collectives=False``
 (every rank plans alone and writes ``__<r>.metadata``: the "no coordination" reference) and
-roll-ckpt's save of an unchanged structure (``roll_ckpt.fixed_layout`` when it is there,
+roll-ckpt's save of an unchanged structure (``roll_ckpt.save.fixed_layout`` when it is there,
 else modelled by its message shapes: see :class:`RollCkptFastPath`).
 
 Each (N, P) cell runs in a process of its own (memory and the collector's heap are the
@@ -62,7 +62,7 @@ PARAM_GROUP_KEYS = ["lr", "betas", "eps", "weight_decay", "amsgrad", "maximize",
 RNG = [("python", (627,), "int64"), ("python_gauss", (1,), "float64"), ("numpy", (626,), "int64"),
        ("numpy_gauss", (1,), "float64"), ("torch", (5056,), "uint8")]
 PER_RANK_VALUES = ["scheduler", "counters"]  # boxed per-process values (BYTE_IO)
-CHUNK = 8 << 20  # roll_ckpt.digest.CHUNK_SIZE
+CHUNK = 8 << 20  # roll_ckpt.format.digest.CHUNK_SIZE
 
 MODES: dict[str, dict[str, Any]] = {
     "smoke": {"cells": [(8, 20), (16, 20)], "jobs": {"worlds": [2], "reshard": (2, 1), "keeps": [(2, 1)],
@@ -264,7 +264,7 @@ def dumps(obj: Any) -> bytes:
 def _unpickle_times(data: bytes, reps: int = 1) -> dict[str, float]:
     """One rank's unpickle of ``.metadata``: plain / restricted, collector on / off (best of
     ``reps``): CPU seconds (``*_s``) and wall seconds (``*_wall_s``)."""
-    from roll_ckpt.unpickle import safe_load_metadata
+    from roll_ckpt.format.unpickle import safe_load_metadata
 
     out: dict[str, float] = {}
     gc.collect()
@@ -293,12 +293,12 @@ class RollCkptFastPath:
     gather, ``("ok", {file: (size, 32-hex checksum, (32-hex checksum per 8 MiB, ...))})``;
     the coordinator writes the kept ``.metadata`` bytes of the last full save (hashed as
     they are written), broadcasts the outcome, and builds the manifest's entries
-    (``roll_ckpt.manifest.FileEntry``, as ``saving.py`` does) and ``Manifest.to_bytes()``.
+    (``roll_ckpt.format.manifest.FileEntry``, as ``save/pipeline.py`` does) and ``Manifest.to_bytes()``.
 
-    ``source``: ``"roll_ckpt.fixed_layout"`` when the coordinator's part runs the library's
+    ``source``: ``"roll_ckpt.save.fixed_layout"`` when the coordinator's part runs the library's
     own ``FixedLayouts.save`` (over a simulated group: its gather hands it the N ranks'
     pickled messages, unpickled on its time, and its writer is a stub that writes nothing
-    and hashes the kept ``.metadata`` with ``roll_ckpt.digest.FileHasher``); ``"modelled"``
+    and hashes the kept ``.metadata`` with ``roll_ckpt.format.digest.FileHasher``); ``"modelled"``
     when that module is missing or its interface differs (``note`` says why) — the same
     messages, unpickled and merged by this class.
     """
@@ -308,14 +308,14 @@ class RollCkptFastPath:
     def __init__(self) -> None:
         self.note = ""
         try:
-            from roll_ckpt.fixed_layout import FastPlan, FixedLayouts, RankLayout  # noqa: F401
+            from roll_ckpt.save.fixed_layout import FastPlan, FixedLayouts, RankLayout  # noqa: F401
 
             self.lib = (FixedLayouts, RankLayout, FastPlan)
-            self.source = "roll_ckpt.fixed_layout"
+            self.source = "roll_ckpt.save.fixed_layout"
         except ImportError as exc:
             self.lib = None
             self.source = "modelled"
-            self.note = f"roll_ckpt.fixed_layout not importable ({exc})"
+            self.note = f"roll_ckpt.save.fixed_layout not importable ({exc})"
 
     def rank_message(self, files: dict[str, tuple]) -> bytes:
         return dumps(("ok", files))
@@ -333,7 +333,7 @@ class RollCkptFastPath:
                 self.note = f"FixedLayouts.save over a simulated group failed: {type(exc).__name__}: {exc}"[:300]
         if digests is None:
             def model() -> tuple[dict[str, tuple], bytes]:
-                from roll_ckpt.digest import FileHasher
+                from roll_ckpt.format.digest import FileHasher
 
                 out: dict[str, tuple] = {}
                 for raw in messages:
@@ -350,7 +350,7 @@ class RollCkptFastPath:
             digests, bcast = co.run("merge_messages", model)
 
         def manifest() -> bytes:
-            from roll_ckpt.manifest import FileEntry, Manifest
+            from roll_ckpt.format.manifest import FileEntry, Manifest
 
             files = {f"dcp/{name}": FileEntry(*d) for name, d in digests.items()}
             m = Manifest(step=100, files=files, created=_dt.datetime.now(_dt.timezone.utc).isoformat(),
@@ -421,7 +421,7 @@ class _StubWriter:
         return dict(self.mine)
 
     def write_metadata(self, data: bytes) -> tuple:
-        from roll_ckpt.digest import FileHasher
+        from roll_ckpt.format.digest import FileHasher
 
         h = FileHasher()
         h.update(data)
@@ -563,7 +563,7 @@ def cell(n: int, p: int, methods: list[str], unpickle_reps: int = 1, md_estimate
                     "coordinator_cpu_s": sum(ph.values()), "phases": ph, "collective_bytes": dict(sent),
                     "collective_total": sum(sent.values()), "per_rank_sent": per_rank_sent if n > 1 else 0,
                     "metadata_bytes": len(md_bytes), "metadata_files": 1, "same_metadata": rc_full["same"],
-                    "source": "roll_ckpt.dcp_write.ReusingSavePlanner._create_global_plan; the rest as DCP's"}
+                    "source": "roll_ckpt.save.writer.ReusingSavePlanner._create_global_plan; the rest as DCP's"}
             out["methods"][save] = {
                 "coordinator_cpu_s": co.total, "phases": co.phases, "collective_bytes": sent,
                 "collective_total": sum(sent.values()), "per_rank_sent": per_rank_sent if n > 1 else 0,
@@ -680,7 +680,7 @@ def _rc_global_plan(gathered: list[Any], dcp_md: Any) -> dict[str, Any] | None:
     linear-time planner-data merge and chunk validation) on the same gathered plans, and
     whether its metadata equals DCP's; ``None`` where this roll-ckpt has no such planner."""
     try:
-        from roll_ckpt.dcp_write import ReusingSavePlanner
+        from roll_ckpt.save.writer import ReusingSavePlanner
     except ImportError:
         return None
     planner = ReusingSavePlanner({})

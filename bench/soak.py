@@ -64,10 +64,11 @@ def _run(s3: Any, proxy: Any, url: str, saves: int, options: dict[str, Any]) -> 
 def soak(s3: Any, proxy: Any, *, saves: int, seed: int, options: dict[str, Any] | None = None,
          rates: dict[str, float] | None = None) -> dict[str, Any]:
     from helpers.training import config
-    from roll_ckpt import CheckpointManager, layout
+    from roll_ckpt import CheckpointManager
+    from roll_ckpt.format import layout
     from roll_ckpt.errors import RollCkptError
     from roll_ckpt.testing import assert_same_state, state_snapshot, tiny_state
-    from roll_ckpt.verify import verify
+    from roll_ckpt.format.verify import verify
     from roll_ckpt_fs import FsspecStorage
 
     options = dict(OPTIONS if options is None else options)

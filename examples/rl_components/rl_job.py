@@ -422,7 +422,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    from roll_ckpt import CheckpointManager, DriverState, Preempted, layout, load_config, new_run_name
+    from roll_ckpt import CheckpointManager, DriverState, Preempted, load_config, new_run_name
+    from roll_ckpt.format import layout
 
     if START_METHOD == "fork":  # import once here, not in every worker (seconds each)
         import torch._dynamo  # noqa: F401  (the first optimizer imports it)

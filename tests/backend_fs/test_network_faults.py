@@ -18,7 +18,7 @@ from helpers.training import config, drift  # noqa: E402
 from roll_ckpt import CheckpointManager, NetworkCounts, layout  # noqa: E402
 from roll_ckpt.errors import RollCkptError, SaveError  # noqa: E402
 from roll_ckpt.testing import assert_same_state, state_snapshot, tiny_state  # noqa: E402
-from roll_ckpt.verify import verify  # noqa: E402
+from roll_ckpt.format.verify import verify  # noqa: E402
 from roll_ckpt_fs import FsspecStorage  # noqa: E402
 
 from . import s3server  # noqa: E402
@@ -146,7 +146,7 @@ def test_a_crashed_multipart_upload_is_removed_by_prune(s3: s3server.SeaweedServ
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, timeout=30, check=True)
     folder = storage.join(storage.root, "checkpoint-2")
-    from roll_ckpt.owners import owner_record
+    from roll_ckpt.format.owners import owner_record
 
     marker = dict(owner_record(), pid=int(dead.stdout), write_path=folder, final_path=folder)
     import json

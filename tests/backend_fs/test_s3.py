@@ -21,9 +21,9 @@ from helpers.training import config, drift  # noqa: E402
 from roll_ckpt import CheckpointManager  # noqa: E402
 from roll_ckpt import layout  # noqa: E402
 from roll_ckpt.errors import CheckpointCorruptError  # noqa: E402
-from roll_ckpt.manifest import MANIFEST_NAME  # noqa: E402
+from roll_ckpt.format.manifest import MANIFEST_NAME  # noqa: E402
 from roll_ckpt.testing import BackendConformance, assert_same_state, state_snapshot, tiny_state  # noqa: E402
-from roll_ckpt.verify import verify  # noqa: E402
+from roll_ckpt.format.verify import verify  # noqa: E402
 from roll_ckpt_fs import FsspecStorage, open_storage  # noqa: E402
 
 from . import s3server  # noqa: E402
@@ -207,7 +207,7 @@ class _FrozenNow(_dt.datetime):
 
 
 def test_full_cycle_over_s3(s3: s3server.SeaweedServer, monkeypatch: pytest.MonkeyPatch) -> None:
-    import roll_ckpt.runs as runs_mod
+    import roll_ckpt.format.runs as runs_mod
 
     # Both runs claim their run folder within the same "second": the second claim must be
     # refused create-only by the server and fall back to "<stamp>-1".

@@ -44,7 +44,7 @@ def test_scale_smoke_writes_the_report(tmp_path: Path) -> None:
         ms = c["methods"]
         assert set(ms) == {"dcp", "dcp_cached", "dcp_nocoord", "rc", "rc_full"}
         assert ms["rc_full"]["same_metadata"]  # roll-ckpt's global plan: DCP's metadata
-        assert ms["rc"]["source"] == "roll_ckpt.fixed_layout", ms["rc"].get("source_note")
+        assert ms["rc"]["source"] == "roll_ckpt.save.fixed_layout", ms["rc"].get("source_note")
         assert ms["dcp"]["collective_bytes"]["local_plans"] > 100 * ms["dcp_cached"]["collective_bytes"]["local_plans"]
         assert ms["dcp_cached"]["collective_bytes"]["write_results"] == ms["dcp"]["collective_bytes"]["write_results"]
         assert ms["dcp"]["metadata_bytes"] > 0 and ms["rc"]["metadata_bytes"] == ms["dcp"]["metadata_bytes"]

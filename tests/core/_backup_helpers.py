@@ -99,7 +99,7 @@ def save_steps(m: Any, state: dict[str, Any], steps: Any) -> dict[int, Any]:
 
 
 def committed_steps(storage: Any, root: str) -> list[int]:
-    from roll_ckpt import layout
+    from roll_ckpt.format import layout
 
     return [r.step for r in layout.committed(storage, root)]
 
@@ -107,7 +107,7 @@ def committed_steps(storage: Any, root: str) -> list[int]:
 def leftovers(storage: Any, root: str) -> list[str]:
     """What unfinished writes left: temporary folders and markers (under ``root`` and its run
     folders), and checkpoint folders without a manifest."""
-    from roll_ckpt import layout
+    from roll_ckpt.format import layout
 
     out = []
     for folder in [root, *(p for _, p in layout.run_folders(storage, root))]:
@@ -150,7 +150,7 @@ REPLICATING_CHILD = r'''
 import json, sys, time
 from core._backup_helpers import SlowWrites
 import roll_ckpt.manager as manager
-import roll_ckpt.transfer as transfer
+import roll_ckpt.tiers.transfer as transfer
 from roll_ckpt import CheckpointManager, load_config
 from roll_ckpt.testing import tiny_state
 
@@ -171,8 +171,8 @@ time.sleep(120)
 COPYING_CHILD = r'''
 import os, sys
 from core._backup_helpers import SlowWrites
-import roll_ckpt.job as job
-import roll_ckpt.transfer as transfer
+import roll_ckpt.tiers.job as job
+import roll_ckpt.tiers.transfer as transfer
 from roll_ckpt import cli
 
 transfer.CHUNK_BYTES = 4096

@@ -29,7 +29,7 @@ def _modules(src: Path, package: str) -> dict[str, Path]:
 CORE_MODULES = _modules(CORE, "roll_ckpt")
 
 
-def _imports(module: str, path: Path) -> set[str]:
+def _imports(module: str, path: Path, modules: dict[str, Path] | None = None) -> set[str]:
     """Every module ``module`` imports, anywhere in it: top level, in functions, under TYPE_CHECKING."""
     found: set[str] = set()
     package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
@@ -44,34 +44,97 @@ def _imports(module: str, path: Path) -> set[str]:
                 target = node.module or ""
             for alias in node.names:
                 sub = f"{target}.{alias.name}"
-                found.add(sub if sub in CORE_MODULES else target)
+                found.add(sub if sub in (modules or CORE_MODULES) else target)
     return found
 
 
+def _graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    return {m: {d for d in _imports(m, p, modules) if d in modules and d != m} for m, p in modules.items()}
+
+
 def _core_graph() -> dict[str, set[str]]:
-    return {m: {d for d in _imports(m, p) if d in CORE_MODULES and d != m} for m, p in CORE_MODULES.items()}
+    return _graph(CORE_MODULES)
 
 
-def test_no_import_cycle_in_core() -> None:
-    graph = _core_graph()
+def _first_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     state: dict[str, int] = {}
     stack: list[str] = []
 
-    def visit(m: str) -> None:
+    def visit(m: str) -> list[str] | None:
         state[m] = 1
         stack.append(m)
         for d in sorted(graph[m]):
             if state.get(d) == 1:
-                cycle = stack[stack.index(d):] + [d]
-                pytest.fail("import cycle: " + " -> ".join(cycle))
-            if d not in state:
-                visit(d)
+                return stack[stack.index(d):] + [d]
+            if d not in state and (found := visit(d)):
+                return found
         stack.pop()
         state[m] = 2
+        return None
 
     for m in sorted(graph):
-        if m not in state:
-            visit(m)
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+@pytest.mark.parametrize("package", ["roll_ckpt", *PLUGIN_PACKAGES])
+def test_no_import_cycle(package: str) -> None:
+    if package == "roll_ckpt":
+        modules = CORE_MODULES
+    else:
+        src = next(s for s in PLUGIN_SOURCES if (s / package).is_dir())
+        modules = _modules(src / package, package)
+    cycle = _first_cycle(_graph(modules))
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+# The core's rooms, lowest first: a module may import the base modules and rooms below its
+# own (and modules of its own room), never one above. ``save`` and ``load`` share a floor
+# through ``hf``: the save pipeline writes Hugging Face files by reading back what it wrote.
+BASE = {"roll_ckpt.errors", "roll_ckpt.contracts", "roll_ckpt.hookspecs", "roll_ckpt._version"}
+REGISTRY = "roll_ckpt.plugins"  # from config up: plugins' keys validated, backends opened through it
+LAYERS = ["runtime", "format", "config", "tiers", "load", "hf", "save"]
+ASSEMBLY = {"roll_ckpt", "roll_ckpt.plugins", "roll_ckpt._builtin", "roll_ckpt.strategy", "roll_ckpt.manager"}
+ABOVE_ALL = ("cli", "testing")
+
+
+def _room(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and f"roll_ckpt.{parts[1]}" not in BASE | ASSEMBLY) else ""
+
+
+def test_every_core_module_is_in_a_room() -> None:
+    loose = [m for m in CORE_MODULES if m not in BASE | ASSEMBLY and _room(m) not in LAYERS + list(ABOVE_ALL)]
+    assert not loose, f"modules outside the rooms {LAYERS + list(ABOVE_ALL)}: {loose}"
+
+
+def test_the_rooms_import_only_downwards() -> None:
+    graph = _core_graph()
+    wrong = []
+    for module, deps in graph.items():
+        room = _room(module)
+        if room in ABOVE_ALL or module in ASSEMBLY:
+            continue
+        for dep in deps:
+            if dep in BASE:
+                continue
+            if module in BASE:
+                wrong.append(f"{module} -> {dep} (a base module imports nothing of the core's)")
+            elif dep == REGISTRY and LAYERS.index(room) >= LAYERS.index("config"):
+                continue
+            elif dep in ASSEMBLY or _room(dep) in ABOVE_ALL:
+                wrong.append(f"{module} -> {dep}")
+            elif LAYERS.index(_room(dep)) > LAYERS.index(room):
+                wrong.append(f"{module} ({room}) -> {dep} ({_room(dep)})")
+    assert not wrong, "imports against the layering:\n" + "\n".join(sorted(wrong))
+
+
+def test_save_and_load_do_not_import_each_other() -> None:
+    graph = _core_graph()
+    crossing = [f"{m} -> {d}" for m, deps in graph.items() for d in deps
+                if {_room(m), _room(d)} == {"save", "load"}]
+    assert not crossing, crossing
 
 
 def test_contracts_import_no_implementation() -> None:
@@ -115,11 +178,11 @@ def test_private_torch_apis_live_in_the_compat_module_only() -> None:
     offenders = {str(p.relative_to(REPO)): uses for p in sources
                  if p.name != "torch_compat.py" and (uses := _private_torch_uses(p))}
     assert not offenders, offenders
-    assert _private_torch_uses(CORE / "torch_compat.py"), "the compat module is where they are"
+    assert _private_torch_uses(CORE / "runtime" / "torch_compat.py"), "the compat module is where they are"
 
 
 def test_every_compat_accessor_names_the_torch_versions_it_was_checked_on() -> None:
-    tree = ast.parse((CORE / "torch_compat.py").read_text())
+    tree = ast.parse((CORE / "runtime" / "torch_compat.py").read_text())
     for fn in (n for n in tree.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")):
         doc = ast.get_docstring(fn) or ""
         assert "torch 2." in doc or "since torch" in doc, f"{fn.name} does not say which torch it was checked on"
@@ -129,7 +192,7 @@ def test_a_missing_private_api_is_an_error_naming_the_torch_version(monkeypatch:
     import torch
     import torch.serialization as ser
 
-    from roll_ckpt.torch_compat import TorchCompatError, save_tensor_without_crc
+    from roll_ckpt.runtime.torch_compat import TorchCompatError, save_tensor_without_crc
 
     monkeypatch.delattr(ser, "_save")
     import re
@@ -145,7 +208,7 @@ def test_the_writer_patches_nothing_in_torch() -> None:
     import torch
     import torch.serialization as ser
 
-    from roll_ckpt.torch_compat import save_tensor_without_crc
+    from roll_ckpt.runtime.torch_compat import save_tensor_without_crc
 
     before = ser.get_crc32_options
     save_tensor_without_crc(torch.arange(4.0), buf := io.BytesIO())

@@ -13,7 +13,8 @@ import torch
 
 from helpers.plugins import plugins_with_backend
 from helpers.training import config, train_step
-from roll_ckpt import CheckpointManager, SaveError, layout
+from roll_ckpt import CheckpointManager, SaveError
+from roll_ckpt.format import layout
 from roll_ckpt.testing import assert_same_state, state_snapshot, tiny_state
 from roll_ckpt_fs import LocalStorage
 

@@ -1,4 +1,4 @@
-"""The garbage collector held off while a save plans and gathers (roll_ckpt.collector)."""
+"""The garbage collector held off while a save plans and gathers (roll_ckpt.runtime.collector)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from roll_ckpt import CheckpointManager
-from roll_ckpt.collector import CollectorPause
+from roll_ckpt.runtime.collector import CollectorPause
 from roll_ckpt.testing import tiny_state
 from tests.helpers.training import config
 
@@ -51,9 +51,9 @@ def test_a_disabled_pause_touches_nothing() -> None:
 def _watch(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[bool]]:
     """Records whether the collector runs while DCP plans, while the data is written and
     while .metadata is written."""
-    import roll_ckpt.dcp_write as dw
+    import roll_ckpt.save.writer as dw
 
-    import roll_ckpt.saving as saving
+    import roll_ckpt.save.pipeline as saving
 
     seen: dict[str, list[bool]] = {"stage": [], "plan": [], "data": [], "metadata": []}
     plan, write, finish = dw.ReusingSavePlanner.set_up_planner, dw.write_tensor, dw.DigestingWriter.finish
@@ -104,7 +104,7 @@ def test_pause_gc_false_leaves_it_running(tmp_path: Path, monkeypatch: pytest.Mo
 
 
 def test_a_failed_save_switches_it_back_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import roll_ckpt.dcp_write as dw
+    import roll_ckpt.save.writer as dw
 
     def broken(*a: Any) -> None:
         raise OSError(28, "No space left on device")

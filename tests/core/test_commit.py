@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from roll_ckpt import RollCkptError
-from roll_ckpt.commit import ManifestLast, RenameIntoPlace, pending_checkpoint
-from roll_ckpt.manifest import MANIFEST_NAME
+from roll_ckpt.format.commit import ManifestLast, RenameIntoPlace, pending_checkpoint
+from roll_ckpt.format.manifest import MANIFEST_NAME
 
 
 def test_the_backend_chooses_the_protocol(tmp_path, memory_url: str) -> None:
@@ -53,7 +53,7 @@ def test_a_writer_in_another_pid_namespace_is_not_judged_by_its_pid(tmp_path) ->
     import socket
     import time
 
-    from roll_ckpt.owners import _pid_namespace, clean_stale, owner_gone
+    from roll_ckpt.format.owners import _pid_namespace, clean_stale, owner_gone
     from roll_ckpt.testing import dead_pid
 
     here = {"host": socket.gethostname(), "pid": dead_pid(), "pidns": _pid_namespace(), "started": time.time()}

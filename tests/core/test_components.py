@@ -23,7 +23,7 @@ from helpers.launch import run_python
 from helpers.training import config, train_step
 from roll_ckpt import (CheckpointCorruptError, CheckpointManager, CheckpointNotFoundError, ConfigError,
                        DriverState, RollCkptError, hookimpl, layout, load_config, new_run_name)
-from roll_ckpt.components import step_manifest, try_complete
+from roll_ckpt.format.components import step_manifest, try_complete
 from roll_ckpt.plugins import Plugins
 from roll_ckpt.testing import assert_same_state, state_snapshot, tiny_state
 
@@ -328,8 +328,8 @@ def test_retention_judges_pending_steps_without_the_steps_it_just_removed(tmp_pa
 
 
 def test_removing_a_step_uncommits_its_parts_first(tmp_path: Path) -> None:
-    from roll_ckpt.components import complete_pending
-    from roll_ckpt.retention import remove_checkpoint
+    from roll_ckpt.format.components import complete_pending
+    from roll_ckpt.tiers.retention import remove_checkpoint
 
     run = new_run_name()
     _save_steps(tmp_path, run, [1])
@@ -353,7 +353,7 @@ def test_removing_a_step_uncommits_its_parts_first(tmp_path: Path) -> None:
 
 
 def test_local_write_create_is_whole_or_absent_and_leaves_nothing_behind(tmp_path: Path) -> None:
-    from roll_ckpt.owners import clean_stale
+    from roll_ckpt.format.owners import clean_stale
 
     storage = layout_storage(tmp_path)
     target = tmp_path / "run" / "checkpoint-1" / "manifest.json"
@@ -430,7 +430,7 @@ def test_driver_state_keeps_insertion_order_and_a_driver_never_imports_torch(tmp
 def test_retention_drops_run_folders_that_hold_only_a_dead_launchs_record(tmp_path: Path) -> None:
     import socket
 
-    from roll_ckpt.retention import apply_retention
+    from roll_ckpt.tiers.retention import apply_retention
 
     dead = tmp_path / "20200101-000000"
     dead.mkdir()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from roll_ckpt import ConfigError, load_config
-from roll_ckpt.config_file import hydra_available, read_config_file
+from roll_ckpt.config.file import hydra_available, read_config_file
 
 CONFIGS = Path(__file__).resolve().parent / "roll_configs"
 NOW = CONFIGS / "hydra_now" / "run_with_now.yaml"

@@ -17,7 +17,7 @@ import yaml  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from roll_ckpt.config import BackupConfig, CheckpointConfig, Config, load_config  # noqa: E402
+from roll_ckpt.config.schema import BackupConfig, CheckpointConfig, Config, load_config  # noqa: E402
 from roll_ckpt.errors import ConfigError  # noqa: E402
 
 # OmegaConf warns about `${env:,}` (empty arguments) before the value is judged: expected here.

@@ -13,14 +13,15 @@ import pytest
 
 from helpers.damage import flip_byte
 from helpers.training import config
-from roll_ckpt import CheckpointManager, layout
+from roll_ckpt import CheckpointManager
+from roll_ckpt.format import layout
 from roll_ckpt.cli import main
 from roll_ckpt.errors import CheckpointCorruptError, CheckpointNotFoundError
 from roll_ckpt.plugins import get_plugins
 from roll_ckpt.manager import open_storage
 from roll_ckpt.testing import assert_same_state, state_snapshot, tiny_state
-from roll_ckpt.transfer import CopyInterrupted, committed_manifest, copy_checkpoint
-from roll_ckpt.verify import verify
+from roll_ckpt.tiers.transfer import CopyInterrupted, committed_manifest, copy_checkpoint
+from roll_ckpt.format.verify import verify
 
 from ._backup_helpers import COPYING_CHILD, kill_when_busy, leftovers, save_steps
 

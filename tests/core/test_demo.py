@@ -13,7 +13,7 @@ import yaml
 
 from helpers.launch import REPO, finish, run_ok, start
 from roll_ckpt.cli import main
-from roll_ckpt_demo.launch import DEFAULT_CONFIG
+from roll_ckpt_demo.settings import DEFAULT_CONFIG
 
 TIMEOUT = 120
 STEP_RE = re.compile(r"^step +(\d+)  loss=(\S+)  reward=(\S+)", re.M)
@@ -148,7 +148,7 @@ def test_two_processes_fsdp2_stop_and_resume(tmp_path: Path) -> None:
     import torch
     from safetensors.torch import load_file
 
-    from roll_ckpt import layout
+    from roll_ckpt.format import layout
     from roll_ckpt_demo.job import _policy
     from roll_ckpt_fs.storage import LocalStorage
 

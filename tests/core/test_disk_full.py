@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from helpers.training import config, train_step
-from roll_ckpt import CheckpointManager, StorageFullError, layout
+from roll_ckpt import CheckpointManager, StorageFullError
+from roll_ckpt.format import layout
 from roll_ckpt.testing import assert_same_state, state_snapshot
-from roll_ckpt.verify import verify
+from roll_ckpt.format.verify import verify
 
 
 def _state(seed: int) -> dict:

@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.default_planner import _validate_global_plan
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
                                                    TensorProperties, TensorStorageMetadata)
 
-from roll_ckpt.global_plan import chunk_errors, merge_planner_data
+from roll_ckpt.save.global_plan import chunk_errors, merge_planner_data
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -75,7 +75,7 @@ def test_small_replicated_values_go_to_the_lowest_rank_and_large_ones_are_spread
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-    from roll_ckpt.global_plan import SMALL_REPLICATED, dedup_plans
+    from roll_ckpt.save.global_plan import SMALL_REPLICATED, dedup_plans
 
     def item(fqn: str, n: int) -> WriteItem:
         props = TensorProperties(dtype=torch.uint8)

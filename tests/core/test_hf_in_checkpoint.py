@@ -1,5 +1,5 @@
 """The model as Hugging Face files inside every checkpoint (checkpoint_config.hf_weights,
-roll_ckpt/hf_in_checkpoint.py), written in the background from the dcp/ shards just written;
+roll_ckpt/hf/in_checkpoint.py), written in the background from the dcp/ shards just written;
 ``save_only_model``: the weights and the trainer state only, a resume starting the optimizer
 fresh with a warning."""
 
@@ -131,7 +131,7 @@ def test_save_only_model_holds_the_weights_and_resumes_the_optimizer_fresh(tmp_p
         path = manager.save(2, {"model": model, "optimizer": opt}, final=True)
     manifest = _manifest(path)
     assert manifest["extra"]["save_only_model"] == "model" and manifest["extra"]["hf"]["status"] == "written"
-    from roll_ckpt.dcp_read import SafeReader
+    from roll_ckpt.load.reader import SafeReader
     from roll_ckpt_fs import LocalStorage
 
     md = SafeReader(LocalStorage(path), os.path.join(path, "dcp")).read_metadata()

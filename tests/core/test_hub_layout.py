@@ -1,4 +1,4 @@
-"""MoE models in the hub's layout both ways (roll_ckpt/hub_layout.py): transformers 5 fuses
+"""MoE models in the hub's layout both ways (roll_ckpt/format/hub_layout.py): transformers 5 fuses
 an MoE layer's experts, the hub (save_pretrained, published checkpoints) has one tensor per
 expert. ``export --format hf`` writes exactly what ``save_pretrained`` writes (names, shapes,
 shards, the index with ``total_parameters``, the tensors bit for bit) and ``from_pretrained``
@@ -97,7 +97,7 @@ def test_an_architecture_that_cannot_be_converted_is_named(tmp_path: Path) -> No
     from transformers import conversion_mapping as cm
     from transformers.core_model_loading import Chunk, WeightConverter
 
-    from roll_ckpt.hub_layout import hub_layout, meta_model
+    from roll_ckpt.format.hub_layout import hub_layout, meta_model
 
     class FusedQKVLlamaForCausalLM(LlamaForCausalLM):
         pass

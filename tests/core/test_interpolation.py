@@ -9,7 +9,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from roll_ckpt import ConfigError, load_config
-from roll_ckpt.interpolation import interpolate
+from roll_ckpt.config.interpolation import interpolate
 
 
 def test_roll_forms_resolve_and_lone_references_keep_their_type(monkeypatch) -> None:

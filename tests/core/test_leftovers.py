@@ -1,5 +1,5 @@
 """A failed save whose cleanup fails too (the store still unreachable) is cleaned by the
-next save of the process (``roll_ckpt.leftovers``), not left until the process exits."""
+next save of the process (``roll_ckpt.format.leftovers``), not left until the process exits."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 
 from helpers.training import config, drift
-from roll_ckpt import CheckpointManager, layout
+from roll_ckpt import CheckpointManager
+from roll_ckpt.format import layout
 from roll_ckpt.testing import tiny_state
-from roll_ckpt.verify import verify
+from roll_ckpt.format.verify import verify
 
 
 def test_the_next_save_removes_what_a_failed_cleanup_left(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

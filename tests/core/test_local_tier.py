@@ -16,7 +16,7 @@ import torch
 from helpers.damage import flip_byte
 from roll_ckpt import CheckpointManager, ConfigError, load_config
 from roll_ckpt.cli import main
-from roll_ckpt.peer_replicas import pack, ring_targets, unpack_verified
+from roll_ckpt.tiers.peer_replicas import pack, ring_targets, unpack_verified
 
 
 def cfg(tmp_path: Path, *, resume: Any = False, async_save: bool = False, **local: Any) -> Any:

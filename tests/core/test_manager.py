@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from roll_ckpt import CheckpointManager, RollCkptError, StorageError, layout, load_config
+from roll_ckpt import CheckpointManager, RollCkptError, StorageError, load_config
+
+from roll_ckpt.format import layout
 from roll_ckpt.testing import assert_same_state, state_snapshot, tiny_state
 
 RUN_RE = re.compile(r"^\d{8}-\d{6}(-\d+)?$")
@@ -226,7 +228,7 @@ def test_retention_zero_keeps_all(ckpt_config, tmp_path: Path) -> None:
 CRASH_SCRIPT = textwrap.dedent("""
     import os, sys
     from roll_ckpt import CheckpointManager, load_config
-    from roll_ckpt.commit import PendingCheckpoint
+    from roll_ckpt.format.commit import PendingCheckpoint
     from roll_ckpt.testing import tiny_state
     cfg = load_config({"checkpoint_config": {"type": "file_system", "output_dir": sys.argv[1]}})
     m = CheckpointManager.from_config(cfg, quiet=True)

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from helpers.launch import child_env
-from roll_ckpt import CheckpointManager, DriverState, Preempted, layout, load_config, new_run_name
+from roll_ckpt import CheckpointManager, DriverState, Preempted, load_config, new_run_name
+from roll_ckpt.format import layout
 from roll_ckpt.testing import tiny_state
 
 CHILD = Path(__file__).with_name("_preempt_child.py")
@@ -174,7 +175,7 @@ def test_signals_off_and_a_request_from_code(tmp_path: Path) -> None:
 def test_off_the_main_thread_it_is_logged_once_and_the_rest_works(tmp_path: Path, caplog) -> None:
     import threading
 
-    import roll_ckpt.preemption as preemption
+    import roll_ckpt.runtime.preemption as preemption
 
     preemption._told_not_main = False
     out: dict = {}

@@ -14,10 +14,11 @@ import pytest
 
 from helpers.damage import flip_byte
 from helpers.training import backup_config
-from roll_ckpt import BackupError, CheckpointCorruptError, CheckpointManager, ConfigError, layout, load_config
-from roll_ckpt import replication
+from roll_ckpt import BackupError, CheckpointCorruptError, CheckpointManager, ConfigError, load_config
+from roll_ckpt.format import layout
+from roll_ckpt.tiers import replication
 from roll_ckpt.testing import assert_same_state, state_snapshot, tiny_state
-from roll_ckpt.verify import verify
+from roll_ckpt.format.verify import verify
 
 from ._backup_helpers import (REPLICATING_CHILD, FailingWrites, SlowWrites, committed_steps, kill_when_busy, leftovers,
                               manager, save_steps)
@@ -54,7 +55,7 @@ def test_replication_end_to_end_with_keep_local(tmp_path: Path, backup_url: str)
     assert leftovers(bk, bk.root) == []
     # keep_local: 1 -> only the newest local copy is left, the others live on at the replica
     assert committed_steps(m.storage, m.root) == [3]
-    from roll_ckpt.transfer import committed_manifest
+    from roll_ckpt.tiers.transfer import committed_manifest
 
     assert committed_manifest(m.storage, str(Path(m.run_dir) / "checkpoint-3")) == \
         committed_manifest(bk, bk.join(bk.root, run, "checkpoint-3"))  # the manifest is copied unchanged
@@ -70,7 +71,7 @@ def test_replication_end_to_end_with_keep_local(tmp_path: Path, backup_url: str)
 
 
 def test_saves_do_not_wait_for_replication(tmp_path: Path, monkeypatch) -> None:
-    import roll_ckpt.transfer as transfer
+    import roll_ckpt.tiers.transfer as transfer
 
     monkeypatch.setattr(transfer, "CHUNK_BYTES", 4096)
     m = manager(backup_config(tmp_path / "local", tmp_path / "backup", max_wait_s=0))
@@ -124,7 +125,7 @@ def test_a_copy_that_keeps_failing_is_reported_and_never_counted(tmpfs, tmp_path
 
 
 def test_close_waits_at_most_max_wait_s_and_the_next_run_catches_up(tmp_path: Path, monkeypatch) -> None:
-    import roll_ckpt.transfer as transfer
+    import roll_ckpt.tiers.transfer as transfer
 
     monkeypatch.setattr(transfer, "CHUNK_BYTES", 4096)
     monkeypatch.setattr(replication, "STOP_GRACE_S", 2.0)

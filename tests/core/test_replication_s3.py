@@ -23,9 +23,9 @@ from helpers.training import backup_config, config  # noqa: E402
 from roll_ckpt import layout  # noqa: E402
 from roll_ckpt import replication  # noqa: E402
 from roll_ckpt.cli import main  # noqa: E402
-from roll_ckpt.manifest import MANIFEST_NAME  # noqa: E402
+from roll_ckpt.format.manifest import MANIFEST_NAME  # noqa: E402
 from roll_ckpt.testing import assert_same_state, state_snapshot, tiny_state  # noqa: E402
-from roll_ckpt.verify import verify  # noqa: E402
+from roll_ckpt.format.verify import verify  # noqa: E402
 from roll_ckpt_fs import FsspecStorage, open_storage  # noqa: E402
 
 from ._backup_helpers import (COPYING_CHILD, REPLICATING_CHILD, committed_steps, kill_when_busy,  # noqa: E402

@@ -25,7 +25,9 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from roll_ckpt import CheckpointManager, ConfigError, DriverState, layout, load_config
+from roll_ckpt import CheckpointManager, ConfigError, DriverState, load_config
+
+from roll_ckpt.format import layout
 from roll_ckpt.testing.state import assert_same_state, state_snapshot, tiny_state
 
 CONFIGS = Path(__file__).resolve().parent / "roll_configs"

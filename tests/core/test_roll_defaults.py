@@ -1,5 +1,5 @@
-"""ROLL's defaults for a ROLL pipeline config (roll_ckpt/roll_defaults.py), roll-ckpt's for
-a plain one, and ``roll-ckpt config PATH`` (roll_ckpt/config_report.py): the resolved
+"""ROLL's defaults for a ROLL pipeline config (roll_ckpt/config/roll_defaults.py), roll-ckpt's for
+a plain one, and ``roll-ckpt config PATH`` (roll_ckpt/config/report.py): the resolved
 settings per worker and where each came from."""
 
 from __future__ import annotations
@@ -9,10 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from roll_ckpt import CheckpointManager, ConfigError, layout, load_config
+from roll_ckpt import CheckpointManager, ConfigError, load_config
+
+from roll_ckpt.format import layout
 from roll_ckpt.cli import main
-from roll_ckpt.config_report import config_report
-from roll_ckpt.roll_defaults import recognize
+from roll_ckpt.config.report import config_report
+from roll_ckpt.config.roll_defaults import recognize
 from roll_ckpt.testing.state import tiny_state
 
 CONFIGS = Path(__file__).resolve().parent / "roll_configs"

@@ -12,7 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from roll_ckpt import CheckpointManager, StorageError, layout, load_config
+from roll_ckpt import CheckpointManager, StorageError, load_config
+
+from roll_ckpt.format import layout
 from roll_ckpt.testing import tiny_state
 
 

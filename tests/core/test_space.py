@@ -19,10 +19,11 @@ import torch
 
 from helpers.launch import child_env, free_port, rank_env
 from helpers.training import config
-from roll_ckpt import CheckpointManager, StorageFullError, layout
-from roll_ckpt.space import SpaceGuard, estimate_checkpoint_bytes
+from roll_ckpt import CheckpointManager, StorageFullError
+from roll_ckpt.format import layout
+from roll_ckpt.tiers.space import SpaceGuard, estimate_checkpoint_bytes
 from roll_ckpt.testing import assert_same_state, state_snapshot, tiny_state
-from roll_ckpt.verify import verify
+from roll_ckpt.format.verify import verify
 
 
 def _linear(width: int, seed: int = 0, adam: bool = False) -> dict:

@@ -12,9 +12,9 @@ import torch
 from helpers.damage import flip_byte
 from helpers.training import config
 from roll_ckpt import CheckpointCorruptError, CheckpointManager, PartlyLoadedError
-from roll_ckpt import streamed_files
-from roll_ckpt.digest import CHUNK_SIZE
-from roll_ckpt.manifest import MANIFEST_NAME
+from roll_ckpt.format import streamed_files
+from roll_ckpt.format.digest import CHUNK_SIZE
+from roll_ckpt.format.manifest import MANIFEST_NAME
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -121,7 +121,7 @@ def test_a_truncated_file_is_refused_before_anything_is_read(saved: Any) -> None
 def test_files_without_piece_checksums_are_checked_first(saved: Any) -> None:
     """A manifest of an older writer (no chunks): the one-pass option checks the file whole
     before loading, as by default, so damage leaves the state untouched."""
-    from roll_ckpt.manifest import seal
+    from roll_ckpt.format.manifest import seal
 
     ckpt, _ = saved
     body = json.loads((ckpt / MANIFEST_NAME).read_text())

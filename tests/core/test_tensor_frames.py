@@ -1,4 +1,4 @@
-"""Kept torch.save frames (roll_ckpt.tensor_frames): the bytes are torch.save's, for every
+"""Kept torch.save frames (roll_ckpt.save.tensor_frames): the bytes are torch.save's, for every
 tensor that takes the fast path and every one that does not."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import io
 import pytest
 import torch
 
-from roll_ckpt.tensor_frames import TensorFrames
-from roll_ckpt.torch_compat import save_tensor_without_crc, serializes_plainly
+from roll_ckpt.save.tensor_frames import TensorFrames
+from roll_ckpt.runtime.torch_compat import save_tensor_without_crc, serializes_plainly
 
 
 class _Counting(io.BytesIO):
@@ -114,7 +114,7 @@ def test_a_zero_tensor_never_reads_memory_it_does_not_have() -> None:
 
 
 def test_the_frames_start_over_past_their_bound(monkeypatch: pytest.MonkeyPatch) -> None:
-    import roll_ckpt.tensor_frames as tf
+    import roll_ckpt.save.tensor_frames as tf
 
     monkeypatch.setattr(tf, "_MAX_FRAMES", 3)
     frames = TensorFrames()

@@ -1,4 +1,4 @@
-"""The private torch APIs roll-ckpt wraps (roll_ckpt.torch_compat): what each wrapper adds."""
+"""The private torch APIs roll-ckpt wraps (roll_ckpt.runtime.torch_compat): what each wrapper adds."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import io
 
 import torch
 
-from roll_ckpt.torch_compat import collective, save_tensor_without_crc
+from roll_ckpt.runtime.torch_compat import collective, save_tensor_without_crc
 
 
 def test_writing_tensors_leaves_no_garbage_in_cycles() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from roll_ckpt.units import human_bytes, parse_size
+from roll_ckpt.runtime.units import human_bytes, parse_size
 
 
 @pytest.mark.parametrize("text,expected", [

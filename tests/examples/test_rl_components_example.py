@@ -108,7 +108,7 @@ def test_sigterm_to_every_process_stops_the_job_at_one_whole_step(tmp_path: Path
     import time
 
     from helpers.launch import child_env
-    from roll_ckpt import layout
+    from roll_ckpt.format import layout
     from roll_ckpt_fs import LocalStorage
 
     full_dir, job_dir = tmp_path / "full", tmp_path / "job"

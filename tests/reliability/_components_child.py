@@ -368,7 +368,7 @@ def run_component(spec: dict[str, Any]) -> int:
 
 def run_complete(spec: dict[str, Any]) -> int:
     """One of several processes calling ``try_complete`` on the same complete step at once."""
-    from roll_ckpt.components import try_complete
+    from roll_ckpt.format.components import try_complete
     from roll_ckpt_fs import open_storage
 
     times = {"start": time.time()}
@@ -453,8 +453,8 @@ def main() -> int:
     import torch.distributed.device_mesh  # noqa: F401
     import torch.distributed.fsdp  # noqa: F401
 
-    import roll_ckpt.components  # noqa: F401
-    import roll_ckpt.dcp_read, roll_ckpt.dcp_write  # noqa: F401,E401
+    import roll_ckpt.format.components  # noqa: F401
+    import roll_ckpt.load.reader, roll_ckpt.save.writer  # noqa: F401,E401
     import roll_ckpt_fs  # noqa: F401
     import roll_ckpt_fsdp2  # noqa: F401
     try:

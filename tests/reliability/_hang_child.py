@@ -65,7 +65,7 @@ def main(out: str, phase: str) -> None:
             if phase == "write" and rank == 1:
                 stop()
             if phase == "commit" and rank == 0:
-                from roll_ckpt.commit import PendingCheckpoint
+                from roll_ckpt.format.commit import PendingCheckpoint
 
                 real = PendingCheckpoint.commit
                 PendingCheckpoint.commit = lambda self, manifest: (stop(), real(self, manifest))[1]  # type: ignore

@@ -18,12 +18,12 @@ import pytest
 from helpers import forkserver
 from helpers.forkserver import read_events
 from helpers.training import config
-from roll_ckpt import layout
-from roll_ckpt.owners import MARKER_PREFIX
-from roll_ckpt.layout import TMP_PREFIX
-from roll_ckpt.manifest import MANIFEST_NAME
+from roll_ckpt.format import layout
+from roll_ckpt.format.owners import MARKER_PREFIX
+from roll_ckpt.format.layout import TMP_PREFIX
+from roll_ckpt.format.manifest import MANIFEST_NAME
 from roll_ckpt.contracts import Storage
-from roll_ckpt.verify import list_files, verify
+from roll_ckpt.format.verify import list_files, verify
 
 HERE = Path(__file__).resolve().parent
 CHILD = HERE / "_crash_child.py"

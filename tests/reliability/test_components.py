@@ -60,12 +60,13 @@ from helpers import forkserver
 from helpers.forkserver import read_events
 from helpers.launch import free_port, kill_group, start_torchrun
 from helpers.training import config
-from roll_ckpt import CheckpointManager, DriverState, layout, new_run_name
-from roll_ckpt.owners import MARKER_PREFIX
-from roll_ckpt.components import complete_pending, components_of, try_complete
-from roll_ckpt.layout import TMP_PREFIX
-from roll_ckpt.manifest import MANIFEST_NAME, Manifest
-from roll_ckpt.verify import verify
+from roll_ckpt import CheckpointManager, DriverState, new_run_name
+from roll_ckpt.format import layout
+from roll_ckpt.format.owners import MARKER_PREFIX
+from roll_ckpt.format.components import complete_pending, components_of, try_complete
+from roll_ckpt.format.layout import TMP_PREFIX
+from roll_ckpt.format.manifest import MANIFEST_NAME, Manifest
+from roll_ckpt.format.verify import verify
 from roll_ckpt_fs import open_storage
 
 from ._support import kills_per_mode

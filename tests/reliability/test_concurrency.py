@@ -15,10 +15,11 @@ import pytest
 from helpers.launch import child_env
 from helpers.plugins import plugins_with_backend
 from helpers.training import config, train_step
-from roll_ckpt import CheckpointManager, layout
-from roll_ckpt.manifest import MANIFEST_NAME
+from roll_ckpt import CheckpointManager
+from roll_ckpt.format import layout
+from roll_ckpt.format.manifest import MANIFEST_NAME
 from roll_ckpt.testing import assert_same_state, state_snapshot, tiny_state
-from roll_ckpt.verify import verify
+from roll_ckpt.format.verify import verify
 from roll_ckpt_fs import LocalStorage
 
 from ._support import HERE, read_bytes

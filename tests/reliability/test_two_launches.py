@@ -2,7 +2,7 @@
 dead and restarted, a Ray actor that exists twice), as real overlapping processes.
 
 With run folders (``timestamp_subdir: true``, the default) each launch writes its own; the
-checkpoint a live launch resumed from is held (``roll_ckpt.holds``) so the other's
+checkpoint a live launch resumed from is held (``roll_ckpt.format.holds``) so the other's
 retention leaves it alone until the resumer has committed one of its own; ``latest`` is
 always a whole checkpoint. Without run folders the second launch is refused with an error
 that says what to do.
@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from helpers.launch import child_env
-from roll_ckpt import layout
-from roll_ckpt.verify import verify
+from roll_ckpt.format import layout
+from roll_ckpt.format.verify import verify
 from roll_ckpt_fs import LocalStorage
 
 CHILD = Path(__file__).with_name("_launch_child.py")

@@ -25,10 +25,10 @@ import pytest
 
 from roll_ckpt import CheckpointCorruptError, CheckpointManager, UnsafeCheckpointError, load_config
 from roll_ckpt.cli import main as cli
-from roll_ckpt.digest import hash_bytes
-from roll_ckpt.manifest import seal
+from roll_ckpt.format.digest import hash_bytes
+from roll_ckpt.format.manifest import seal
 from roll_ckpt.testing import assert_same_state, state_snapshot, tiny_state
-from roll_ckpt.verify import verify
+from roll_ckpt.format.verify import verify
 from roll_ckpt_fs import LocalStorage
 
 from ._support import copy_of, save_template

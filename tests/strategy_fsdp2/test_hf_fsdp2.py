@@ -5,6 +5,7 @@ one process with ``--format hf`` for transformers' ``from_pretrained``."""
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -55,8 +56,15 @@ def test_initial_load_train_and_export_on_two_ranks(tmp_path: Path) -> None:
 
         # the checkpoint's own Hugging Face files (hf_weights), written by the coordinator from the
         # dcp/ shards of both ranks: transformers opens the checkpoint folder itself
+        # logits compared in this process: the workers run one thread each, and an MoE layer's
+        # sums can round differently with another thread count (seen once under load)
+        reference = copy.deepcopy(source)
+        reference.load_state_dict(got["trained"])
+        want = logits(reference)
+        torch.testing.assert_close(want, got["logits"], rtol=1e-5, atol=1e-6)
         inside = from_pretrained(Path(ranks[0]["checkpoint"]))
-        assert torch.equal(logits(inside), got["logits"]), name
+        assert all(torch.equal(v, got["trained"][k]) for k, v in inside.state_dict().items()), name
+        assert torch.equal(logits(inside), want), name
         assert json.loads((Path(ranks[0]["checkpoint"]) / "manifest.json").read_text())["extra"]["hf"]["status"] \
             == "written"
 
@@ -69,7 +77,7 @@ def test_initial_load_train_and_export_on_two_ranks(tmp_path: Path) -> None:
         exported = from_pretrained(out)
         sd = exported.state_dict()
         assert all(torch.equal(sd[k], got["trained"][k]) for k in got["trained"]), name
-        assert torch.equal(logits(exported), got["logits"]), name
+        assert torch.equal(logits(exported), want), name
 
         rc = main(["--quiet", "export", ranks[0]["checkpoint"], "--format", "hf", "--out", str(out) + "-bf16",
                    "--dtype", "bfloat16", "--hf-config", str(tmp_path / f"hf-{name}")])

@@ -71,7 +71,7 @@ def _stopped(out: Path) -> int:
 
 
 def _newest(out: Path) -> int:
-    from roll_ckpt import layout
+    from roll_ckpt.format import layout
     from roll_ckpt_fs import LocalStorage
 
     return layout.latest(LocalStorage(str(out)), str(out)).step

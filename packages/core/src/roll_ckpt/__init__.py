@@ -9,19 +9,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
-from .config import BackupConfig, CheckpointConfig, Config, InitialLoadConfig, PreemptionConfig, StrategyConfig, load_config
+from .config.schema import BackupConfig, CheckpointConfig, Config, InitialLoadConfig, PreemptionConfig, StrategyConfig, load_config
 from .errors import (BackupError, CheckpointCorruptError, CheckpointNotFoundError, ConfigError, PartlyLoadedError,
                      PluginError, RollCkptError, SaveError, StorageError, StorageFullError, UnknownPluginError,
                      UnsafeCheckpointError)
 from .contracts import (BackendRecord, CommandRecord, CommitInfo, ConfigKeyRecord, Entry, NetworkCounts, SaveContext,
                         StagingPolicy, StagingPolicyRecord, Storage, Strategy, StrategyRecord)
-from .driver_state import DriverState
+from .format.driver_state import DriverState
 from .hookspecs import hookimpl, hookspec
-from .layout import new_run_name
-from .preemption import Preempted
+from .format.layout import new_run_name
+from .runtime.preemption import Preempted
 
 if TYPE_CHECKING:
-    from .hf_export import export_hf
+    from .hf.export import export_hf
     from .manager import CheckpointManager, SaveStats
 
 __all__ = [
@@ -75,7 +75,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(manager, name)
     if name == "export_hf":
-        from . import hf_export
+        from .hf import export as hf_export
 
         return hf_export.export_hf
     raise AttributeError(f"module 'roll_ckpt' has no attribute {name!r}")

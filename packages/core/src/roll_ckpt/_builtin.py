@@ -6,7 +6,7 @@ from typing import Any
 
 from .contracts import StagingPolicyRecord, Strategy, StrategyRecord
 from .hookspecs import hookimpl
-from .regular_copy import RegularCopy
+from .save.regular_copy import RegularCopy
 
 FALLBACK = -(2 ** 31)
 """The regular copy's priority: every plugin's policy is asked before it."""
@@ -19,13 +19,13 @@ def _make_dcp(config: Any, plugins: Any) -> Strategy:
 
 
 def _make_json(config: Any, plugins: Any) -> Strategy:
-    from .driver_state import JSONStrategy
+    from .format.driver_state import JSONStrategy
 
     return JSONStrategy(config, plugins)
 
 
 def _holds_driver_state(state: Any) -> bool:
-    from .driver_state import holds_driver_state
+    from .format.driver_state import holds_driver_state
 
     return holds_driver_state(state)
 

@@ -80,7 +80,7 @@ class Storage(Protocol):
     """That root as a path of this backend (what :meth:`join` builds on)."""
 
     atomic_rename: bool
-    """The backend's choice of commit protocol (:mod:`roll_ckpt.commit`).
+    """The backend's choice of commit protocol (:mod:`roll_ckpt.format.commit`).
 
     True (POSIX disks): :meth:`rename_dir` atomically publishes a folder, so a checkpoint
     is written into a temporary sibling and renamed into place. False (object stores): it
@@ -183,7 +183,7 @@ class SaveContext:
     gate: Any = None
     """Set by a policy that stages in waves (within ``budget``): the writer asks it the
     order to write in and waits for each tensor to be staged; the caller fills it after
-    the write has started (``roll_ckpt.regular_copy.WaveGate``)."""
+    the write has started (``roll_ckpt.save.regular_copy.WaveGate``)."""
     _before_write: list[Callable[[], None]] = field(default_factory=list)
     _finished: list[Callable[[], None]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -293,7 +293,7 @@ class Strategy(Protocol):
 class StagingPolicy(Protocol):
     """How a save captures one kind of tensor, so the loop may change the live tensor at once.
 
-    The save pipeline (:func:`roll_ckpt.staging.stage_state_dict`) asks the policies in
+    The save pipeline (:func:`roll_ckpt.save.staging.stage_state_dict`) asks the policies in
     order whether they claim each tensor; the first that does stages it, core's regular
     copy last. Adding a way of staging (pinned shared memory, GPU-direct, a memory
     budget) is one class like this and one hookimpl returning it.

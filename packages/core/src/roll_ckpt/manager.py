@@ -1,10 +1,10 @@
 """CheckpointManager: the public entry point for saving and resuming a training job.
 
 The manager guards and dispatches; the work is done in modules of their own:
-:mod:`roll_ckpt.saving` (the save pipeline), :mod:`roll_ckpt.resuming` (which checkpoint
-to resume from, and loading it), :mod:`roll_ckpt.runs` (run folders),
-:mod:`roll_ckpt.components` (steps made of several parts) and
-:mod:`roll_ckpt.backup` (replication to ``checkpoint_config.backup``).
+:mod:`roll_ckpt.save.pipeline` (the save pipeline), :mod:`roll_ckpt.load.resume` (which checkpoint
+to resume from, and loading it), :mod:`roll_ckpt.format.runs` (run folders),
+:mod:`roll_ckpt.format.components` (steps made of several parts) and
+:mod:`roll_ckpt.tiers.backup` (replication to ``checkpoint_config.backup``).
 """
 
 from __future__ import annotations
@@ -12,17 +12,17 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping, MutableMapping
 
-from .backup import BackupLink
-from .components import check_component
-from .config import Config, load_config
+from .tiers.backup import BackupLink
+from .format.components import check_component
+from .config.schema import Config, load_config
 from .contracts import NetworkCounts, Storage, Strategy
 from .errors import RollCkptError
-from .job import Job, open_storage
+from .tiers.job import Job, open_storage
 from .plugins import Plugins, get_plugins
-from .preemption import Preempted, PreemptionWatch, run_without_interruption
-from .resuming import Resumer
-from .layout import TRAINER_STATE
-from .saving import SavePipeline, SaveStats
+from .runtime.preemption import Preempted, PreemptionWatch, run_without_interruption
+from .load.resume import Resumer
+from .format.layout import TRAINER_STATE
+from .save.pipeline import SavePipeline, SaveStats
 
 __all__ = ["CheckpointManager", "SaveStats", "open_storage", "TRAINER_STATE"]
 
@@ -44,12 +44,12 @@ class CheckpointManager:
     ``component`` names this manager's part of a job whose steps are made of several
     (``checkpoint_config.components``: actor, critic, driver...): it saves into
     ``checkpoint-<step>/<component>/`` with its own processes, and a step counts once every
-    component has committed its part (see :mod:`roll_ckpt.components`). ``resume`` loads
+    component has committed its part (see :mod:`roll_ckpt.format.components`). ``resume`` loads
     this component's part of the newest step that every component committed.
 
     Preemption (``checkpoint_config.preemption``, on by default for SIGTERM): the manager
     installs signal handlers when it is created (main thread only) and restores the previous
-    ones at :meth:`close`; see :meth:`maybe_save` and :mod:`roll_ckpt.preemption`.
+    ones at :meth:`close`; see :meth:`maybe_save` and :mod:`roll_ckpt.runtime.preemption`.
     """
 
     def __init__(self, config: Config, *, component: str | None = None, plugins: Plugins | None = None,
@@ -73,7 +73,7 @@ class CheckpointManager:
             if component is not None:
                 raise RollCkptError("checkpoint_config.local (the fast recovery tier) does not work with "
                                     "components yet; remove one of them")
-            from .local_tier import LocalTier
+            from .tiers.local_tier import LocalTier
 
             self._job.local = LocalTier(cc.local, open_storage(plugins, "file_system", cc.local.dir, {}))
         self._saves = SavePipeline(self._job)
@@ -226,7 +226,7 @@ class CheckpointManager:
     def network(self) -> NetworkCounts:
         """The network faults this manager's storage met so far, retries and time lost
         included (all zero on a local disk); each save's own are in ``last_save.network``."""
-        from .network import read_counts
+        from .runtime.network import read_counts
 
         return read_counts(self._job.storage) or NetworkCounts()
 

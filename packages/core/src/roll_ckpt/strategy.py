@@ -24,14 +24,14 @@ from typing import Any, Mapping, MutableMapping
 
 import torch
 
-from .collector import CollectorPause
+from .runtime.collector import CollectorPause
 from .contracts import SpaceEstimate, Storage
 from .errors import RollCkptError, carried_roll_error
-from .layout import basename, parent, parse_step
-from .rng import capture_rng, restore_rng
-from .state_dict_cache import StateDictCache
-from .timeouts import bounded, checkpoint_group
-from .torch_compat import collective, local_tensor, set_element
+from .format.layout import basename, parent, parse_step
+from .runtime.rng import capture_rng, restore_rng
+from .save.state_dict_cache import StateDictCache
+from .runtime.timeouts import bounded, checkpoint_group
+from .runtime.torch_compat import collective, local_tensor, set_element
 
 __all__ = ["DCPStrategy", "PER_RANK", "RNG_KEY"]
 
@@ -62,7 +62,7 @@ class DCPStrategy:
         self.rank = self._dist.get_rank() if self._dist else 0
         self.world_size = self._dist.get_world_size() if self._dist else 1
         self.collective_timeout_s = float(getattr(config.checkpoint_config, "collective_timeout_s", 600.0))
-        """How long a collective of a save, commit or resume waits for the other ranks (:mod:`roll_ckpt.timeouts`)."""
+        """How long a collective of a save, commit or resume waits for the other ranks (:mod:`roll_ckpt.runtime.timeouts`)."""
         self._group = None
         if self._dist is not None and self.world_size > 1:  # (every rank creates its strategy at the same point)
             # both now: creating a group is itself a wait for every rank, with no bound of ours
@@ -76,9 +76,9 @@ class DCPStrategy:
     @property
     def layouts(self) -> Any:
         """The layout of the last full save, repeated by saves of the same structure
-        (:class:`roll_ckpt.fixed_layout.FixedLayouts`)."""
+        (:class:`roll_ckpt.save.fixed_layout.FixedLayouts`)."""
         if self._layouts is None:
-            from .fixed_layout import FixedLayouts
+            from .save.fixed_layout import FixedLayouts
 
             self._layouts = FixedLayouts(self._dist, self.rank, self.world_size)
         return self._layouts
@@ -173,7 +173,7 @@ class DCPStrategy:
         """Write ``sd`` as a standard DCP folder; returns per-file (size, checksum) on the coordinator.
 
         A save of the last full save's structure repeats its layout and ``.metadata`` with
-        a fixed-size message per process (:mod:`roll_ckpt.fixed_layout`); any other takes
+        a fixed-size message per process (:mod:`roll_ckpt.save.fixed_layout`); any other takes
         DCP's protocol.
         ``alone``: this process writes a DCP folder of its own, without any collective
         (the fast recovery tier's unit): its metadata lists only this process's chunks, and
@@ -181,12 +181,12 @@ class DCPStrategy:
         """
         import torch.distributed.checkpoint as dcp
 
-        from .dcp_write import DigestingWriter, ReusingSavePlanner
+        from .save.writer import DigestingWriter, ReusingSavePlanner
 
         gate = getattr(save, "gate", None)
         threads = 1 if gate is not None else self.writer_threads(_local_bytes(sd))
         # the collector is held off while DCP plans, gathers and writes .metadata; the
-        # writer lets go of it while it writes the data (roll_ckpt.collector)
+        # writer lets go of it while it writes the data (roll_ckpt.runtime.collector)
         pause = CollectorPause(self.config.checkpoint_config.pause_gc)
 
         def new_writer() -> DigestingWriter:
@@ -211,9 +211,9 @@ class DCPStrategy:
         return writer.file_digests
 
     def _write_fixed(self, sd: dict[str, Any], writer: Any, threads: int, gate: Any) -> dict[str, tuple] | None:
-        """The save at the last full save's offsets (:mod:`roll_ckpt.fixed_layout`): the
+        """The save at the last full save's offsets (:mod:`roll_ckpt.save.fixed_layout`): the
         coordinator's file digests, or ``None`` when it takes DCP's full path."""
-        from .dcp_write import ReusingSavePlanner
+        from .save.writer import ReusingSavePlanner
 
         layouts = self.layouts
         if layouts.layout is None:  # then on no process: DCP's protocol (nothing to agree on)
@@ -232,7 +232,7 @@ class DCPStrategy:
     def estimate(self, sd: dict[str, Any], user: Mapping[str, Any] | None = None) -> SpaceEstimate:
         """The size of a save of ``sd`` (every process's files). The modules' and optimizers'
         part is estimated once per structure of the state (:class:`StateDictCache`)."""
-        from .space import estimate_checkpoint_bytes, estimate_items
+        from .tiers.space import estimate_checkpoint_bytes, estimate_items
 
         if self._estimate[0] != self._state_dicts.builds:
             tensors = {k: v for k, v in sd.items() if k != PER_RANK}
@@ -260,20 +260,20 @@ class DCPStrategy:
         untouched. Without it the folder must have been verified already. ``alone``: a
         folder this process wrote alone (``write(alone=True)``), loaded without collectives. ``stream``:
         one pass, each piece checked just before its bytes are used
-        (:mod:`roll_ckpt.streamed_files`); damage then raises
+        (:mod:`roll_ckpt.format.streamed_files`); damage then raises
         :class:`~roll_ckpt.errors.PartlyLoadedError`.
         """
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
 
-        from .dcp_read import SafeReader
+        from .load.reader import SafeReader
 
         reader = SafeReader(storage, dcp_path, on_bytes, files=files, checkpoint=checkpoint, stream=stream)
         try:
             if alone:
                 self._load_alone(state, reader, dcp_path, files)
             else:
-                from .job_load import load_job
+                from .load.job_load import load_job
 
                 load_job(self, state, reader, storage, dcp_path, files, checkpoint or dcp_path)
         finally:
@@ -290,7 +290,7 @@ class DCPStrategy:
 
     def adopt_layout(self, state: Mapping[str, Any], md: Any, md_bytes: bytes, checksum: str) -> None:
         """Start the next save from a resumed checkpoint's layout (its ``.metadata``)."""
-        from .dcp_write import ReusingSavePlanner
+        from .save.writer import ReusingSavePlanner
 
         sd = self.state_dict(state)
         planner = ReusingSavePlanner(self._write_items.setdefault(False, {}))
@@ -360,7 +360,7 @@ class DCPStrategy:
     def _dcp_load(self, target: dict[str, Any], reader: Any, dcp_path: str, alone: bool) -> None:
         import torch.distributed.checkpoint as dcp
 
-        from .unpickle import SafeLoadPlanner
+        from .format.unpickle import SafeLoadPlanner
 
         reader.reset(dcp_path)
         planner = SafeLoadPlanner()

@@ -11,7 +11,7 @@ from typing import Any
 
 from roll_ckpt import RollCkptError
 
-from .launch import build_config, distributed_child, params
+from .settings import build_config, distributed_child, params
 
 __all__ = ["train", "BanditDataset", "BatchSampler"]
 
@@ -119,8 +119,10 @@ def train(args: Any) -> int:
     import torch
     import torch.nn.functional as F
 
-    from roll_ckpt import CheckpointManager, layout
-    from roll_ckpt.units import human_bytes
+    from roll_ckpt import CheckpointManager
+
+    from roll_ckpt.format import layout
+    from roll_ckpt.runtime.units import human_bytes
 
     cfg = build_config(args)
     p = params(cfg)

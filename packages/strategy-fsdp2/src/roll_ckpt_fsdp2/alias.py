@@ -1,4 +1,4 @@
-"""Exact-size aliases of the offload store's slots: core's :func:`roll_ckpt.memory.exact_alias`.
+"""Exact-size aliases of the offload store's slots: core's :func:`roll_ckpt.runtime.memory.exact_alias`.
 
 A shard that views a flat buffer has ``storage_offset() != 0`` and shares the whole
 buffer's storage. DCP's stagers copy the whole buffer or crash on such tensors, and a
@@ -6,6 +6,6 @@ writer would clone them; the alias has offset 0 and a storage of exactly its own
 yet the same memory.
 """
 
-from roll_ckpt.memory import exact_alias
+from roll_ckpt.runtime.memory import exact_alias
 
 __all__ = ["exact_alias"]

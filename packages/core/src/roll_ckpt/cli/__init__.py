@@ -17,7 +17,7 @@ DIR and PATH are local paths or fsspec URLs; ``--type`` picks the backend plugin
 ``--storage-option KEY=VALUE`` passes options to it, as ``checkpoint_config`` would.
 
 Steps made of components (``checkpoint_config.components``, see
-:mod:`roll_ckpt.components`): ``ls`` shows each step's parts (and, for a step that is
+:mod:`roll_ckpt.format.components`): ``ls`` shows each step's parts (and, for a step that is
 not committed, which are missing); ``verify`` and ``inspect`` take the step's folder
 (every part) or one part (``--component C``, or the part's folder itself); ``export``
 writes one part's tensors (``--component C``), as one file or as a Hugging Face folder.

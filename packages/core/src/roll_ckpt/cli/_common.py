@@ -7,10 +7,10 @@ import argparse
 from typing import Any, Sequence
 
 from ..errors import CheckpointNotFoundError
-from ..layout import basename
-from ..layout import parent as parent_dir
-from ..targets import not_committed, part_in_step, resolve, uncommitted_step
-from ..units import human_bytes
+from ..format.layout import basename
+from ..format.layout import parent as parent_dir
+from ..format.targets import not_committed, part_in_step, resolve, uncommitted_step
+from ..runtime.units import human_bytes
 
 __all__ = ["UsageError", "say", "parse_option", "keep_count", "open_storage_arg", "progress_bar", "local_time",
            "format_table", "is_checkpoint_dir", "require_dir", "uncommitted_step", "not_committed", "resolve",
@@ -53,7 +53,7 @@ def keep_count(text: str) -> int:
 
 def open_storage_arg(args: argparse.Namespace, url: str) -> Any:
     """The storage for ``url``, rooted there (``storage.root`` is ``url`` as a backend path)."""
-    from ..job import open_storage
+    from ..tiers.job import open_storage
     from ..plugins import get_plugins
 
     options = dict(args.storage_option or [])
@@ -61,7 +61,7 @@ def open_storage_arg(args: argparse.Namespace, url: str) -> Any:
 
 
 def progress_bar(desc: str, total: int | None = None) -> Any:
-    from ..progress import Progress
+    from ..runtime.progress import Progress
 
     return Progress(desc, total)
 
@@ -86,8 +86,8 @@ def format_table(header: Sequence[str], rows: list[Sequence[str]], right: set[in
 
 
 def is_checkpoint_dir(storage: Any, path: str) -> bool:
-    from ..layout import parse_step
-    from ..manifest import MANIFEST_NAME
+    from ..format.layout import parse_step
+    from ..format.manifest import MANIFEST_NAME
 
     name = path.rstrip("/").rsplit("/", 1)[-1]
     return parse_step(name) is not None or storage.exists(storage.join(path, MANIFEST_NAME))
@@ -101,7 +101,7 @@ def require_dir(storage: Any, url: str) -> None:
 
 def side_storage(args: argparse.Namespace, url: str, side: str) -> Any:
     """The storage for one side of ``copy``: ``--type``/``--storage-option``, then ``--src-*``/``--dst-*``."""
-    from ..job import open_storage
+    from ..tiers.job import open_storage
     from ..plugins import get_plugins
 
     type_ = getattr(args, f"{side}_type") or args.type
@@ -125,9 +125,9 @@ def component_arg(p: argparse.ArgumentParser, text: str) -> None:
 def in_flight(storage: Any, root: str) -> list[str]:
     """Temporary folders and owner markers of saves that are running or crashed (parts of a
     step of components are written inside its folder until the step is committed)."""
-    from ..commit import MARKER_PREFIX
-    from ..layout import TMP_PREFIX, parse_step, run_folders
-    from ..manifest import MANIFEST_NAME
+    from ..format.commit import MARKER_PREFIX
+    from ..format.layout import TMP_PREFIX, parse_step, run_folders
+    from ..format.manifest import MANIFEST_NAME
 
     def pending(e: Any) -> bool:
         return (e.is_dir and e.name.startswith(TMP_PREFIX)) or (not e.is_dir and e.name.startswith(MARKER_PREFIX))

@@ -20,7 +20,7 @@ def _shown(value: Any) -> str:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    from ..config_report import config_report
+    from ..config.report import config_report
 
     report = config_report(args.path, defaults=args.defaults)
     if args.json:

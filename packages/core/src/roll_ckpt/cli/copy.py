@@ -15,10 +15,10 @@ def _scheme(url: str) -> str:
 
 
 def cmd_copy(args: argparse.Namespace) -> int:
-    from ..owners import clean_stale
-    from ..layout import parse_step, scan
-    from ..manifest import MANIFEST_NAME
-    from ..transfer import copy_checkpoint, relative_path
+    from ..format.owners import clean_stale
+    from ..format.layout import parse_step, scan
+    from ..format.manifest import MANIFEST_NAME
+    from ..tiers.transfer import copy_checkpoint, relative_path
 
     src = side_storage(args, args.src, "src")
     dst = side_storage(args, args.dst, "dst")
@@ -54,7 +54,7 @@ def cmd_copy(args: argparse.Namespace) -> int:
     copied = skipped = 0
     total_bytes = 0
     t0 = time.perf_counter()
-    from ..verify import read_manifest
+    from ..format.verify import read_manifest
 
     for s_path, d_path in jobs:
         try:

@@ -19,7 +19,7 @@ def _flag(name: str) -> str:
 
 
 def _size(text: str) -> str:
-    from ..units import parse_size
+    from ..runtime.units import parse_size
 
     try:
         parse_size(text)
@@ -38,7 +38,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_export_hf(args: argparse.Namespace) -> int:
-    from ..hf_export import export_hf
+    from ..hf.export import export_hf
 
     t0 = time.perf_counter()
     report = export_hf(args.path, args.out, component=args.component, key=args.key or "model", dtype=args.dtype,
@@ -58,14 +58,14 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
 
 
 def cmd_export_file(args: argparse.Namespace) -> int:
-    from ..export import export_safetensors, require_tensors
-    from ..verify import read_manifest, verify
+    from ..load.export import export_safetensors, require_tensors
+    from ..format.verify import read_manifest, verify
 
     storage = open_storage_arg(args, args.path)
     target, note = resolve(storage, storage.root, args.component)
     manifest = read_manifest(storage, target)
     require_tensors(manifest, target)  # a step of components, a json part: say so before any work
-    from .. import dcp_read  # noqa: F401  (torch: imported before the progress bars start their clocks)
+    from ..load import reader as dcp_read  # noqa: F401  (torch: imported before the progress bars start their clocks)
 
     if note:
         say(note)
@@ -87,7 +87,7 @@ def cmd_export_file(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: Any) -> None:
-    from ..hf_export import DTYPES
+    from ..hf.export import DTYPES
 
     p = sub.add_parser("export", help="write a checkpoint's tensors, unsharded: one safetensors file, or a "
                                       "Hugging Face folder (--format hf)")

@@ -13,11 +13,11 @@ def _describe(storage: Any, ref: Any, expected: Any = None, guess: bool = True) 
     """created / size / committed / components of one checkpoint, read from its manifest
     when committed; for a step of components that is not committed, its parts (``expected``:
     the components its run's steps have; when ``None`` and ``guess``, found beside it)."""
-    from ..components import components_of
-    from ..hf_in_checkpoint import hf_status
-    from ..inspection import parts_status
-    from ..manifest import MANIFEST_NAME, Manifest
-    from ..verify import list_files
+    from ..format.components import components_of
+    from ..hf.in_checkpoint import hf_status
+    from ..format.inspection import parts_status
+    from ..format.manifest import MANIFEST_NAME, Manifest
+    from ..format.verify import list_files
 
     row: dict[str, Any] = {"step": ref.step, "run": ref.run, "path": ref.path, "committed": ref.committed,
                            "created": "", "bytes": None, "components": [], "missing_components": []}
@@ -52,9 +52,9 @@ def _describe(storage: Any, ref: Any, expected: Any = None, guess: bool = True) 
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from ..layout import CheckpointRef, parse_step, scan
-    from ..manifest import MANIFEST_NAME
-    from ..verify import read_manifest
+    from ..format.layout import CheckpointRef, parse_step, scan
+    from ..format.manifest import MANIFEST_NAME
+    from ..format.verify import read_manifest
 
     from .ls_local import is_local_tier, local_rows, show_local
 

@@ -14,7 +14,7 @@ _UNIT = re.compile(r"^rank-(\d+)$")
 
 
 def _step_folders(storage: Any, folder: str) -> list[tuple[int, str]]:
-    from ..layout import parse_step
+    from ..format.layout import parse_step
 
     out = []
     for e in storage.list(folder):
@@ -29,7 +29,7 @@ def _has_units(storage: Any, folder: str) -> bool:
 
 
 def _node_folders(storage: Any, root: str) -> list[tuple[str, str]]:
-    from ..layout import basename
+    from ..format.layout import basename
 
     if _has_units(storage, root):  # DIR is one node's folder
         return [(basename(root), root)]
@@ -44,8 +44,8 @@ def is_local_tier(storage: Any, root: str) -> bool:
 
 def local_rows(storage: Any, root: str) -> list[dict[str, Any]]:
     """One row per node folder and step: committed units by rank, which are the node's own."""
-    from ..manifest import MANIFEST_NAME, Manifest
-    from ..verify import list_files
+    from ..format.manifest import MANIFEST_NAME, Manifest
+    from ..format.verify import list_files
 
     rows = []
     for node, folder in _node_folders(storage, root):

@@ -10,9 +10,9 @@ from ._common import in_flight, is_checkpoint_dir, keep_count, open_storage_arg,
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    from ..owners import clean_stale
-    from ..layout import committed
-    from ..retention import apply_retention, plan_retention
+    from ..format.owners import clean_stale
+    from ..format.layout import committed
+    from ..tiers.retention import apply_retention, plan_retention
 
     storage = open_storage_arg(args, args.dir)
     root = storage.root

@@ -19,9 +19,9 @@ def _damaged(path: str, faults: list[tuple[str, str]]) -> tuple[bool, str]:
 def _verify_one(storage: Any, path: str) -> tuple[bool, str]:
     """Verify one checkpoint: a whole one, a step made of components (every file, and each
     part's manifest), or one part (also against its step's manifest)."""
-    from ..components import components_of
-    from ..inspection import part_faults
-    from ..verify import read_manifest, verify
+    from ..format.components import components_of
+    from ..format.inspection import part_faults
+    from ..format.verify import read_manifest, verify
 
     manifest = read_manifest(storage, path)
     total = sum(e.size for e in manifest.files.values())
@@ -54,9 +54,9 @@ def _verify_one(storage: Any, path: str) -> tuple[bool, str]:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from ..layout import parse_step, scan
+    from ..format.layout import parse_step, scan
 
-    from ..manifest import MANIFEST_NAME
+    from ..format.manifest import MANIFEST_NAME
     from .ls_local import local_units
 
     storage = open_storage_arg(args, args.path)
@@ -127,14 +127,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from ..inspection import format_inspection, inspect_checkpoint
-    from ..verify import read_manifest
+    from ..format.inspection import format_inspection, inspect_checkpoint
+    from ..format.verify import read_manifest
 
     storage = open_storage_arg(args, args.path)
     target, note = resolve(storage, storage.root, args.component)
     manifest = read_manifest(storage, target)
     if any(name.startswith("dcp/") for name in manifest.files) and not manifest.extra.get("components"):
-        from .. import dcp_read  # noqa: F401  (torch: imported before the progress bar starts its clock)
+        from ..load import reader as dcp_read  # noqa: F401  (torch: imported before the progress bar starts its clock)
     total = sum(e.size for e in manifest.files.values())
     with progress_bar("verify", total) as progress:
         ins = inspect_checkpoint(storage, target, on_bytes=progress)

@@ -15,7 +15,7 @@ subclassing :class:`BackendConformance` in its test suite and providing one fixt
             return MyStore(str(tmp_path / "root"))
 
 The suite checks the :class:`~roll_ckpt.storage.Storage` protocol call by call, then
-runs the real commit protocol (:mod:`roll_ckpt.commit`) and a full
+runs the real commit protocol (:mod:`roll_ckpt.format.commit`) and a full
 :class:`~roll_ckpt.CheckpointManager` save → verify → resume round trip on a tiny torch
 model over the backend, selected through ``checkpoint_config.type`` like a user would.
 Override the ``checkpoint_config`` fixture when the backend needs ``storage_options``.

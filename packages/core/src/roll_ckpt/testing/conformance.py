@@ -8,12 +8,12 @@ from typing import Any
 
 import pytest
 
-from .. import layout
-from ..commit import PendingCheckpoint, pending_checkpoint
+from ..format import layout
+from ..format.commit import PendingCheckpoint, pending_checkpoint
 from ..contracts import Storage
-from ..digest import hash_bytes
-from ..manifest import MANIFEST_NAME, FileEntry, Manifest
-from ..owners import clean_stale
+from ..format.digest import hash_bytes
+from ..format.manifest import MANIFEST_NAME, FileEntry, Manifest
+from ..format.owners import clean_stale
 from .helpers import names, read_file, write_file, write_stale_marker
 from .manager_checks import ManagerChecks
 
@@ -224,7 +224,7 @@ class BackendConformance(ManagerChecks):
         return [r.path for r in layout.committed(storage, storage.root)]
 
     def test_commit_publishes_only_at_commit(self, storage: Storage) -> None:
-        from ..verify import verify
+        from ..format.verify import verify
 
         pending = self._pending(storage, 3)
         pending.begin()
@@ -277,7 +277,7 @@ class BackendConformance(ManagerChecks):
         assert self._committed_paths(storage) == [done.final_path]
 
     def test_clean_stale_removes_dead_writers_only(self, storage: Storage) -> None:
-        from ..verify import verify
+        from ..format.verify import verify
 
         done = self._pending(storage, 1, "done")
         done.begin()

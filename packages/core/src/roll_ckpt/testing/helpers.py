@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from ..commit import PendingCheckpoint
+from ..format.commit import PendingCheckpoint
 from ..contracts import Entry, Storage
 
 __all__ = ["read_file", "write_file", "names", "dead_pid", "write_stale_marker"]

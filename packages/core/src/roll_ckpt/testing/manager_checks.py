@@ -7,8 +7,8 @@ from typing import Any, Mapping
 
 import pytest
 
-from .. import layout
-from ..commit import pending_checkpoint
+from ..format import layout
+from ..format.commit import pending_checkpoint
 from ..contracts import Storage
 from ..errors import CheckpointCorruptError
 from .helpers import read_file, write_file, write_stale_marker
@@ -23,13 +23,13 @@ class ManagerChecks:
 
 
     def _config(self, checkpoint_config: Mapping[str, Any], **top: Any) -> Any:
-        from ..config import load_config
+        from ..config.schema import load_config
 
         return load_config({"checkpoint_config": dict(checkpoint_config), **top})
 
     def test_manager_save_verify_resume(self, storage: Storage, checkpoint_config: dict[str, Any]) -> None:
         from .. import CheckpointManager
-        from ..verify import verify
+        from ..format.verify import verify
 
         state = tiny_state(seed=1)
         before = state_snapshot(state)

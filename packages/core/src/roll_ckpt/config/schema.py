@@ -1,0 +1,450 @@
+"""Configuration: ROLL's keys, ``${...}`` interpolation (OmegaConf) and validation.
+
+A training config holds many keys roll-ckpt does not own (model, data, rollout, ROLL's
+worker sections...); those are kept in :attr:`Config.extra` untouched. Keys inside
+``checkpoint_config`` are ours alone, so an unknown one there is an error that names it.
+Plugins own keys of their own (``roll_ckpt_config_keys``: fsdp2's offload store): core
+validates them with the plugin's record and keeps them in :attr:`Config.options`, never
+interpreting them. :meth:`Config.for_component` applies a ROLL worker section's
+``strategy_args.strategy_config`` over the top-level one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from .values import (choice, count, expect, nice, field_names, location, options as options_map, reject_unknown, seconds,
+                            staging_budget, string)
+from .file import read_config_file, read_yaml
+from ..errors import ConfigError
+from .interpolation import interpolate, key_path
+from ..format.layout import RUN_RE
+from .hf_weights import HFWeightsConfig, parse_hf_weights
+from .initial_load import InitialLoadConfig, parse_initial_load
+from .local import LocalTierConfig, parse_local
+from ..runtime.preemption import PreemptionConfig, parse_preemption
+from .roll_defaults import ROLL, apply_roll_defaults, recognize
+from .roll_keys import keep_local_file, log_keys_without_effect, max_ckpt_to_keep, worker_overrides
+
+__all__ = ["Config", "CheckpointConfig", "BackupConfig", "InitialLoadConfig", "LocalTierConfig", "PreemptionConfig",
+           "StrategyConfig", "load_config", "read_yaml"]  # read_yaml: config_file's, kept importable from here
+
+
+@dataclass(frozen=True)
+class BackupConfig:
+    """A second location every committed checkpoint is replicated to."""
+
+    type: str = "file_system"
+    """Backend plugin of the replica."""
+    output_dir: str = ""
+    """Path or fsspec URL of the replica's root."""
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+    """Passed to the replica's backend (``endpoint_url``, ``key``...)."""
+    keep_local: int = 0
+    """Local checkpoints kept once their replica is committed (the newest ones); 0 keeps them all.
+
+    Only checkpoints whose replica is committed (and identical) are ever removed, and never
+    the newest local one."""
+    max_wait_s: float = 5.0
+    """The most ``close()`` waits for replication still in flight (seconds); 0 does not wait.
+
+    Saves never wait for replication. A copy cut off by this bound is removed from the
+    replica (nothing of it is committed) and made again by the next run's first save."""
+    retries: int = 3
+    """Further attempts after a failed copy, with exponential backoff (1 s, 2 s, 4 s...)."""
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """``checkpoint_config``: where and how checkpoints are stored."""
+
+    type: str = "file_system"
+    """Backend plugin name (``roll-ckpt plugins`` lists the installed ones)."""
+    output_dir: str = "./output/checkpoints"
+    """Root path or fsspec URL (``s3://bucket/prefix``, ``memory://x``...)."""
+    timestamp_subdir: bool = True
+    """Write each run into ``<output_dir>/<YYYYmmdd-HHMMSS>/`` so runs never mix."""
+    max_ckpt_to_keep: int = 0
+    """Committed checkpoints kept under ``output_dir`` (newest by run, then step); 0 keeps all.
+
+    ROLL's top-level ``max_ckpt_to_keep`` sets it too (both set differently is an error)."""
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+    """Passed to the backend (fsspec ``storage_options``)."""
+    backup: BackupConfig | None = None
+    """Optional second location, replicated in the background."""
+    components: tuple[str, ...] | None = None
+    """Parts that must all commit a step before it counts (actor, critic, pipeline...).
+
+    Each part is saved by its own manager (``CheckpointManager(config, component=...)``)
+    into ``checkpoint-<step>/<component>/``; the last part to commit commits the step."""
+    run_name: str | None = None
+    """The run folder to write (``YYYYmmdd-HHMMSS[-n]``, as :func:`roll_ckpt.new_run_name`
+    makes); by default each manager claims a new one. Components of one job must share it:
+    the driver picks it once per launch and passes it to every worker (e.g. through
+    ``${env:ROLL_CKPT_RUN_NAME}``)."""
+    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
+    """What a preemption signal does."""
+    on_save_error: str = "raise"
+    """``raise`` (a failed save raises) or ``warn``: a failed periodic save is logged and
+    counted in ``manager.failed_saves``, and training goes on; final and preemption saves
+    always raise."""
+    async_upload: bool = False
+    """ROLL's key. roll-ckpt writes straight to ``output_dir``: that write is the upload, so
+    ``true`` makes every save asynchronous, as ``strategy_config.async_save_ckpt: true`` does
+    (replication to a ``backup`` always runs in the background). ``false`` changes nothing
+    (logged)."""
+    keep_local_file: bool | None = None
+    """ROLL's key, meaningful with a ``backup``: ``false`` keeps only the newest local
+    checkpoint once replicated (``backup.keep_local: 1``), ``true`` keeps them all
+    (``backup.keep_local: 0``). Without a backup there is no local copy apart from
+    ``output_dir`` itself, and it has no effect (logged). ``None``: not set."""
+    background_nice: int = 10
+    """Nice value (0-19) of the threads that write asynchronous saves and replicate to the
+    backup: the training loop's threads win the CPU when both want it, and the write uses
+    what the loop leaves idle (it takes longer under a CPU-bound loop). 0 keeps them at the
+    loop's priority."""
+    pause_gc: bool = True
+    """Hold Python's cyclic garbage collector off while a save stages the state and while
+    DCP plans, gathers and writes its metadata (not while it writes the data): DCP
+    allocates ~20 short-lived objects per tensor, which on a training process's heap set off
+    full collections of 150-250 ms, in ``save`` or in the writer thread (holding the GIL the
+    loop needs). Nothing is touched when the process disabled the collector itself.
+    ``false``: leave it running."""
+    verify_before_load: bool = True
+    """``true``: resume checks every file it loads before any of the state changes (a
+    damaged checkpoint leaves the state untouched; a checkpoint larger than the page cache
+    is read twice). ``false``: one pass, each 8 MiB piece checked just before its bytes are
+    used, memory bounded; damage then raises ``PartlyLoadedError`` with the state partly
+    loaded (resume falls back to a backup replica when there is one, which overwrites it)."""
+    collective_timeout_s: float = 600.0
+    """The longest any collective of a save, commit or resume waits for the other ranks (a
+    rank stopped or cut off): then every waiting rank raises ``CollectiveTimeoutError``."""
+    initial_load: InitialLoadConfig | None = None
+    """``{path: DIR, format: hf}``: loaded into ``state['model']`` (``key:`` another) by
+    ``resume`` when there is no checkpoint to resume from; ``resume`` then returns 0.
+    Checked as a resume is: missing and unexpected names, shapes; dtypes are converted."""
+    local: LocalTierConfig | None = None
+    """The fast recovery tier (node-local checkpoints and peer replicas); ``None``: off."""
+    hf_weights: HFWeightsConfig | None = None
+    """The model as Hugging Face files in every checkpoint (beside ``dcp/``, as ROLL writes them),
+    written off the loop (:mod:`roll_ckpt.hf.in_checkpoint`); ``true`` or a mapping."""
+
+
+@dataclass(frozen=True)
+class StrategyConfig:
+    """``strategy_config``: the keys roll-ckpt reads; the rest are kept in ``extra``."""
+
+    async_save_ckpt: bool = False
+    """Return from ``save`` once the state is staged; write in the background."""
+    strategy_name: str | None = None
+    """Force a strategy (``dcp``, ``fsdp2``); by default it is chosen from the state."""
+    max_staging_bytes: int = 0
+    """The most regular staging holds at once (``2GiB``, ``512MB`` or bytes); 0: no bound. An
+    asynchronous save then stages in waves and returns once the last is staged."""
+    save_only_model: bool = False
+    """ROLL's key: checkpoints hold the model's weights (``dcp/`` and the HF files) and the trainer state
+    only; a resume loads the weights and starts the optimizer afresh (with a warning)."""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Config:
+    """A resolved, validated training config (the keys roll-ckpt uses)."""
+
+    checkpoint_config: CheckpointConfig = field(default_factory=CheckpointConfig)
+    exp_name: str = "roll-ckpt"
+    seed: int = 42
+    output_dir: str = "./output"
+    resume_from_checkpoint: bool | str = False
+    """``false``; ``true`` or ``"latest"`` (newest committed under output_dir); or a checkpoint path/URL."""
+    max_steps: int = 0
+    save_steps: int = 0
+    """Save every N steps; 0 disables periodic saves (final and manual saves still happen)."""
+    strategy_config: StrategyConfig = field(default_factory=StrategyConfig)
+    options: Mapping[str, Any] = field(default_factory=dict)
+    """The keys plugins own (``roll_ckpt_config_keys``), validated by them, by key; each is
+    also an attribute (``config.<key>``)."""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    """Every other top-level key of the file, interpolated but not interpreted."""
+    defaults: str = "roll-ckpt"
+    """Whose defaults filled the unset keys: ``roll`` (a ROLL pipeline config) or ``roll-ckpt``."""
+    roll_defaults: Mapping[str, str] = field(default_factory=dict)
+    """The keys that took ROLL's default, with where ROLL sets it (:mod:`roll_ckpt.config.roll_defaults`)."""
+
+    def __getattr__(self, name: str) -> Any:
+        options = self.__dict__.get("options") or {}
+        if name in options:
+            return options[name]
+        raise AttributeError(f"'Config' object has no attribute {name!r}")
+
+    @property
+    def async_save(self) -> bool:
+        """Whether periodic saves are asynchronous: ``strategy_config.async_save_ckpt`` (a
+        worker's own, after :meth:`for_component`) or ``checkpoint_config.async_upload``."""
+        return self.strategy_config.async_save_ckpt or self.checkpoint_config.async_upload
+    def for_component(self, name: str, *, plugins: Any = None) -> "Config":
+        """This config as the processes of component ``name`` (a ROLL worker section such as
+        ``actor_train``) see it: ``<name>.strategy_args.strategy_config.async_save_ckpt`` and
+        the plugins' keys there (fsdp2's offload store...) win over the top-level ones.
+
+        Other keys of the worker's ``strategy_config`` (Megatron's parallel sizes...) and its
+        ``strategy_args.strategy_name`` (ROLL's engine, not a roll-ckpt strategy) are not read.
+        A config without that section is returned unchanged.
+        """
+        strategy, opts = worker_overrides(self.extra, name, self.strategy_config, self.options,
+                                          _plugin_keys(plugins), roll=self.defaults == ROLL)
+        return dataclasses.replace(self, strategy_config=strategy, options=opts)
+
+    @property
+    def resume_target(self) -> str | None:
+        """``None`` (fresh start), ``"latest"`` or an explicit checkpoint path."""
+        r = self.resume_from_checkpoint
+        if r is False:
+            return None
+        if r is True:
+            return "latest"
+        return r
+
+
+
+def load_config(source: str | os.PathLike[str] | Mapping[str, Any], *, plugins: Any = None,
+                defaults: str | None = None) -> Config:
+    """Read (a YAML path; a Hydra ``defaults:`` list composed by Hydra, :mod:`roll_ckpt.config.file`)
+    or take (a mapping, an OmegaConf ``DictConfig`` as Hydra composes it), interpolate and
+    validate a config.
+
+    ``defaults``: whose defaults fill the unset keys: ``"roll"`` (ROLL's,
+    :mod:`roll_ckpt.config.roll_defaults`), ``"roll-ckpt"`` (ours), or ``None``: ROLL's for a ROLL
+    pipeline config, ours otherwise. ``plugins`` (default: the process's plugin manager)
+    provides the keys plugins own. Keys that have no effect here are named in one log line each.
+    """
+    raw = read_source(source)
+    which = recognize(raw, defaults)
+    given, applied = (apply_roll_defaults(raw) if which == ROLL else (raw, {}))
+    try:
+        cfg = _build(interpolate(given), _plugin_keys(plugins))
+    except RecursionError:
+        raise ConfigError("<config>", "is nested too deeply, or its ${...} references chain too far") from None
+    cfg = dataclasses.replace(cfg, defaults=which, roll_defaults=applied)
+    log_keys_without_effect(cfg, raw)
+    return cfg
+
+
+def read_source(source: Any) -> dict[str, Any]:
+    """The raw (not yet interpolated) mapping of a path, a mapping or a DictConfig."""
+    if _is_omegaconf(source):
+        from omegaconf import OmegaConf
+
+        raw = OmegaConf.to_container(source, resolve=False)  # resolved later, with errors naming the key
+    elif isinstance(source, Mapping):
+        raw = dict(source)
+    elif isinstance(source, (str, os.PathLike)):
+        raw = read_config_file(Path(source))
+    else:
+        raise ConfigError("<config>", "must be a path to a YAML file or a mapping",
+                          type(source).__name__)
+    for k in raw:
+        if not isinstance(k, str):
+            raise ConfigError(key_path("", k), "top-level keys must be strings", k)
+    if isinstance(raw.get("defaults"), list):  # a mapping (a file's is composed by read_config_file)
+        raise ConfigError("defaults", "is a Hydra defaults list: roll-ckpt reads one composed config, not the "
+                          "files it lists", None, "compose it with Hydra first: pass the DictConfig your @hydra.main "
+                          "function gets (or hydra.compose(...)), or the path of the file (composed with the "
+                          "hydra extra)")
+    return raw
+
+
+def _is_omegaconf(source: Any) -> bool:
+    import sys
+
+    omegaconf = sys.modules.get("omegaconf")  # a DictConfig exists only once omegaconf is imported
+    return omegaconf is not None and isinstance(source, omegaconf.DictConfig)
+
+
+def _plugin_keys(plugins: Any) -> Mapping[str, Any]:
+    if plugins is None:
+        from ..plugins import get_plugins
+
+        plugins = get_plugins()
+    return plugins.config_keys()
+
+
+
+
+def _backup(value: Any) -> BackupConfig | None:
+    if value is None:
+        return None
+    key = "checkpoint_config.backup"
+    expect(key, value, Mapping, "a mapping with type, output_dir, storage_options, keep_local, "
+                                "max_wait_s, retries")
+    reject_unknown(key, value, field_names(BackupConfig))
+    if "output_dir" not in value:
+        raise ConfigError(f"{key}.output_dir", "is required when a backup is configured")
+    return BackupConfig(
+        type=string(f"{key}.type", value.get("type", "file_system")),
+        output_dir=location(f"{key}.output_dir", value["output_dir"]),
+        storage_options=options_map(f"{key}.storage_options", value.get("storage_options")),
+        keep_local=count(f"{key}.keep_local", value.get("keep_local", 0)),
+        max_wait_s=seconds(f"{key}.max_wait_s", value.get("max_wait_s", 5.0)),
+        retries=count(f"{key}.retries", value.get("retries", 3)),
+    )
+
+
+def _same_location(a: str, b: str) -> bool:
+    def norm(u: str) -> str:
+        if "://" not in u or u.startswith("file://"):
+            try:
+                return os.path.normpath(os.path.abspath(os.path.expanduser(u.removeprefix("file://"))))
+            except ValueError:  # a user name ~x that cannot be looked up
+                return u
+        return u.rstrip("/")
+
+    return norm(a) == norm(b)
+
+
+def _checkpoint(value: Any, default_root: str, raw: Mapping[str, Any]) -> CheckpointConfig:
+    key = "checkpoint_config"
+    if value is None:
+        value = {}
+    expect(key, value, Mapping, "a mapping (type, output_dir, ...)")
+    reject_unknown(key, value, field_names(CheckpointConfig))
+    components = value.get("components")
+    if components is not None:
+        expect(f"{key}.components", components, list, "a list of component names")
+        names = tuple(string(f"{key}.components[{i}]", c) for i, c in enumerate(components))
+        if len(set(names)) != len(names):
+            raise ConfigError(f"{key}.components", "lists a component twice", components)
+        for n in names:
+            if not re.fullmatch(r"[A-Za-z0-9_.-]+", n) or n in (".", ".."):
+                raise ConfigError(f"{key}.components", f"component name '{n}' is not a plain folder name",
+                                  components, "letters, digits, '_', '-', '.'")
+        components = names or None
+    timestamp_subdir = value.get("timestamp_subdir", True)
+    expect(f"{key}.timestamp_subdir", timestamp_subdir, bool, "true or false")
+    run_name = value.get("run_name")
+    if run_name in ("", None):
+        run_name = None
+    else:
+        run_name = string(f"{key}.run_name", run_name)
+        if not RUN_RE.match(run_name):
+            raise ConfigError(f"{key}.run_name", "is not a run folder name", run_name,
+                              "YYYYmmdd-HHMMSS or YYYYmmdd-HHMMSS-<n> (roll_ckpt.new_run_name() makes one)")
+        if not timestamp_subdir:
+            raise ConfigError(f"{key}.run_name", "names a run folder, but timestamp_subdir is false",
+                              run_name, "timestamp_subdir: true, or no run_name")
+    output_dir = location(f"{key}.output_dir", value.get("output_dir", default_root))
+    backup = _backup(value.get("backup"))
+    if backup is not None and _same_location(backup.output_dir, output_dir):
+        raise ConfigError(f"{key}.backup.output_dir", "is the same location as checkpoint_config.output_dir",
+                          backup.output_dir, "a second location (another disk, a bucket...)")
+    keep_local, backup = keep_local_file(value, backup)
+    return CheckpointConfig(
+        type=string(f"{key}.type", value.get("type", "file_system")),
+        output_dir=output_dir,
+        timestamp_subdir=timestamp_subdir,
+        max_ckpt_to_keep=max_ckpt_to_keep(raw, value),
+        storage_options=options_map(f"{key}.storage_options", value.get("storage_options")),
+        backup=backup,
+        components=components,
+        run_name=run_name,
+        preemption=parse_preemption(value.get("preemption")),
+        on_save_error=choice(f"{key}.on_save_error", value.get("on_save_error", "raise"), ("raise", "warn")),
+        async_upload=expect(f"{key}.async_upload", value.get("async_upload", False), bool, "true or false"),
+        background_nice=nice(f"{key}.background_nice", value.get("background_nice", 10)),
+        pause_gc=expect(f"{key}.pause_gc", value.get("pause_gc", True), bool, "true or false"),
+        verify_before_load=expect(f"{key}.verify_before_load", value.get("verify_before_load", True), bool,
+                                  "true or false"),
+        keep_local_file=keep_local,
+        collective_timeout_s=seconds(f"{key}.collective_timeout_s", value.get("collective_timeout_s", 600.0)),
+        initial_load=parse_initial_load(value.get("initial_load")),
+        local=parse_local(value.get("local"), str(raw.get("exp_name", "roll-ckpt"))),
+        hf_weights=parse_hf_weights(value.get("hf_weights")),
+    )
+
+
+def _strategy(value: Any, owned: Mapping[str, Any]) -> StrategyConfig:
+    key = "strategy_config"
+    if value is None:
+        value = {}
+    expect(key, value, Mapping, "a mapping")
+    asv = value.get("async_save_ckpt", False)
+    expect(f"{key}.async_save_ckpt", asv, bool, "true or false")
+    name = value.get("strategy_name")
+    if name is not None:
+        name = string(f"{key}.strategy_name", name)
+    budget = staging_budget(f"{key}.max_staging_bytes", value.get("max_staging_bytes", 0))
+    only = expect(f"{key}.save_only_model", value.get("save_only_model", False), bool, "true or false")
+    ours = ("async_save_ckpt", "strategy_name", "max_staging_bytes", "save_only_model")
+    extra = {k: v for k, v in value.items() if k not in ours and k not in owned}
+    return StrategyConfig(async_save_ckpt=asv, strategy_name=name, max_staging_bytes=budget, save_only_model=only,
+                          extra=extra)
+
+
+def _plugin_options(raw: Mapping[str, Any], keys: Mapping[str, Any]) -> tuple[dict[str, Any], set[str], set[str]]:
+    """The values of the keys plugins own (validated by them); and which top-level and
+    ``strategy_config`` keys those were."""
+    options: dict[str, Any] = {}
+    top: set[str] = set()
+    in_strategy: set[str] = set()
+    strategy = raw.get("strategy_config")
+    strategy = strategy if isinstance(strategy, Mapping) else {}
+    for record in keys.values():
+        where, _, name = record.key.rpartition(".")
+        if where not in ("", "strategy_config"):
+            raise ConfigError(record.key, f"plugin {record.distribution} declares a key roll-ckpt cannot place "
+                              "(a top-level key or one inside strategy_config)")
+        place = strategy if where else raw
+        (in_strategy if where else top).add(name)
+        if name in place:
+            options[name] = record.validate(record.key, place[name])
+        else:
+            options.setdefault(name, record.default)
+    return options, top, in_strategy
+
+
+def _resume(value: Any) -> bool | str:
+    key = "resume_from_checkpoint"
+    allowed = 'false, true, "latest", or the path/URL of a checkpoint-<step> folder'
+    if value is None or value is False:
+        return False
+    if value is True:
+        return True
+    if isinstance(value, str):
+        if not value.strip():
+            raise ConfigError(key, "must not be empty", value, allowed)
+        if value.strip().lower() in ("false", "no", "none", "off"):
+            return False
+        if value.strip().lower() in ("true", "latest"):
+            return "latest" if value.strip().lower() == "latest" else True
+        return value
+    raise ConfigError(key, "has the wrong type", value, allowed)
+
+
+def _build(raw: dict[str, Any], plugin_keys: Mapping[str, Any]) -> Config:
+    options, top, in_strategy = _plugin_options(raw, plugin_keys)
+    known = {"exp_name", "seed", "output_dir", "checkpoint_config", "resume_from_checkpoint",
+             "max_steps", "save_steps", "max_ckpt_to_keep", "strategy_config"} | top
+    exp_name = raw.get("exp_name", "roll-ckpt")
+    if not isinstance(exp_name, (str, int)) or isinstance(exp_name, bool):
+        raise ConfigError("exp_name", "has the wrong type", exp_name, "a string")
+    output_dir = location("output_dir", raw.get("output_dir", "./output"))
+    seed = raw.get("seed", 42)
+    expect("seed", seed, int, "an integer")
+    default_root = f"{output_dir.rstrip('/')}/checkpoints/{exp_name}"
+    return Config(
+        checkpoint_config=_checkpoint(raw.get("checkpoint_config"), default_root, raw),
+        exp_name=str(exp_name),
+        seed=seed,
+        output_dir=output_dir,
+        resume_from_checkpoint=_resume(raw.get("resume_from_checkpoint", False)),
+        max_steps=count("max_steps", raw.get("max_steps", 0)),
+        save_steps=count("save_steps", raw.get("save_steps", 0)),
+        strategy_config=_strategy(raw.get("strategy_config"), in_strategy),
+        options=options,
+        extra={k: v for k, v in raw.items() if k not in known},
+    )

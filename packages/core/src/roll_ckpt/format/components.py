@@ -1,0 +1,209 @@
+"""Steps made of several components (actor, critic, driver...), committed as one.
+
+::
+
+    checkpoint-<step>/
+        actor_train/     manifest.json, trainer_state.json, dcp/...   one part per component,
+        critic/          manifest.json, trainer_state.json, dcp/...   each written by its own
+        pipeline/        manifest.json, trainer_state.json, state/... processes and group
+        manifest.json    the step's manifest: written last, create-only
+
+A part commits the way a whole checkpoint does (rename of a fsynced temporary sibling on
+POSIX disks, its manifest last on object stores), inside the step folder. Right after,
+its manager looks at the step folder: once every expected part has its manifest, it
+writes the step's manifest -- every file of every part, under the part's name, the
+parts' own manifests included -- with create-only semantics. Several parts may find the
+step complete at the same moment; the storage lets exactly one create succeed, and that
+process runs retention and replication for the step. No service, no collective across
+components: the part that commits last always sees the others (each looks after its own
+commit), so a complete step is always committed.
+
+The step's manifest is a function of the parts' manifests only (``created`` is the
+newest part's), so two writers would write the same bytes: a store that cannot refuse a
+second create still ends up with one consistent manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Iterable
+
+from ..contracts import Storage
+from .digest import hash_bytes
+from ..errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError, RollCkptError
+from .layout import parent, scan
+from .manifest import MANIFEST_NAME, FileEntry, Manifest
+
+log = logging.getLogger("roll_ckpt")
+
+__all__ = ["COMPONENTS_KEY", "committed_parts", "step_manifest", "try_complete", "complete_pending",
+           "components_of", "open_part", "check_component", "check_part_free", "read_resume_record"]
+
+COMPONENTS_KEY = "components"
+"""``manifest.extra[COMPONENTS_KEY]`` of a step: ``{component: {"step", "world_size", "strategy"}}``."""
+
+
+def components_of(manifest: Manifest) -> dict[str, dict]:
+    """The parts a step's manifest lists (empty for a checkpoint without components)."""
+    parts = manifest.extra.get(COMPONENTS_KEY)
+    return dict(parts) if isinstance(parts, dict) else {}
+
+
+def committed_parts(storage: Storage, step_path: str) -> dict[str, bytes]:
+    """``component -> manifest bytes`` for every part committed in ``step_path``."""
+    out: dict[str, bytes] = {}
+    for e in storage.list(step_path):
+        if not e.is_dir or e.name.startswith("."):
+            continue
+        try:
+            with storage.open_read(storage.join(e.path, MANIFEST_NAME)) as f:
+                out[e.name] = f.read()
+        except FileNotFoundError:
+            continue
+    return out
+
+
+def step_manifest(step: int, parts: dict[str, bytes], step_path: str = "") -> Manifest:
+    """The step's manifest over ``parts`` (each part's manifest bytes, by component)."""
+    files: dict[str, FileEntry] = {}
+    summary: dict[str, dict] = {}
+    created = ""
+    for name in sorted(parts):
+        data = parts[name]
+        try:
+            part, _ = Manifest.from_bytes(data)
+        except ValueError as exc:
+            raise CheckpointCorruptError(step_path, [(f"{name}/{MANIFEST_NAME}", str(exc))]) from None
+        if part.step != step or part.component != name:
+            raise CheckpointCorruptError(step_path, [(
+                f"{name}/{MANIFEST_NAME}",
+                f"belongs to component {part.component!r} at step {part.step}, not {name!r} at step {step}")])
+        for rel, entry in part.files.items():
+            files[f"{name}/{rel}"] = entry
+        size, digest = hash_bytes(data)
+        files[f"{name}/{MANIFEST_NAME}"] = FileEntry(size, digest)
+        summary[name] = {"world_size": part.world_size, "strategy": part.extra.get("strategy"),
+                         "created": part.created}
+        created = max(created, part.created)
+    return Manifest(step=step, files=files, created=created, world_size=1, component=None,
+                    extra={COMPONENTS_KEY: summary})
+
+
+def try_complete(storage: Storage, step_path: str, step: int, expected: Iterable[str]) -> Manifest | None:
+    """Commit the step when every ``expected`` part is committed; its manifest if this call did.
+
+    ``None`` when a part is still missing, or when another process committed the step
+    first (the storage refused our create).
+    """
+    if storage.exists(storage.join(step_path, MANIFEST_NAME)):
+        return None
+    parts = committed_parts(storage, step_path)
+    if not set(expected) <= set(parts):
+        return None
+    manifest = step_manifest(step, parts, step_path)
+    try:
+        storage.write_create(storage.join(step_path, MANIFEST_NAME), manifest.to_bytes())
+    except FileExistsError:
+        return None
+    return manifest
+
+
+def complete_pending(storage: Storage, root: str, expected: Iterable[str]) -> list[tuple[str, Manifest]]:
+    """Commit the steps under ``root`` whose parts are all committed but whose own manifest
+    is missing (the last part's process died between the two); returns ``(path, manifest)``.
+
+    A step with a damaged part is left alone (``roll-ckpt verify`` names the file): it
+    must not keep the other steps from being resumed.
+    """
+    expected = tuple(expected)
+    done = []
+    for ref in scan(storage, root):
+        if ref.committed:
+            continue
+        try:
+            manifest = try_complete(storage, ref.path, ref.step, expected)
+        except CheckpointCorruptError as exc:
+            log.warning("roll-ckpt: %s stays uncommitted: %s", ref.path, exc)
+            continue
+        if manifest is not None:
+            done.append((ref.path, manifest))
+    return done
+
+
+def open_part(storage: Storage, step_path: str, step: Manifest, component: str) -> str:
+    """The folder of ``component``'s part of a committed step, its manifest checked against the step's.
+
+    Raises :class:`CheckpointNotFoundError` when the step has no such part and
+    :class:`CheckpointCorruptError` when the part's manifest is not the one the step committed.
+    """
+    parts = components_of(step)
+    if component not in parts:
+        held = ", ".join(sorted(parts)) or "no components"
+        raise CheckpointNotFoundError(
+            f"{step_path} has no part for component '{component}' (it holds {held}); use a step that has "
+            "it, or check the component's name against checkpoint_config.components")
+    name = f"{component}/{MANIFEST_NAME}"
+    path = storage.join(step_path, component)
+    entry = step.files.get(name)
+    try:
+        with storage.open_read(storage.join(path, MANIFEST_NAME)) as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise CheckpointCorruptError(step_path, [(name, "missing")]) from None
+    size, digest = hash_bytes(data)
+    if entry is None or (size, digest) != (entry.size, entry.checksum):
+        raise CheckpointCorruptError(step_path, [(name, "is not the part's manifest the step committed "
+                                                        "(checksum mismatch)")])
+    return path
+
+
+def check_component(component: str | None, cc: Any) -> str | None:
+    """``component`` when ``checkpoint_config`` (``cc``) allows a manager for it, else a ConfigError."""
+    names = cc.components or ()
+    if component is None:
+        if names:
+            raise ConfigError("checkpoint_config.components", "lists the parts of each step, so every manager "
+                              "saves one of them", list(names),
+                              "CheckpointManager(config, component=<one of them>)")
+        return None
+    if not names:
+        raise ConfigError("checkpoint_config.components", f"is not set, but a manager was created for "
+                          f"component '{component}'", None,
+                          f"the list of every component that saves a step, e.g. [{component}, ...]")
+    if component not in names:
+        raise ConfigError("checkpoint_config.components", f"does not list component '{component}'",
+                          list(names), "one of the listed names")
+    if not cc.run_name:
+        raise ConfigError("checkpoint_config.run_name", "is needed with components: every component of one "
+                          "launch must write the same run folder", None,
+                          "a name the driver picks once per launch (roll_ckpt.new_run_name()) and gives to "
+                          "every component, e.g. run_name: ${env:ROLL_CKPT_RUN_NAME}")
+    return component
+
+
+def check_part_free(storage: Storage, part_path: str, step: int, component: str) -> None:
+    """Refuse to write the part at ``part_path`` when it, or its step, is committed already."""
+    step_path = parent(part_path)
+    if storage.exists(storage.join(step_path, MANIFEST_NAME)):
+        raise RollCkptError(f"step {step} is already committed at {step_path}; a part cannot be added "
+                            "to it. Save another step, or delete it with 'roll-ckpt prune'")
+    if storage.exists(storage.join(part_path, MANIFEST_NAME)):
+        raise RollCkptError(
+            f"{part_path} is already committed: by an earlier launch that used the same "
+            "checkpoint_config.run_name (each launch needs a new one, roll_ckpt.new_run_name(), picked "
+            "once by the driver), or by a second manager for component "
+            f"'{component}' in this launch")
+
+
+def read_resume_record(storage: Storage, path: str) -> list[tuple[str, bool]] | None:
+    """The resume candidates another component of this launch chose (``None``: none yet)."""
+    try:
+        with storage.open_read(path) as f:
+            body = json.loads(f.read().decode())
+        return [(str(p), bool(b)) for p, b in body["candidates"]]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise RollCkptError(f"{path} is damaged ({exc}): it records where this launch's components resume "
+                            "from; remove it and restart every component") from None

@@ -1,0 +1,448 @@
+"""DCP's reader on any backend, verifying every file before torch reads any of it.
+
+:class:`SafeReader` never unpickles ``.metadata`` with the full unpickler (only DCP's
+metadata classes, :mod:`roll_ckpt.format.unpickle`). Given the manifest's entries, it reads each
+file once, checking its checksum, before DCP deserializes anything from it (verify while
+reading), then loads each tensor from the checked file straight into its target
+(:mod:`roll_ckpt.format.verified_files`).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import threading
+from typing import Any, Callable, Mapping
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata
+
+from ..runtime.collector import CollectorPause
+from ..contracts import Storage
+from ..format.dcp_fs import StorageFileSystem
+from ..format.digest import hash_bytes, hash_stream
+from ..errors import CheckpointCorruptError, PartlyLoadedError, UnsafeCheckpointError
+from ..runtime.torch_compat import narrow_tensor_by_index
+from ..format.unpickle import METADATA_NAME, pickle_reason, safe_load_metadata
+from ..format.streamed_files import MAX_PIECE, StreamedFile
+from ..format.verified_files import CHECK_STREAMS, Verified, load_tensor, piece_pool, read_hashed, verify_budget
+
+__all__ = ["SafeReader"]
+
+_LOAD_THREADS = 4
+
+
+def _item_key(req: Any) -> Any:
+    return (req.dest_index, tuple(req.dest_offsets), req.storage_index, tuple(req.storage_offsets), tuple(req.lengths))
+
+
+class SafeReader(FileSystemReader):
+    """DCP's standard reader on a backend: restricted ``.metadata`` unpickler, and, given
+    the manifest's entries (``files``), every file checked before torch reads any of it.
+
+    With ``files``, each rank reads each file its load plan needs once from the disk,
+    hashing it in cache-sized pieces, in ``prepare_local_plan`` (started early by
+    :meth:`start_checks`): a mismatch on any rank fails the load on every rank before a
+    single tensor is written. The file stays open from the check to the load, which
+    then reads each tensor's bytes from the page cache the check filled, with one
+    ``pread`` straight into the target tensor (DCP's own reader allocates a tensor per
+    item and copies it once more). Backends without file descriptors keep the checked
+    bytes in memory (within a budget; beyond it the file is checked, then read again).
+    Files no rank's plan reads are not hashed here: ``verify`` checked their size, and
+    ``roll-ckpt verify`` checks everything.
+    """
+
+    def __init__(self, storage: Storage, path: str, on_bytes: Callable[[int], None] | None = None, *,
+                 files: Mapping[str, Any] | None = None, checkpoint: str | None = None,
+                 prefix: str = "dcp/", stream: bool = False) -> None:
+        super().__init__(path)
+        self.fs = StorageFileSystem(storage)
+        self.path = str(path)
+        self._storage = storage
+        self._on_bytes = on_bytes
+        self._files = dict(files) if files is not None else None
+        self._checkpoint = checkpoint or self.path
+        self._prefix = prefix
+        self._verified: dict[str, Verified | StreamedFile] = {}
+        self._early: dict[str, tuple[Verified | None, BaseException | None]] = {}
+        self._early_thread: threading.Thread | None = None
+        self._early_done: dict[str, threading.Event] = {}
+        self._early_threads: list[threading.Thread] = []
+        self._failed: dict[str, BaseException] = {}
+        self._keeps_files = True
+        self._targets: dict[Any, torch.Tensor] = {}
+        self.planner: Any = None
+        """The load planner (set by ``DCPStrategy``): targets are looked up while files are checked."""
+        self._metadata: Metadata | None = None
+        self.job_checked = False
+        """Every file was checked before the load by the process it is assigned to, and the
+        job agreed on it (:mod:`roll_ckpt.load.job_load`): the plans need not carry it."""
+        self._stream = stream
+        self._pool: Any = None
+        self._pool_lock = threading.Lock()
+
+    # ------------------------------------------------------------ checks
+
+    def _expected(self, name: str) -> Any:
+        assert self._files is not None
+        entry = self._files.get(name)
+        if entry is None:
+            raise CheckpointCorruptError(self._checkpoint, [(self._prefix + name, "not listed in the manifest")])
+        return entry
+
+    def _fault(self, name: str, what: str) -> CheckpointCorruptError:
+        return CheckpointCorruptError(self._checkpoint, [(self._prefix + name, what)])
+
+    def _piece_pool(self) -> Any:
+        with self._pool_lock:  # the early checks and the planner may both ask first
+            if self._pool is None:
+                self._pool = piece_pool()
+            return self._pool
+
+    def _streams(self, name: str) -> bool:
+        """Whether ``name`` is loaded in one pass, each piece checked just before use
+        (``stream``; files whose manifest entry has piece checksums)."""
+        if not self._stream or self._files is None:
+            return False
+        entry = self._files.get(name)
+        return entry is not None and bool(entry.chunks) and entry.chunk_size <= MAX_PIECE
+
+    def _open_streamed(self, name: str) -> StreamedFile:
+        entry = self._expected(name)
+
+        def fault(what: str) -> CheckpointCorruptError:
+            return PartlyLoadedError(self._checkpoint, [(self._prefix + name, what)])
+
+        f = self._storage.open_read(self._storage.join(self.path, name))
+        try:
+            data = StreamedFile(f, entry, fault, self._piece_pool(), self._on_bytes)
+        except BaseException:
+            f.close()
+            raise
+        self._verified[name] = data
+        return data
+
+    def _check(self, name: str, size: int, digest: str) -> None:
+        entry = self._expected(name)
+        if size != entry.size:
+            raise self._fault(name, f"read {size} bytes, the manifest says {entry.size}")
+        if digest != entry.checksum:
+            raise self._fault(name, "checksum mismatch (the content changed after it was written)")
+
+    def _read_verified(self, name: str, keep: bool) -> Verified | None:
+        """Read ``name`` once, hashing it; returns the checked file (``None``: read it again)."""
+        entry = self._expected(name)
+        with self._storage.open_read(self._storage.join(self.path, name)) as f:
+            try:
+                fd = f.fileno()
+            except (AttributeError, OSError, ValueError):
+                fd = -1
+            if fd >= 0 or not keep:
+                if fd >= 0:
+                    try:  # one sequential pass: let the kernel read further ahead
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                    except (AttributeError, OSError):
+                        pass
+                size, digest = hash_stream(f, self._on_bytes)
+                self._check(name, size, digest)
+                if fd < 0:
+                    return None
+                # The loader reads this same open file (a file renamed over it meanwhile is
+                # not the one loaded), from the page cache the check just filled.
+                return Verified(file=os.fdopen(os.dup(fd), "rb", buffering=0))
+            view, pos, digest = read_hashed(f, entry.size, self._on_bytes)
+        self._check(name, pos, digest)
+        return Verified(view=view)
+
+    def release(self) -> None:
+        """Close the checked files (kept open across the loads of one ``DCPStrategy.load``)."""
+        for data in self._verified.values():
+            data.close()
+        self._verified.clear()
+        for data, _ in self._take_early().values():
+            if data is not None:
+                data.close()
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+    def start_checks(self, names: list[str]) -> None:
+        """Start reading and checking ``names`` (the files this process will most likely
+        load) in the background, so the disk works while the load is being planned.
+        ``prepare_local_plan`` waits for the ones its plan needs; it checks others itself."""
+        names = [n for n in names if self._files is not None and n in self._files and not self._streams(n)]
+        if not names or self._early_thread is not None:
+            return
+        keep = sum(self._expected(n).size for n in names) <= verify_budget()
+        done = {n: threading.Event() for n in names}
+        self._early_done = dict(done)
+
+        def run(mine: list[str]) -> None:
+            for name in mine:
+                try:
+                    self._early[name] = (self._read_verified(name, keep), None)
+                except BaseException as exc:  # raised again by prepare_local_plan, on every rank
+                    self._early[name] = (None, exc)
+                done[name].set()
+
+        streams = max(1, min(CHECK_STREAMS, len(names)))
+        threads = [threading.Thread(target=run, args=(names[i::streams],), name="roll-ckpt-verify", daemon=True)
+                   for i in range(streams)]
+        for t in threads:
+            t.start()
+        self._early_thread = threads[0]
+        self._early_threads = threads
+
+    def _take_early(self, names: Any = None) -> dict[str, tuple[Verified | None, BaseException | None]]:
+        """The early checks of ``names`` (all: ``None``), waiting for the ones still running."""
+        if self._early_thread is None:
+            return {}
+        wanted = list(self._early_done) if names is None else [n for n in names if n in self._early_done]
+        out = {}
+        for name in wanted:
+            self._early_done.pop(name).wait()
+            out[name] = self._early.pop(name)
+        if not self._early_done:
+            for t in self._early_threads:
+                t.join()
+        return out
+
+    def _resolve_targets(self, plan: Any) -> None:
+        """Look up every tensor item's target now (no data is read or written): DCP's lookup
+        costs about half a millisecond per item."""
+        from torch.distributed.checkpoint.planner import LoadItemType
+
+        planner = self.planner
+        self._targets = {}
+        if planner is None:
+            return
+        try:
+            for req in plan.items:
+                if req.type != LoadItemType.BYTE_IO:
+                    self._targets[_item_key(req)] = planner.resolve_tensor(req).detach()
+        except Exception:  # a planner that resolves only while reading: do it then
+            self._targets = {}
+
+    def _verify_plan(self, names: list[str]) -> None:
+        """Check every file in ``names`` not checked yet (or take its early check)."""
+        for name, (data, error) in self._take_early(names).items():
+            if data is not None:
+                self._verified.setdefault(name, data)
+            elif error is not None:
+                self._failed.setdefault(name, error)
+        todo = [n for n in names if n not in self._verified]
+        for name in todo:
+            if name in self._failed:
+                raise self._failed[name]
+        keep = sum(self._expected(n).size for n in todo) <= verify_budget()
+        for name in todo:
+            data = self._read_verified(name, keep)
+            if data is not None:
+                self._verified[name] = data
+            else:
+                self._keeps_files = False  # too large to keep: DCP's reader reads them again
+
+    # ------------------------------------------------------------ DCP's StorageReader
+
+    def use_metadata(self, md: Metadata) -> None:
+        """Answer DCP with ``md`` (read and checked once for the job) instead of reading it."""
+        self._metadata = md
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """``.metadata``, read, checked and unpickled once (DCP asks again for every load)."""
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        if self._metadata is None:
+            path = self._storage.join(self.path, METADATA_NAME)
+            with self._storage.open_read(path) as f:
+                data = f.read()
+            if self._files is not None:
+                self._check(METADATA_NAME, *hash_bytes(data))
+            with CollectorPause():
+                self._metadata = safe_load_metadata(data, path)
+        md = self._metadata
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+    def _plan_bytes(self, plan: Any) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            out[info.relative_path] = out.get(info.relative_path, 0) + info.length
+        return out
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        # Each file is checked by one process: one that reads at least half of it (its
+        # writer, at the same world size). Others may read a few items of it (DCP puts a
+        # value every rank holds, like AdamW's step, in one rank's file) and rely on that
+        # check, announced through the global plan, instead of reading all of it again.
+        import dataclasses
+
+        plan = super().prepare_local_plan(plan)
+        if self._files is None:
+            return plan
+        if self.job_checked:
+            self._resolve_targets(plan)
+            return dataclasses.replace(plan, storage_data={"roll_ckpt_checked": sorted(self._files)})
+        reads = self._plan_bytes(plan)
+        streamed = sorted(n for n in reads if self._streams(n))  # checked piece by piece as they load
+        mine = sorted(n for n, b in reads.items() if 2 * b >= self._expected(n).size and n not in streamed)
+        self._resolve_targets(plan)  # while the early checks read the disk
+        # the files this plan reads that are being checked early: wait for those only
+        self._verify_plan(sorted(set(mine) | {n for n in reads if n in self._early_done}))
+        for name in sorted(reads):
+            if name in self._failed:  # an early check found it damaged
+                raise self._failed[name]
+        return dataclasses.replace(plan, storage_data={"roll_ckpt_checked": sorted(set(self._verified) | set(streamed))})
+
+    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+        import dataclasses
+
+        plans = super().prepare_global_plan(plans)
+        if self._files is None or self.job_checked:
+            return plans
+        checked = {n for p in plans for n in ((p.storage_data or {}).get("roll_ckpt_checked") or ())}
+        needed = {n for p in plans for n in self._plan_bytes(p)}
+        # files no process reads much of: the coordinator checks them, before anyone reads
+        self._verify_plan(sorted(n for n in needed - checked if not self._streams(n)))
+        checked |= needed
+        return [dataclasses.replace(p, storage_data={"roll_ckpt_checked": sorted(checked)}) for p in plans]
+
+    def check_files(self, names: list[str]) -> None:
+        """Check ``names`` now (those a job-wide load assigned to this process), keeping
+        them open for the load; raises the first damage found."""
+        names = [n for n in names if not self._streams(n)]
+        self.start_checks(names)
+        self._verify_plan(names)
+
+    def _checked_elsewhere(self, name: str, plan: Any) -> Verified | None:
+        """A file another process checked for this load, opened to read a few items of it
+        (``None``: let DCP's reader read just those items, e.g. from an object store)."""
+        if name not in ((plan.storage_data or {}).get("roll_ckpt_checked") or ()):
+            raise self._fault(name, "read before its checksum was checked")
+        f = self._storage.open_read(self._storage.join(self.path, name))
+        try:
+            fd = f.fileno()
+        except (AttributeError, OSError, ValueError):
+            fd = -1
+        if fd < 0:
+            f.close()
+            return None
+        data = self._verified[name] = Verified(file=f)
+        return data
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        import dataclasses
+
+        from torch.distributed.checkpoint.planner import LoadItemType
+        from torch.futures import Future
+
+        try:
+            # Values (the only pickles: per-process state) before tensors, in one load: a value
+            # weights_only refuses stops it before any live tensor is touched.
+            values = [i for i in plan.items if i.type == LoadItemType.BYTE_IO]
+            tensors = [i for i in plan.items if i.type != LoadItemType.BYTE_IO]
+            for items in (values, tensors):
+                if items:
+                    self._read_data(dataclasses.replace(plan, items=items), planner).wait()
+            fut: Future = Future()
+            fut.set_result(None)
+            return fut
+        except pickle.UnpicklingError as exc:  # weights_only refused a value or a tensor: it would run code
+            item = getattr(exc, "read_item", None)
+            if item is not None:
+                files = [self.storage_data[item.storage_index].relative_path]
+                what = f"the value of '{item.dest_index.fqn}'"
+            else:
+                files = sorted({self.storage_data[i.storage_index].relative_path for i in plan.items})
+                what = "a tensor"
+            raise UnsafeCheckpointError(self._checkpoint, [
+                (self._prefix + name, f"refused to unpickle {what}: {pickle_reason(exc)}") for name in files
+            ]) from None
+
+    def _read_data(self, plan: Any, planner: Any) -> Any:
+        if self._files is None:
+            fut = super().read_data(plan, planner)
+            if self._on_bytes is not None:
+                self._on_bytes(sum(self.storage_data[i.storage_index].length for i in plan.items))
+            return fut
+        import dataclasses
+
+        from torch.distributed.checkpoint.planner import LoadItemType
+        from torch.futures import Future
+
+        # the checked files stay open until release(): a load may take two passes
+        per_file: dict[str, list[Any]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        direct = []
+        for name, reqs in per_file.items():
+            data = self._verified.get(name)
+            if data is None and self._streams(name):
+                data = self._open_streamed(name)
+            if data is None and self._expected(name).size and self._keeps_files:
+                data = self._checked_elsewhere(name, plan)
+            if data is None or any(self.storage_data[r.storage_index].transform_descriptors for r in reqs):
+                if isinstance(data, StreamedFile):  # DCP decodes it itself: check the whole file first
+                    self._read_verified(name, False)
+                # checked but not kept (too large for memory): DCP reads it again
+                super().read_data(dataclasses.replace(plan, items=reqs), planner)
+                continue
+            direct.append((data, reqs))
+        tensors = []
+        for data, reqs in direct:  # read_data hands values and tensors over apart
+            if any(q.type == LoadItemType.BYTE_IO for q in reqs):
+                self._load_items(data, reqs, planner)
+            else:
+                tensors.append((data, reqs))
+        if len(tensors) > 1:  # one thread per file: the preads release the GIL
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(min(len(tensors), _LOAD_THREADS), thread_name_prefix="roll-ckpt-load") as pool:
+                for done in [pool.submit(self._load_items, data, reqs, planner) for data, reqs in tensors]:
+                    done.result()
+        elif tensors:
+            self._load_items(*tensors[0], planner)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    def _load_items(self, data: Verified | StreamedFile, reqs: list[Any], planner: Any) -> None:
+        """Load ``reqs`` of one checked file into their targets, in file order (the pages are
+        touched sequentially)."""
+        from torch.distributed.checkpoint.planner import LoadItemType
+
+        release = getattr(data, "release_before", None)
+        for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
+            info = self.storage_data[req.storage_index]
+            if release is not None:
+                release(info.offset)
+            if req.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(req, io.BytesIO(data.bytes(info.offset, info.length)))
+                continue
+            target = self._targets.pop(_item_key(req), None)
+            if target is None:
+                target = planner.resolve_tensor(req).detach()
+            whole = not any(req.storage_offsets) and tuple(req.lengths) == tuple(target.shape)
+            tensor = narrow_tensor_by_index(
+                load_tensor(data, info.offset, info.length, target if whole else None),
+                req.storage_offsets, req.lengths)
+            if target.size() != tensor.size():
+                raise AssertionError(f"req {req.storage_index} mismatch sizes {target.size()} vs {tensor.size()}")
+            if tensor.data_ptr() != target.data_ptr() or tensor.dtype != target.dtype \
+                    or tensor.stride() != target.stride():
+                target.copy_(tensor)  # else it was read straight into the target
+            del tensor
+            planner.commit_tensor(req, target)
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        if checkpoint_id is not None and str(checkpoint_id) != self.path:
+            self._metadata = None
+            self.release()
+        super().reset(checkpoint_id)
+        self.path = str(self.path)

@@ -1,0 +1,268 @@
+"""Resume: which checkpoint, agreed by every process (and every component), verified, loaded.
+
+::
+
+    Resumer.resume
+        agreed_candidates        coordinator lists, every rank takes its choice
+        resume_from              coordinator verifies the manifest and small files; the
+                                 strategy loads, checking each data file as it reads it
+        _initial_load            nothing to resume: checkpoint_config.initial_load's
+                                 Hugging Face weights, if configured (load/hf_folder.py)
+
+``"latest"`` is the newest committed checkpoint under ``output_dir`` (run, then step)
+and, with ``checkpoint_config.backup``, at the backup location; when both hold it, the
+local copy goes first and the replica is tried when the local copy is damaged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from typing import Any, MutableMapping
+
+from ..format import layout
+from ..runtime.collective import decide
+from ..format.components import complete_pending, components_of, open_part, read_resume_record
+from ..contracts import Storage, Strategy
+from ..errors import RollCkptError
+from ..tiers.job import Job, open_storage
+from ..format.layout import TRAINER_STATE
+from ..format.manifest import Manifest
+from ..format.runs import utc_now
+from ..format.verify import read_manifest, verify
+
+__all__ = ["Resumer"]
+
+log = logging.getLogger("roll_ckpt")
+
+Candidate = tuple[Storage, str, bool]
+"""``(storage, path, from_backup)``."""
+
+
+class Resumer:
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.trainer_state: dict[str, Any] = {}
+        self.resumed_from_backup = False
+        self.initial_load: Any = None
+        """What ``checkpoint_config.initial_load`` loaded (an ``HFLoadReport``), on a fresh start."""
+
+    # ------------------------------------------------------------------ where from
+
+    def candidates(self, target: str | None) -> list[Candidate]:
+        """What to try in turn (this process's view): the newest checkpoint, local copy first."""
+        job = self.job
+        target = job.config.resume_target if target is None else target
+        if target is None:
+            return []
+        if target != "latest":
+            cc = job.config.checkpoint_config
+            storage = open_storage(job.plugins, cc.type, target, cc.storage_options)
+            return [(storage, storage.root, False)]
+        local = layout.latest(job.storage, job.root)
+        remote = None
+        backup = job.backup.replica if job.backup is not None else None
+        if backup is not None:
+            try:
+                remote = layout.latest(backup, backup.root)
+            except Exception as exc:  # an unreachable backup must not stop a local resume
+                log.warning("roll-ckpt: cannot list the backup at %s (%s); only local checkpoints are "
+                            "considered", backup.url, exc)
+        if local is None and remote is None:
+            where = job.storage.url + (f" nor at the backup {backup.url}" if backup is not None else "")
+            log.info("roll-ckpt: no committed checkpoint under %s; starting fresh", where)
+            return []
+        if remote is None or (local is not None and local.order > remote.order):
+            return [(job.storage, local.path, False)]
+        if local is None or remote.order > local.order:
+            return [(backup, remote.path, True)]
+        return [(job.storage, local.path, False), (backup, remote.path, True)]
+
+    def agreed_candidates(self, target: str | None, strategy: Strategy) -> list[Candidate]:
+        """Where to resume from: the same on every rank and in every component of a launch.
+
+        Ranks that listed the folders themselves could see different steps (one may be
+        committed meanwhile), so the coordinator decides and broadcasts its choice. With
+        components, the first component to resume records its choice in the run folder
+        (``.resume.json``, create-only) and the others take it: every component of a launch
+        starts from the same step, even if a straggler of an earlier launch commits one
+        while they start.
+        """
+        job = self.job
+        target = job.config.resume_target if target is None else target
+        if target != "latest":
+            return self.candidates(target)
+        agreed = decide(strategy, self._pick_latest,
+                        where=f"cannot find the checkpoint to resume from under {job.storage.url}",
+                        phase="resume: choosing the checkpoint")
+        backup = job.backup.replica if job.backup is not None else None
+        return [(backup if from_backup else job.storage, path, from_backup)  # type: ignore[misc]
+                for path, from_backup in agreed]
+
+    def _pick_latest(self) -> list[tuple[str, bool]]:
+        """The coordinator's ``(path, from_backup)`` candidates for ``latest``."""
+        job = self.job
+        if not job.component:
+            return [(path, from_backup) for _, path, from_backup in self.candidates("latest")]
+        record = job.storage.join(job.ensure_run_dir(), layout.RESUME_RECORD)
+        chosen = read_resume_record(job.storage, record)
+        if chosen is not None:
+            return chosen
+        for path, manifest in complete_pending(job.storage, job.root, job.config.checkpoint_config.components or ()):
+            log.info("roll-ckpt: committed %s (its parts were all committed)", path)
+            job.announce(path, manifest)
+        mine = [(path, from_backup) for _, path, from_backup in self.candidates("latest")]
+        body = {"candidates": mine, "component": job.component, "time": utc_now()}
+        try:
+            job.storage.write_create(record, json.dumps(body).encode())
+        except FileExistsError:  # another component chose first
+            chosen = read_resume_record(job.storage, record)
+            if chosen is not None:
+                return chosen
+        return mine
+
+    # ------------------------------------------------------------------ loading
+
+    def resume(self, state: MutableMapping[str, Any], target: str | None) -> int:
+        job = self.job
+        strategy = job.bind(state)
+        if job.component:
+            job.ensure_run_dir()  # refuses a run_name an earlier launch used, before anything loads
+        candidates = self.agreed_candidates(target, strategy)
+        if job.local is not None and (job.config.resume_target if target is None else target) == "latest":
+            newest = max((layout.parse_step(layout.basename(p)) or 0 for _, p, _ in candidates), default=-1)
+            stream = not job.config.checkpoint_config.verify_before_load
+            found = job.local.resume(state, strategy, newest, stream=stream)
+            if found is not None:
+                step, self.trainer_state, job.resumed_from = found
+                log.info("roll-ckpt: resumed step %d from the local tier (%s; the newest persistent step is %s)",
+                         step, job.resumed_from, newest if newest >= 0 else "none")
+                return step
+            if job.local.partly_loaded and not candidates:
+                raise RollCkptError("loading the newest local checkpoint failed after it began (logged above) and "
+                                    f"there is no persistent checkpoint under {job.storage.url}: the state is partly "
+                                    "loaded; start again from scratch")
+        first_error: RollCkptError | None = None
+        for i, (storage, path, from_backup) in enumerate(candidates):
+            try:
+                step = self._resume_from(state, storage, path)
+            except RollCkptError as exc:  # raised alike on every rank (verification is broadcast)
+                if i + 1 < len(candidates):
+                    from ..tiers.replication import replica_url
+
+                    nxt_storage, nxt_path, _ = candidates[i + 1]
+                    log.warning("roll-ckpt: cannot resume from the local copy %s: %s -- resuming from its "
+                                "replica %s instead (verified first)", path, exc, replica_url(nxt_storage, nxt_path))
+                    first_error = first_error or exc
+                    continue
+                if first_error is not None:
+                    log.warning("roll-ckpt: the replica %s cannot be resumed from either: %s", path, exc)
+                    raise first_error from None
+                raise
+            self.resumed_from_backup = from_backup
+            if from_backup:
+                from ..tiers.replication import replica_url
+
+                job.resumed_from = replica_url(storage, path)
+                log.info("roll-ckpt: resumed step %d from the backup %s", step, job.resumed_from)
+            return step
+        return self._initial_load(state)
+
+    def _initial_load(self, state: MutableMapping[str, Any]) -> int:
+        """A fresh start: ``checkpoint_config.initial_load``'s weights, if any, into ``state``. Returns 0."""
+        initial = self.job.config.checkpoint_config.initial_load
+        if initial is not None:
+            from .hf_folder import load_initial
+
+            self.initial_load = load_initial(state, initial, self.job.strategy, self.job.progress)
+        return 0
+
+    def _verify_part(self, storage: Storage, path: str, strategy: Strategy) -> tuple[str, Manifest]:
+        """Coordinator: the folder to load and its manifest, everything but the data files checked."""
+        part = self._part_to_load(storage, path)
+        # DCP's files are checked while they are read, once for the job (before anything is
+        # deserialized): .metadata by the coordinator, each data file by one rank
+        # (roll_ckpt.load.job_load); everything else here.
+        data_dir = f"{strategy.data_dir}/"
+        with self.job.progress("verify") as progress:
+            manifest = verify(storage, part, on_bytes=progress, defer=lambda name: name.startswith(data_dir)).manifest
+        _check_written_by(manifest, part, strategy)
+        return part, manifest
+
+    def _resume_from(self, state: MutableMapping[str, Any], storage: Storage, path: str) -> int:
+        """Verify the checkpoint at ``path``, load it into ``state``; return its step."""
+        job = self.job
+        strategy = job.strategy
+        assert strategy is not None
+        def check() -> tuple[str, Manifest, bytes]:
+            if storage is job.storage:  # another launch's retention must leave it alone meanwhile
+                job.hold(path)
+            part, manifest = self._verify_part(storage, path, strategy)
+            with storage.open_read(storage.join(part, TRAINER_STATE)) as f:
+                return part, manifest, f.read()
+
+        # The coordinator alone reads the manifest and the trainer state (the manifest grows
+        # with the job: read by every rank, its bytes would grow with the square of it).
+        part, manifest, trainer_bytes = decide(strategy, check, where=f"cannot verify {path}", phase="resume: verifying",
+                                               step=layout.parse_step(layout.basename(path)))
+        data_dir = strategy.data_dir
+        files = {name[len(data_dir) + 1:]: entry for name, entry in manifest.files.items()
+                 if name.startswith(f"{data_dir}/")}
+        trainer_state = json.loads(trainer_bytes.decode())
+        into = only_model(state, manifest, part)
+        with job.progress(f"load step {trainer_state.get('step')}") as progress:
+            strategy.load(into, storage, storage.join(part, data_dir), progress, files=files, checkpoint=part,
+                          stream=not job.config.checkpoint_config.verify_before_load)
+        self.trainer_state = trainer_state
+        job.resumed_from = storage.url if storage is not job.storage else path
+        job.plugins.hook.roll_ckpt_load(path=path, state=state)
+        return int(trainer_state["step"])
+
+    def _part_to_load(self, storage: Storage, path: str) -> str:
+        """The folder this manager loads from ``path``: the checkpoint itself, or its component's part."""
+        component = self.job.component
+        top = read_manifest(storage, path)
+        parts = components_of(top)
+        if component is None:
+            if parts or top.component:
+                what = f"made of components ({', '.join(sorted(parts))})" if parts else \
+                    f"the part of component '{top.component}' of a step"
+                raise RollCkptError(f"{path} is {what}; resume it with CheckpointManager(config, component=...) "
+                                    "and checkpoint_config.components")
+            return path
+        if top.component == component:
+            return path  # the part's own folder, named explicitly
+        if top.component is not None:
+            raise RollCkptError(f"{path} is the part of component '{top.component}', not of '{component}'; "
+                                "resume from the step's folder or from this component's part")
+        if not parts:
+            raise RollCkptError(f"{path} was saved without components; resume it with a manager created "
+                                "without component=")
+        return open_part(storage, path, top, component)
+
+
+def _check_written_by(manifest: Manifest, path: str, strategy: Strategy) -> None:
+    if not any(name.startswith(f"{strategy.data_dir}/") for name in manifest.files):
+        raise RollCkptError(
+            f"{path} was written by the '{manifest.extra.get('strategy')}' strategy and holds no "
+            f"'{strategy.data_dir}/' folder, which the '{strategy.name}' strategy chosen for this state "
+            "loads; resume it with the same kind of state it was saved from")
+
+
+def only_model(state: MutableMapping[str, Any], manifest: Manifest, path: str) -> MutableMapping[str, Any]:
+    """What a resume loads of ``state``: all of it; from a ``save_only_model`` checkpoint the
+    module alone, the rest starting afresh (said in a warning)."""
+    key = manifest.extra.get("save_only_model")
+    if not key:
+        return state
+    if key not in state:
+        raise RollCkptError(f"{path} was saved with save_only_model and holds the weights of state['{key}'] only; "
+                            f"this state has no '{key}' ({', '.join(repr(k) for k in state)}): resume it into a "
+                            "state with the same model key")
+    fresh = [k for k in state if k != key]
+    warnings.warn(f"roll-ckpt: {path} was saved with save_only_model: it holds the weights of state['{key}'] and the "
+                  f"trainer state only; {', '.join(f'state[{k!r}]' for k in fresh) or 'nothing else'} start"
+                  f"{'' if len(fresh) > 1 else 's'} fresh (the optimizer's moments, the scheduler, the data "
+                  "position)", stacklevel=3)
+    return {key: state[key]}

@@ -1,0 +1,323 @@
+"""Every private torch API roll-ckpt uses, in one place.
+
+Each accessor notes the torch versions it was checked on. When torch changes one of
+them, the accessor raises :class:`TorchCompatError` naming the API and the installed
+torch version, instead of a bare ``AttributeError`` deep inside a save. Nothing here
+patches torch: every override is scoped to roll-ckpt's own writer and reader.
+
+Importing this module imports torch (not ``torch.distributed``); DCP's modules are
+imported by the accessors that need them.
+"""
+
+from __future__ import annotations
+
+import functools
+import pickle
+import time
+import types
+from typing import Any, Callable
+
+import torch
+
+from ..errors import RollCkptError
+
+__all__ = ["TorchCompatError", "local_tensor", "set_local_tensor", "rewrap_dtensor", "save_tensor_without_crc",
+           "serializes_plainly", "create_write_items",
+           "weights_only_load", "file_reader", "storage_info", "set_element", "get_element",
+           "load_state_dict_no_dist", "module_tensor_ids", "empty_state_dict_load_planner", "planner_set_value", "storage_prefix",
+           "narrow_tensor_by_index", "local_chunk", "collective", "all_reduce_ints", "CHECKED_ON"]
+
+CHECKED_ON = ("2.6", "2.9", "2.11", "2.13")
+"""torch releases these accessors were checked against (the test suite runs on 2.13)."""
+
+
+class TorchCompatError(RollCkptError):
+    """A private torch API roll-ckpt relies on is missing from the installed torch."""
+
+
+def _missing(api: str, exc: BaseException) -> TorchCompatError:
+    return TorchCompatError(
+        f"torch {torch.__version__} lacks {api} ({type(exc).__name__}: {exc}), which roll-ckpt uses "
+        f"(checked on torch {', '.join(CHECKED_ON)}); install one of those torch versions or a "
+        "roll-ckpt release that supports this one")
+
+
+# --------------------------------------------------------------------------- DTensor internals
+
+
+def local_tensor(t: Any) -> Any:
+    """The local shard of a DTensor itself (not a view: ``to_local()`` may wrap it for
+    autograd), or ``t`` when it is a plain tensor. ``DTensor._local_tensor``: torch 2.4-2.13."""
+    return getattr(t, "_local_tensor", t)
+
+
+def set_local_tensor(t: Any, local: Any) -> None:
+    """Swap a DTensor's local shard (the offload store releases memory this way;
+    ``DTensor._local_tensor``, torch 2.4-2.13)."""
+    if not hasattr(t, "_local_tensor"):
+        raise _missing("DTensor._local_tensor", AttributeError("_local_tensor"))
+    t._local_tensor = local
+
+
+def local_chunk(t: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Where this process's shard of the DTensor ``t`` lies in the global tensor: its
+    ``(offsets, sizes)``, for any placements (``Shard``, ``Replicate``, FSDP2's strided
+    shards). ``DTensor.__create_chunk_list__``, the call DCP's planner makes for every
+    DTensor it saves (since torch 2.2; checked on torch 2.13, with uneven and empty shards)."""
+    try:
+        chunks = t.__create_chunk_list__()
+    except AttributeError as exc:
+        raise _missing("DTensor.__create_chunk_list__", exc) from None
+    if len(chunks) != 1:
+        raise _missing("DTensor.__create_chunk_list__ (one chunk per process)",
+                       ValueError(f"{len(chunks)} chunks"))
+    return tuple(chunks[0].offsets), tuple(chunks[0].sizes)
+
+
+def rewrap_dtensor(like: Any, local: Any) -> Any:
+    """A DTensor over ``local`` with ``like``'s mesh, placements, global shape and stride
+    (public ``DTensor.from_local``; its ``shape``/``stride`` arguments exist since torch 2.4)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
+                              shape=like.shape, stride=like.stride())
+
+
+def module_tensor_ids(module: Any) -> tuple[tuple[int, int], ...]:
+    """The identity of every parameter and buffer of ``module`` and its submodules, and of
+    the storage it uses, in one pass (``nn.Module._parameters``/``_buffers``, a DTensor's
+    ``_local_tensor``, ``UntypedStorage._cdata``): what a cached state dict depends on,
+    compared on every save, so it must be cheap; torch 2.0-2.13. The storage catches
+    ``p.data = other`` (the same parameter over other memory, which the cached state
+    dict's views do not see); a storage resized in place (offloaded, then brought back)
+    stays the same storage, and the views follow it."""
+    try:
+        return tuple((id(t), _storage_id(getattr(t, "_local_tensor", t)))
+                     for m in module.modules() for d in (m._parameters, m._buffers)
+                     for t in d.values() if t is not None)
+    except AttributeError as exc:
+        raise _missing("nn.Module._parameters / _buffers", exc) from None
+
+
+def _storage_id(t: Any) -> int:
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):  # no storage (sparse, nested): its identity alone
+        return 0
+
+
+# --------------------------------------------------------------------------- serialization
+
+
+class _PicklerFactory(type):
+    """The metaclass of the ``Pickler`` handed to ``torch.serialization._save``.
+
+    ``_save`` subclasses ``pickle_module.Pickler`` on every call (``class PyTorchPickler``,
+    to give it a ``persistent_id`` method): a class object per tensor written, freed only
+    by the cyclic garbage collector (about 9 objects in reference cycles per tensor). A
+    checkpoint of thousands of tensors then set off collections that scan the whole heap,
+    hundreds of milliseconds each with a large model in memory, holding the GIL in the
+    writer thread or falling into ``save`` itself. Here that subclass is a factory
+    instead: a plain pickler whose ``persistent_id`` is an instance attribute (pickle's
+    documented alternative), nothing in a cycle.
+    """
+
+    def __new__(mcls, name: str, bases: tuple, namespace: dict) -> Any:
+        persistent_id = namespace.get("persistent_id")
+        if persistent_id is None or not any(isinstance(b, _PicklerFactory) for b in bases):
+            return super().__new__(mcls, name, bases, namespace)
+
+        def make(file: Any, protocol: int | None = None) -> Any:
+            pickler = pickle.Pickler(file, protocol=protocol)
+            pickler.persistent_id = functools.partial(persistent_id, None)  # (its self is unused)
+            return pickler
+
+        return make
+
+
+class _Pickler(pickle.Pickler, metaclass=_PicklerFactory):
+    pass
+
+
+_PICKLE = types.SimpleNamespace(Pickler=_Pickler)
+"""What ``_save`` is given as its ``pickle_module`` (it only reads ``Pickler``)."""
+
+
+def save_tensor_without_crc(tensor: torch.Tensor, stream: Any) -> None:
+    """``torch.save(tensor, stream)``, but without torch's per-record CRC-32.
+
+    The bytes are what ``torch.save`` writes with ``set_crc32_options(False)``, which
+    ``torch.load`` reads; roll-ckpt's files are covered by the manifest's xxh3-128, computed
+    in the same pass, and the CRC-32 costs about as much CPU as copying the data. Only this
+    call skips it: other ``torch.save`` calls keep torch's setting. Its pickler is a plain
+    one (:data:`_PICKLE`): no class is made per tensor.
+    ``torch.serialization._save`` / ``_get_storage_alignment`` / ``torch._C.PyTorchFileWriter``:
+    torch 2.6-2.13.
+    """
+    import torch.serialization as ser
+
+    try:
+        writer = torch._C.PyTorchFileWriter(stream, False, ser._get_storage_alignment())
+        save = ser._save
+    except (AttributeError, TypeError) as exc:
+        raise _missing("torch.serialization._save / PyTorchFileWriter(stream, compute_crc32, alignment)",
+                       exc) from None
+    save(tensor, writer, _PICKLE, ser.DEFAULT_PROTOCOL, False)
+    writer.write_end_of_file()
+
+
+def serializes_plainly(t: Any) -> bool:
+    """Whether ``torch.save`` frames ``t`` as it frames any plain tensor of its dtype, shape
+    and stride, with the tensor's own bytes as the one record (what
+    :mod:`roll_ckpt.save.tensor_frames` relies on): a ``torch.Tensor`` (no subclass), strided,
+    contiguous, on the CPU, not empty, not quantized, without autograd and without the
+    conjugate/negative bits or any other entry of ``torch._C._get_tensor_metadata``, not a
+    zero tensor (``_is_zerotensor``, which has no memory). Checked on torch 2.13."""
+    try:
+        return (type(t) is torch.Tensor and t.layout is torch.strided and t.device.type == "cpu"
+                and not t.requires_grad and not t.is_quantized and t.is_contiguous() and t.numel() > 0
+                and not t._is_zerotensor() and not torch._C._get_tensor_metadata(t))
+    except AttributeError as exc:
+        raise _missing("Tensor._is_zerotensor / torch._C._get_tensor_metadata", exc) from None
+
+
+def file_reader(stream: Any) -> Any:
+    """``torch._C.PyTorchFileReader`` over a seekable stream (torch 2.6-2.13)."""
+    try:
+        return torch._C.PyTorchFileReader(stream)
+    except AttributeError as exc:
+        raise _missing("torch._C.PyTorchFileReader", exc) from None
+
+
+def weights_only_load(reader: Any, overall_storage: Any) -> Any:
+    """``torch.load(weights_only=True)`` of a zip record set, its storages taken from
+    ``overall_storage`` (the mechanism behind ``torch.load(mmap=True)``):
+    ``torch.serialization._load(..., overall_storage=)`` and ``_weights_only_unpickler``,
+    torch 2.6-2.13."""
+    import torch.serialization as ser
+
+    try:
+        load, unpickler = ser._load, ser._weights_only_unpickler
+    except AttributeError as exc:
+        raise _missing("torch.serialization._load / _weights_only_unpickler", exc) from None
+    return load(reader, "cpu", unpickler, overall_storage=overall_storage, encoding="utf-8")
+
+
+# --------------------------------------------------------------------------- DCP internals
+
+
+def storage_info(relative_path: str, offset: int, length: int) -> Any:
+    """DCP's per-item storage record (``filesystem._StorageInfo``, torch 2.3-2.13)."""
+    try:
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+    except ImportError as exc:
+        raise _missing("torch.distributed.checkpoint.filesystem._StorageInfo", exc) from None
+    return _StorageInfo(relative_path, offset, length)
+
+
+def create_write_items(fqn: str, obj: Any) -> list[Any]:
+    """DCP's write items for one value of a flattened state dict, as ``DefaultSavePlanner``
+    makes them (``planner_helpers._create_write_items``, torch 2.3-2.13)."""
+    try:
+        from torch.distributed.checkpoint.planner_helpers import _create_write_items
+    except ImportError as exc:
+        raise _missing("torch.distributed.checkpoint.planner_helpers._create_write_items", exc) from None
+    return _create_write_items(fqn, obj)
+
+
+def storage_prefix(plan: Any) -> str:
+    """The file-name prefix DCP's planner gave this rank (``_StoragePrefix.prefix``, torch 2.3-2.13)."""
+    try:
+        return plan.storage_data.prefix
+    except AttributeError as exc:
+        raise _missing("SavePlan.storage_data.prefix (filesystem._StoragePrefix)", exc) from None
+
+
+def _traverse(name: str) -> Callable[..., Any]:
+    try:
+        from torch.distributed.checkpoint import _traverse
+
+        return getattr(_traverse, name)
+    except (ImportError, AttributeError) as exc:
+        raise _missing(f"torch.distributed.checkpoint._traverse.{name}", exc) from None
+
+
+def set_element(root: Any, path: tuple, value: Any) -> None:
+    """Set ``value`` at DCP's object path ``path`` (``_traverse.set_element``, torch 2.2-2.13)."""
+    _traverse("set_element")(root, path, value)
+
+
+def get_element(root: Any, path: tuple) -> Any:
+    """The value at DCP's object path ``path`` (``_traverse.get_element``, torch 2.2-2.13)."""
+    return _traverse("get_element")(root, path)
+
+
+def planner_set_value(planner: Any, fqn: str, value: Any) -> None:
+    """Store a loaded non-tensor value where DCP's default load planner would
+    (``DefaultLoadPlanner.original_state_dict`` / ``mappings``, torch 2.2-2.13)."""
+    if planner.flatten_state_dict:
+        set_element(planner.original_state_dict, planner.mappings[fqn], value)
+    else:
+        planner.state_dict[fqn] = value
+
+
+def load_state_dict_no_dist(sd: dict, reader: Any, planner: Any) -> None:
+    """DCP's load in one process without a process group, into ``sd`` as the planner
+    builds it (``state_dict_loader._load_state_dict``, torch 2.2-2.13)."""
+    try:
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    except ImportError as exc:
+        raise _missing("torch.distributed.checkpoint.state_dict_loader._load_state_dict", exc) from None
+    _load_state_dict(sd, storage_reader=reader, planner=planner, no_dist=True)
+
+
+def empty_state_dict_load_planner() -> type:
+    """DCP's planner that rebuilds a whole state dict from metadata
+    (``default_planner._EmptyStateDictLoadPlanner``, torch 2.2-2.13)."""
+    try:
+        from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    except ImportError as exc:
+        raise _missing("torch.distributed.checkpoint.default_planner._EmptyStateDictLoadPlanner", exc) from None
+    return _EmptyStateDictLoadPlanner
+
+
+def narrow_tensor_by_index(tensor: Any, offsets: Any, sizes: Any) -> Any:
+    """The part of ``tensor`` a DCP read item asks for (``_shard._utils.narrow_tensor_by_index``,
+    torch 2.0-2.13)."""
+    try:
+        from torch.distributed._shard._utils import narrow_tensor_by_index as narrow
+    except ImportError as exc:
+        raise _missing("torch.distributed._shard._utils.narrow_tensor_by_index", exc) from None
+    return narrow(tensor, offsets, sizes)
+
+
+def collective(call: Callable[..., Any], tensors: tuple[Any, ...], *args: Any, timeout: float = 2.0,
+               **kwargs: Any) -> Any:
+    """``call(*args, **kwargs)``, a blocking collective over ``tensors``, returning only once
+    the process group's worker thread has let go of them. Checked on torch 2.13 (``Tensor._use_count``).
+
+    A gloo collective returns when its data is there; the worker thread drops the finished
+    work a moment later, and dropping the last C++ reference to a tensor that Python also
+    holds takes the GIL. When that moment falls into interpreter exit (a collective right
+    before the job ends, the worker short of CPU), the thread cannot take the GIL and the
+    process aborts ("terminate called without an active exception"). Waiting here, while
+    the caller still holds the tensors, moves the release back into the job's lifetime.
+    """
+    if not hasattr(torch.Tensor, "_use_count"):  # another torch: the collective as it is
+        return call(*args, **kwargs)
+    held = [t._use_count() for t in tensors]
+    result = call(*args, **kwargs)
+    deadline = time.monotonic() + timeout
+    while any(t._use_count() > n for t, n in zip(tensors, held)) and time.monotonic() < deadline:
+        time.sleep(0.0002)
+    return result
+
+
+def all_reduce_ints(dist: Any, values: list[int], op: Any, group: Any) -> list[int]:
+    """An all-reduce of a few integers on ``group`` (a GPU tensor on an NCCL group), through
+    :func:`collective`. Checked on torch 2.13 (``dist.get_backend``, ``all_reduce``)."""
+    nccl = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    t = torch.tensor(values, dtype=torch.int64, device=device)
+    collective(dist.all_reduce, (t,), t, op=op, group=group)
+    return [int(v) for v in t.tolist()]

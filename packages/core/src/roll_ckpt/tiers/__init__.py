@@ -1,0 +1,6 @@
+"""Where checkpoints live: one job's storage and run folder (:mod:`.job`), retention and
+space, the backup and its replication, copies between storages, the fast recovery tier
+and its peer replicas.
+
+Layer 4: imports ``config``, ``format``, ``runtime`` and the base modules.
+"""
