@@ -15,18 +15,16 @@ def md(text: str) -> str:
     """A docstring (reST-flavoured, as roll-ckpt writes them) as one Markdown table cell."""
     text = _ROLE.sub(lambda m: f"``{m.group(1)}``", text)
     paragraphs = [" ".join(p.split()) for p in re.split(r"\n\s*\n", text.strip())]
-    out = []
-    for p in paragraphs:
-        # Outside code spans, '<dir>' would be read as an HTML tag and '|' as a column.
-        parts = re.split(r"(``[^`]+``|`[^`]+`)", p)
-        for i in range(0, len(parts), 2):
-            parts[i] = parts[i].replace("<", "&lt;").replace(">", "&gt;")
-        out.append("".join(parts).replace("|", "\\|"))
-    return "<br><br>".join(out)
+    return "<br><br>".join(_cell(p) for p in paragraphs)
 
 
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|")
+    """Outside code spans, '<dir>' would be read as an HTML tag and '|' as a column; inside
+    them the table extension leaves '|' alone and shows a backslash as written."""
+    parts = re.split(r"(``[^`]+``|`[^`]+`)", text)
+    for i in range(0, len(parts), 2):
+        parts[i] = parts[i].replace("<", "&lt;").replace(">", "&gt;").replace("|", "\\|")
+    return "".join(parts)
 
 
 def configuration_page() -> str:
@@ -61,7 +59,8 @@ def configuration_page() -> str:
             lines += ["| key | type | default | ROLL | meaning |", "|---|---|---|---|---|"]
             for k in chosen:
                 name = f"[`{k.key}`](#{_anchor(k.key)})" if k.kind == "section" else f"`{k.key}`"
-                lines.append(f"| {name} | `{_cell(k.type)}` | {_cell(k.default)} | {_cell(k.roll)} | {md(k.doc)} |")
+                kind = _cell("`" + k.type + "`")
+                lines.append(f"| {name} | {kind} | {_cell(k.default)} | {_cell(k.roll)} | {md(k.doc)} |")
             lines.append("")
     return "\n".join(lines)
 
