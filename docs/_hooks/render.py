@@ -34,8 +34,9 @@ def configuration_page() -> str:
              "each key's type and meaning are the field's annotation and docstring in the source; its default",
              "is what `load_config` yields when the key is unset; *ROLL* gives ROLL's name for it where ROLL",
              "has the key, and ROLL's default where a ROLL pipeline config takes another one (see",
-             "[From a ROLL config](../operations/roll.md)). How the keys are written, interpolated and",
-             "checked: [Configuration](../guide/configuration.md).", ""]
+             "[From a ROLL config](../operations/roll.md)); `—` there: a key of roll-ckpt's own, which ROLL's",
+             "files do not have. How the keys are written, interpolated and checked:",
+             "[Configuration](../guide/configuration.md).", ""]
     order = []
     for k in keys:
         if k.section not in order:
