@@ -274,6 +274,7 @@ def config_keys() -> list[Key]:
                 default="—" if sub and not _optional(hints[f.name]) else
                 defaults.default(dotted, section, sub is not None),
                 roll="; ".join(roll) or "—", doc=doc, owner=f"{cls.__name__}.{f.name}"))
+    keys += _s3_storage_options()
     for record in sources.plugin_config_keys().values():
         short = record.key.rpartition(".")[2]
         keys.append(Key(
@@ -281,3 +282,20 @@ def config_keys() -> list[Key]:
             default=f"`{_shown(record.default)}`", roll=_worker_path(short) + " (for that worker's managers)",
             doc=record.description, owner=f"plugin {record.distribution}"))
     return keys
+
+
+STORAGE_OPTIONS = "checkpoint_config.storage_options"
+
+
+def _s3_storage_options() -> list[Key]:
+    """The ``storage_options`` keys the ``file_system`` backend reads on ``s3://``: the fields of
+    its retry policy (the backend reads exactly the keys named in ``RETRY_KEYS``)."""
+    policy = sources.s3_retry_policy()
+    names = [f.name for f in dataclasses.fields(policy)]
+    read = list(inspect.getmodule(policy).RETRY_KEYS)
+    if names != read:
+        raise RuntimeError(f"{policy.__qualname__}'s fields {names} are not the keys the backend reads {read}")
+    docs = attribute_docs(policy)
+    return [Key(key=f"{STORAGE_OPTIONS}.{f.name}", section=STORAGE_OPTIONS, kind="key", type=str(f.type),
+                default=f"`{_shown(f.default)}`", roll="—", doc=docs.get(f.name, ""),
+                owner=f"{policy.__name__}.{f.name}") for f in dataclasses.fields(policy)]

@@ -41,13 +41,20 @@ def configuration_page() -> str:
     for k in keys:
         if k.section not in order:
             order.append(k.section)
-    titles = {"": "Top level", "plugins": "Keys plugins own"}
+    titles = {"": "Top level", "plugins": "Keys plugins own",
+              config_keys.STORAGE_OPTIONS: "`checkpoint_config.storage_options` on `s3://`"}
     for section in order:
         rows = [k for k in keys if k.section == section]
         lines += [f"## {titles.get(section, f'`{section}`')}", ""]
         head = next((k for k in keys if k.key == section and k.kind == "section"), None)
         if head is not None:
             lines += [md(head.doc), ""]
+        if section == config_keys.STORAGE_OPTIONS:
+            lines += ["The keys of `checkpoint_config.storage_options` (and of `backup.storage_options`) that the",
+                      "`file_system` backend reads on `s3://`: its retry policy (the fields of `RetryPolicy`). Its",
+                      "other keys go to fsspec as they are; on a local path the backend reads `direct_io` alone",
+                      "(see [Configuration](../guide/configuration.md) and [Faulty networks](../operations/faults.md)).",
+                      ""]
         if section == "plugins":
             lines += ["Declared through the `roll_ckpt_config_keys` hook by the installed plugins (`roll-ckpt plugins`",
                       "lists them), validated by the plugin, kept in `cfg.options` and as `cfg.<key>`.", ""]

@@ -16,6 +16,7 @@ WORKER_STRATEGY = "roll_ckpt.roll_keys"  # WORKER_STRATEGY: where a ROLL worker 
 PLUGINS = "roll_ckpt.plugins"  # get_plugins: plugin-owned config keys, plugin commands
 CLI = "roll_ckpt.cli"  # build_parser: the roll-ckpt command line, plugins' commands included
 HOOKSPECS = "roll_ckpt.hookspecs"  # the hooks a plugin implements
+S3_RETRY = "roll_ckpt_fs.network"  # RetryPolicy, RETRY_KEYS: the file_system backend's storage_options on s3://
 
 # Packages whose ``__all__`` is the public API the API page documents (plugins' included).
 API_PACKAGES = ("roll_ckpt", "roll_ckpt.testing", "roll_ckpt_fs", "roll_ckpt_fsdp2", "roll_ckpt_demo")
@@ -44,6 +45,11 @@ def worker_strategy() -> tuple[str, ...]:
 def plugin_config_keys() -> dict:
     """``{key: ConfigKeyRecord}`` of every installed plugin (``roll_ckpt_config_keys``)."""
     return module(PLUGINS).get_plugins().config_keys()
+
+
+def s3_retry_policy() -> type:
+    """The ``file_system`` backend's retry policy: its fields are ``storage_options`` keys on ``s3://``."""
+    return module(S3_RETRY).RetryPolicy
 
 
 def cli_parser():

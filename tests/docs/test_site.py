@@ -168,6 +168,17 @@ def test_the_configuration_reference_lists_every_key_with_its_meaning(site: Path
         assert opening(record.description) in text, f"the meaning of plugin key {key} is not in the reference"
 
 
+def test_the_s3_storage_options_are_documented_and_listed(site: Path) -> None:
+    policy = sources.s3_retry_policy()
+    assert not undocumented(policy), f"RetryPolicy fields without a docstring: {undocumented(policy)}"
+    page = page_text(site, "reference/configuration")
+    shown, text = code_spans(page), rendered(page)
+    for f in dataclasses.fields(policy):
+        key = f"checkpoint_config.storage_options.{f.name}"
+        assert key in shown, f"{key} is not in the configuration reference"
+        assert opening(field_docs(policy)[f.name]) in text
+
+
 def test_the_reference_gives_computed_defaults_and_roll_names(site: Path) -> None:
     text = plain(page_text(site, "reference/configuration"))
     # defaults computed by the validation code, not the dataclasses' placeholders
