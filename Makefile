@@ -13,7 +13,7 @@ PACKAGES := -e packages/core -e packages/backend-fs -e packages/strategy-fsdp2 -
             -e ".[all,dev]"
 SOURCES := pyproject.toml packages/*/pyproject.toml
 
-.PHONY: venv demo test test-reliability bench bench-check wheels clean
+.PHONY: venv demo test test-reliability bench bench-check docs wheels clean
 
 venv: $(STAMP)
 
@@ -50,9 +50,14 @@ bench: venv
 bench-check: venv
 	$(PY) bench/run.py --check $(BENCH_ARGS)
 
+# The documentation site (mkdocs.yml, docs/) into site/, warnings as errors. Its configuration,
+# command-line and API references are generated from the code at build time (docs/_hooks/).
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
 # Pure-Python wheels of the five distributions (carried to a GPU machine by scripts/gpu_check.sh).
 wheels: venv
 	rm -rf dist && $(PIP) wheel -q --no-deps -w dist . packages/core packages/backend-fs packages/strategy-fsdp2 packages/demo
 
 clean:
-	rm -rf $(VENV) output .pytest_cache
+	rm -rf $(VENV) output .pytest_cache site

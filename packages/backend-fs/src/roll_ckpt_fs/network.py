@@ -48,11 +48,18 @@ _RETRIED_STATUS = {500, 502, 503, 504, 429}
 
 @dataclass(frozen=True)
 class RetryPolicy:
+    """``checkpoint_config.storage_options`` keys on ``s3://``: roll-ckpt's retries and timeouts."""
+
     connect_timeout: float = 5.0
+    """Seconds to open a connection."""
     read_timeout: float = 10.0
+    """Seconds without a byte from the server before an attempt fails: a request that never answers ends here."""
     max_attempts: int = 5
+    """Attempts per request, the first included (``1``: no retry)."""
     retry_backoff: float = 0.25
+    """Seconds before the first retry, doubled for each next one (50-100 % of it, jittered)."""
     retry_backoff_max: float = 5.0
+    """The longest wait between two attempts (seconds)."""
 
     @classmethod
     def pop_from(cls, options: dict[str, Any], url: str) -> "RetryPolicy":

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -150,6 +151,7 @@ class StrategyConfig:
     """ROLL's key: checkpoints hold the model's weights (``dcp/`` and the HF files) and the trainer state
     only; a resume loads the weights and starts the optimizer afresh (with a warning)."""
     extra: Mapping[str, Any] = field(default_factory=dict)
+    """Every other key of ``strategy_config`` (ROLL's engine settings), kept but not read."""
 
 
 @dataclass(frozen=True)
@@ -158,11 +160,15 @@ class Config:
 
     checkpoint_config: CheckpointConfig = field(default_factory=CheckpointConfig)
     exp_name: str = "roll-ckpt"
+    """The experiment's name: the default ``checkpoint_config.output_dir`` and ``local.dir`` end with it."""
     seed: int = 42
+    """The job's seed (an integer), for the job to read (``cfg.seed``); roll-ckpt seeds nothing with it."""
     output_dir: str = "./output"
+    """The job's output folder (path or URL): the default ``checkpoint_config.output_dir`` is below it."""
     resume_from_checkpoint: bool | str = False
     """``false``; ``true`` or ``"latest"`` (newest committed under output_dir); or a checkpoint path/URL."""
     max_steps: int = 0
+    """The training loop's last step (an integer >= 0), for the loop to read: ``cfg.max_steps``."""
     save_steps: int = 0
     """Save every N steps; 0 disables periodic saves (final and manual saves still happen)."""
     strategy_config: StrategyConfig = field(default_factory=StrategyConfig)
@@ -209,7 +215,6 @@ class Config:
         if r is True:
             return "latest"
         return r
-
 
 
 def load_config(source: str | os.PathLike[str] | Mapping[str, Any], *, plugins: Any = None,
@@ -260,8 +265,6 @@ def read_source(source: Any) -> dict[str, Any]:
 
 
 def _is_omegaconf(source: Any) -> bool:
-    import sys
-
     omegaconf = sys.modules.get("omegaconf")  # a DictConfig exists only once omegaconf is imported
     return omegaconf is not None and isinstance(source, omegaconf.DictConfig)
 
@@ -272,8 +275,6 @@ def _plugin_keys(plugins: Any) -> Mapping[str, Any]:
 
         plugins = get_plugins()
     return plugins.config_keys()
-
-
 
 
 def _backup(value: Any) -> BackupConfig | None:
@@ -303,7 +304,6 @@ def _same_location(a: str, b: str) -> bool:
             except ValueError:  # a user name ~x that cannot be looked up
                 return u
         return u.rstrip("/")
-
     return norm(a) == norm(b)
 
 
