@@ -111,7 +111,21 @@ def torchrun(script: str | os.PathLike[str], *args: Any, nproc: int = 2, timeout
              check: bool = True, env: Mapping[str, str] | None = None) -> str:
     """Run ``script`` under torchrun on ``nproc`` local ranks and wait, at most ``timeout``
     seconds (then the agent and its workers are killed and the test fails). Returns the tail
-    of its output; with ``check`` it must have succeeded. Workers left behind are killed."""
+    of its output; with ``check`` it must have succeeded. Workers left behind are killed.
+
+    The ranks are forked from a warm interpreter (:mod:`helpers.ranks`) unless
+    ``ROLL_CKPT_TEST_TORCHRUN=1`` asks for torchrun itself."""
+    if os.environ.get("ROLL_CKPT_TEST_TORCHRUN", "") != "1":
+        from .ranks import run_ranks
+
+        code, output, timed_out = run_ranks(script, [str(a) for a in args], nproc=nproc, timeout=timeout,
+                                            env=child_env(env, OMP_NUM_THREADS="1", ROLL_CKPT_QUIET="1",
+                                                          PYTHONUNBUFFERED="1"))
+        if timed_out:
+            raise AssertionError(f"{Path(script).name} {' '.join(map(str, args))} on {nproc} ranks did not end "
+                                 f"within {timeout:.0f}s\n{output[-8000:]}")
+        assert code == 0 or not check, output[-8000:]
+        return output[-8000:]
     proc = start_torchrun(script, *args, nproc=nproc, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         out, err = proc.communicate(timeout=timeout)
