@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import PeakRSS, drop_cache, io_read_bytes, state_size, tree_bytes, tree_files  # noqa: E402
 
 from roll_ckpt import CheckpointManager, load_config  # noqa: E402
-from roll_ckpt import digest as _digest  # noqa: E402
+from roll_ckpt.format import digest as _digest  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 warnings.filterwarnings("ignore", message=".*Detected an existing checkpoint.*")

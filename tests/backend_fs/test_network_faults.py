@@ -15,7 +15,8 @@ import pytest
 pytest.importorskip("s3fs", reason="s3fs is not installed (pip install 'roll-ckpt[s3]')")
 
 from helpers.training import config, drift  # noqa: E402
-from roll_ckpt import CheckpointManager, NetworkCounts, layout  # noqa: E402
+from roll_ckpt import CheckpointManager, NetworkCounts  # noqa: E402
+from roll_ckpt.format import layout  # noqa: E402
 from roll_ckpt.errors import RollCkptError, SaveError  # noqa: E402
 from roll_ckpt.testing import assert_same_state, state_snapshot, tiny_state  # noqa: E402
 from roll_ckpt.format.verify import verify  # noqa: E402

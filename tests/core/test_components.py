@@ -22,7 +22,8 @@ import torch
 from helpers.launch import run_python
 from helpers.training import config, train_step
 from roll_ckpt import (CheckpointCorruptError, CheckpointManager, CheckpointNotFoundError, ConfigError,
-                       DriverState, RollCkptError, hookimpl, layout, load_config, new_run_name)
+                       DriverState, RollCkptError, hookimpl, load_config, new_run_name)
+from roll_ckpt.format import layout
 from roll_ckpt.format.components import step_manifest, try_complete
 from roll_ckpt.plugins import Plugins
 from roll_ckpt.testing import assert_same_state, state_snapshot, tiny_state

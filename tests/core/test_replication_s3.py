@@ -20,8 +20,8 @@ from backend_fs import s3server  # noqa: E402  (tests/ is on sys.path: the S3 se
 
 from helpers.damage import flip_byte  # noqa: E402
 from helpers.training import backup_config, config  # noqa: E402
-from roll_ckpt import layout  # noqa: E402
-from roll_ckpt import replication  # noqa: E402
+from roll_ckpt.format import layout  # noqa: E402
+from roll_ckpt.tiers import replication  # noqa: E402
 from roll_ckpt.cli import main  # noqa: E402
 from roll_ckpt.format.manifest import MANIFEST_NAME  # noqa: E402
 from roll_ckpt.testing import assert_same_state, state_snapshot, tiny_state  # noqa: E402

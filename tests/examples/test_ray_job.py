@@ -34,7 +34,7 @@ sys.path.insert(0, str(EXAMPLE))
 import ray_job  # noqa: E402
 from rl_job import ActorTrain, read_config  # noqa: E402
 
-from roll_ckpt import layout  # noqa: E402
+from roll_ckpt.format import layout  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -84,17 +84,22 @@ def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
 # --------------------------------------------------------------------------- torchrun
 
 
-def torchrun_command(script: str | os.PathLike[str], *args: Any, nproc: int) -> list[str]:
+def torchrun_command(script: str | os.PathLike[str], *args: Any, nproc: int, real: bool = True) -> list[str]:
+    """``torchrun``'s command line; with ``real=False`` (and without ``ROLL_CKPT_TEST_TORCHRUN=1``)
+    the tests' agent (``_rank_agent.py``: the same environment, one import of torch)."""
+    if not real and os.environ.get("ROLL_CKPT_TEST_TORCHRUN", "") != "1":
+        return [sys.executable, str(TESTS / "helpers" / "_rank_agent.py"), str(nproc), str(script), *(str(a) for a in args)]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
             str(script), *(str(a) for a in args)]
 
 
 def start_torchrun(script: str | os.PathLike[str], *args: Any, nproc: int = 2,
                    env: Mapping[str, str] | None = None, stdout: int | IO[Any] | None = None,
-                   stderr: int | IO[Any] | None = subprocess.STDOUT) -> subprocess.Popen:
+                   stderr: int | IO[Any] | None = subprocess.STDOUT, real: bool = False) -> subprocess.Popen:
     """``torchrun --standalone --nproc_per_node=nproc script *args`` in the background, in a
-    process group of its own; one thread per rank, roll-ckpt quiet, output unbuffered."""
-    return subprocess.Popen(torchrun_command(script, *args, nproc=nproc), stdin=subprocess.DEVNULL,
+    process group of its own; one thread per rank, roll-ckpt quiet, output unbuffered.
+    ``real``: torchrun itself (a test of what torchrun's agent does), else the tests' agent."""
+    return subprocess.Popen(torchrun_command(script, *args, nproc=nproc, real=real), stdin=subprocess.DEVNULL,
                             stdout=stdout, stderr=stderr, start_new_session=True,
                             env=child_env(env, OMP_NUM_THREADS="1", ROLL_CKPT_QUIET="1", PYTHONUNBUFFERED="1"))
 
@@ -126,7 +131,8 @@ def torchrun(script: str | os.PathLike[str], *args: Any, nproc: int = 2, timeout
                                  f"within {timeout:.0f}s\n{output[-8000:]}")
         assert code == 0 or not check, output[-8000:]
         return output[-8000:]
-    proc = start_torchrun(script, *args, nproc=nproc, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = start_torchrun(script, *args, nproc=nproc, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          real=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

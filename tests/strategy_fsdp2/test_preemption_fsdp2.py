@@ -33,7 +33,7 @@ def _launch(out: Path, signal_at: str = "none", kill: str | None = None, after_s
     signal to the end of the job."""
     for rank in (0, 1):
         (out / f"rank{rank}.log").unlink(missing_ok=True)
-    proc = start_torchrun(WORKER, out, MAX_STEPS, signal_at, stdout=subprocess.PIPE)
+    proc = start_torchrun(WORKER, out, MAX_STEPS, signal_at, stdout=subprocess.PIPE, real=True)
     signalled = None
     deadline = time.monotonic() + 240
     try:
