@@ -19,7 +19,7 @@ pytest.importorskip("s3fs", reason="s3fs is not installed (pip install 'roll-ckp
 
 from helpers.training import config, drift  # noqa: E402
 from roll_ckpt import CheckpointManager  # noqa: E402
-from roll_ckpt import layout  # noqa: E402
+from roll_ckpt.format import layout  # noqa: E402
 from roll_ckpt.errors import CheckpointCorruptError  # noqa: E402
 from roll_ckpt.format.manifest import MANIFEST_NAME  # noqa: E402
 from roll_ckpt.testing import BackendConformance, assert_same_state, state_snapshot, tiny_state  # noqa: E402
@@ -323,3 +323,41 @@ def test_a_save_costs_the_same_requests_whatever_the_checkpoints_kept(s3: s3serv
             # one checkpoint's keys, or its writers' markers: never the run folder, which grows
             assert step == 1 or (prefixes and all("checkpoint-" in p for p in prefixes)), prefixes
     assert per_save[3] == per_save[12], (per_save[3], per_save[12])  # 2 checkpoints there, then 11
+
+
+def test_incremental_saves_copy_the_frozen_base_on_the_server(s3: s3server.SeaweedServer, s3_url: str) -> None:
+    """A LoRA-shaped state on S3: from the second save on, the frozen base's file is a
+    CopyObject (``x-amz-copy-source``) and its bytes never cross the wire again; with the
+    older checkpoints deleted the newest verifies and resumes bit-exactly."""
+    from core.test_incremental import frozen_bytes, lora, step
+
+    model, opt = lora()
+    sent: list[tuple[str, int]] = []
+
+    def before_send(request: Any, **_: Any) -> None:
+        copy = "copy" if request.headers.get("x-amz-copy-source") else request.method
+        sent.append((copy, int(request.headers.get("Content-Length") or 0)))
+
+    cfg = config(s3_url, storage_options=s3.storage_options, timestamp_subdir=False)
+    with CheckpointManager.from_config(cfg, quiet=True) as m:
+        m.storage.fs.s3.meta.events.register("before-send.s3", before_send)  # type: ignore[attr-defined]
+        uploaded = []
+        for s in (1, 2, 3):
+            step(model, opt)
+            del sent[:]
+            m.save(s, {"model": model, "optimizer": opt})
+            uploaded.append(sum(n for method, n in sent if method in ("PUT", "POST")))
+            assert (s > 1) == any(method == "copy" for method, _ in sent), sent
+            assert m.last_save.bytes_taken_over == (0 if s == 1 else m.last_save.bytes_taken_over)
+        assert m.last_save.bytes_taken_over >= frozen_bytes(model)
+        storage = m.storage
+        for k in (1, 2):
+            storage.remove_tree(storage.join(storage.root, f"checkpoint-{k}"))
+    assert uploaded[0] > frozen_bytes(model) > 4 * max(uploaded[1:]), uploaded
+    from roll_ckpt.cli import main
+
+    assert main(["--quiet", "verify", f"{s3_url}/checkpoint-3", "--storage-options", json.dumps(s3.storage_options)]) == 0
+    other, other_opt = lora(seed=9)
+    with CheckpointManager.from_config(cfg, quiet=True) as m:
+        assert m.resume({"model": other, "optimizer": other_opt}, "latest") == 3
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values()))

@@ -151,3 +151,21 @@ def test_mutating_the_store_during_a_write_never_mixes_steps(tmp_path: Path, gua
         assert same, "the checkpoint mixes values from two steps"
     else:  # control: without the store's hold the race shows up, so the test can tell
         assert not same
+
+
+def test_incremental_saves_take_each_ranks_frozen_shards_over(tmp_path: Path) -> None:
+    """2 ranks, the first two layers frozen, async zero-copy saves: from the second save on
+    each rank's file of frozen shards is a hard link to the one before, every checkpoint
+    lists all its files, and with the older ones deleted the newest resumes exactly."""
+    torchrun(NPROC, "incremental", str(tmp_path), timeout=240)
+    r = result(tmp_path, "incremental")
+    first, *later = r["stats"]
+    assert first["taken"] == 0 and first["policies"].get("zero_copy", 0) > 0, r["stats"]
+    for s in later:
+        assert r["frozen_bytes"] <= s["taken"] < s["bytes"], r["stats"]
+    assert r["taken"]["checkpoint-1"] == []
+    frozen_files = [f"dcp/__{rank}_0.distcp" for rank in range(NPROC)]
+    assert r["taken"]["checkpoint-2"] == r["taken"]["checkpoint-3"] == frozen_files, r["taken"]
+    assert all(r["links"][f"checkpoint-{c}/{n[4:]}"] == 3 for c in (1, 2, 3) for n in frozen_files), r["links"]
+    assert r["start"] == 3 and r["exact"], r
+    assert r["taken_after_resume"] >= r["frozen_bytes"], r

@@ -324,8 +324,78 @@ def race(out: str, guard: str) -> None:
     result(out, f"race-{guard}", {"waited_s": waited})
 
 
+def incremental(out: str) -> None:
+    """A model whose first two layers are frozen, sharded over the ranks, trained and saved
+    asynchronously (zero-copy from the store) 3 times: from the second save on, each rank's
+    file of frozen shards is taken over; then the older checkpoints are removed, and a new
+    manager resumes the newest: every parameter and optimizer state exactly as saved."""
+    import shutil
+
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict  # noqa: F401
+
+    ws = dist.get_world_size()
+    mesh = init_device_mesh(DEVICE, (ws,))
+    model = training.mlp(256, 3, seed=0)
+    for layer in (model[0], model[3]):
+        layer.requires_grad_(False)
+    model = training.shard(model.to(DEVICE), mesh)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    data = [torch.randn(8, 16) for _ in range(4)]
+    m = manager(out)
+    state = {"model": model, "optimizer": opt, "scheduler": sched}
+    stats = []
+    m.bind(state)
+    for step in (1, 2, 3):
+        train_step(model, opt, sched, data)
+        m.strategy.offload_states(state, optimizer=True)  # a rollout phase: saved from the store
+        m.save(step, state)
+        m.wait()
+        m.strategy.load_states(state)
+        s = m.last_save
+        stats.append({"bytes": s.bytes, "taken": s.bytes_taken_over, "policies": dict(s.policies)})
+    expected, expected_opt = full(model), optim_full(model, opt)
+    m.close()
+    dist.barrier()
+    run = next(p for p in os.listdir(out) if not p.startswith("result"))
+    folder = os.path.join(out, run)
+    manifests = {c: json.load(open(os.path.join(folder, c, "manifest.json"))) for c in sorted(os.listdir(folder))
+                 if c.startswith("checkpoint-")}
+    taken = {c: sorted(n for n, e in man["files"].items() if e.get("taken_over")) for c, man in manifests.items()}
+    links = {}
+    for c in manifests:
+        for n in os.listdir(os.path.join(folder, c, "dcp")):
+            links[f"{c}/{n}"] = os.stat(os.path.join(folder, c, "dcp", n)).st_nlink
+    dist.barrier()
+    if dist.get_rank() == 0:
+        for c in ("checkpoint-1", "checkpoint-2"):
+            shutil.rmtree(os.path.join(folder, c))
+    dist.barrier()
+    model2 = training.mlp(256, 3, seed=1)
+    for layer in (model2[0], model2[3]):
+        layer.requires_grad_(False)
+    model2 = training.shard(model2.to(DEVICE), mesh)
+    opt2 = torch.optim.AdamW([p for p in model2.parameters() if p.requires_grad], lr=1e-2)
+    sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, lambda s: 1.0)
+    m2 = manager(out, resume_from_checkpoint="latest")
+    state2 = {"model": model2, "optimizer": opt2, "scheduler": sched2}
+    start = m2.resume(state2)
+    got, got_opt = full(model2), optim_full(model2, opt2)
+    exact = all(torch.equal(got[k], expected[k]) for k in expected) and \
+        all(torch.equal(got_opt[k], expected_opt[k]) for k in expected_opt)
+    train_step(model2, opt2, sched2, data)
+    m2.save(4, state2)  # the first save after the resume takes over from the checkpoint resumed
+    m2.wait()
+    after = m2.last_save.bytes_taken_over
+    m2.close()
+    result(out, "incremental", {"stats": stats, "taken": taken, "links": links, "start": start, "exact": exact,
+                                "taken_after_resume": after,
+                                "frozen_bytes": sum(v.numel() * v.element_size() for k, v in expected.items()
+                                                    if k.startswith(("0.", "3.")))})
+
+
 SCENARIOS = {f.__name__: f for f in (resume_exact, race, paths_equal, zero_copy_bytes, collectives,
-                                      reshard_save, reshard_load)}
+                                      reshard_save, reshard_load, incremental)}
 
 if __name__ == "__main__":
     if DEVICE == "cuda":

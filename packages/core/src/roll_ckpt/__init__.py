@@ -14,7 +14,7 @@ from .errors import (BackupError, CheckpointCorruptError, CheckpointNotFoundErro
                      PluginError, RollCkptError, SaveError, StorageError, StorageFullError, UnknownPluginError,
                      UnsafeCheckpointError)
 from .contracts import (BackendRecord, CommandRecord, CommitInfo, ConfigKeyRecord, Entry, NetworkCounts, SaveContext,
-                        StagingPolicy, StagingPolicyRecord, Storage, Strategy, StrategyRecord)
+                        StagingPolicy, StagingPolicyRecord, Storage, Strategy, StrategyRecord, TakesOver)
 from .format.driver_state import DriverState
 from .hookspecs import hookimpl, hookspec
 from .format.layout import new_run_name
@@ -52,6 +52,7 @@ __all__ = [
     "SaveContext",
     "CommitInfo",
     "Storage",
+    "TakesOver",
     "Entry",
     "RollCkptError",
     "ConfigError",

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable, Mapping, MutableMapping, Protocol, Sequence, runtime_checkable
 
 __all__ = [
-    "Entry", "NetworkCounts", "Storage", "Strategy", "StagingPolicy", "SaveContext", "CommitInfo", "SpaceEstimate",
+    "Entry", "NetworkCounts", "Storage", "TakesOver", "Strategy", "StagingPolicy", "SaveContext", "CommitInfo", "SpaceEstimate",
     "BackendRecord", "StrategyRecord", "StagingPolicyRecord", "ConfigKeyRecord", "CommandRecord",
 ]
 
@@ -139,6 +139,20 @@ class Storage(Protocol):
 
     def free_bytes(self, path: str) -> int | None:
         """Free space where ``path`` lives, or ``None`` when the store cannot tell."""
+
+
+@runtime_checkable
+class TakesOver(Protocol):
+    """A :class:`Storage` that can make a file from another without the bytes going through
+    this process (incremental saves, :mod:`roll_ckpt.save.incremental`). Optional: core
+    copies through ``open_read``/``open_write`` for a storage without it."""
+
+    def take_over(self, src: str, dst: str) -> str:
+        """Make ``dst`` a file with ``src``'s bytes that stays whole when ``src`` is removed,
+        durable once the folder holding it is synced or committed. Returns how: ``"link"``
+        (a hard link: POSIX file systems), ``"server_copy"`` (a copy the store makes itself:
+        object stores) or ``"copy"`` (the bytes read and written here). ``OSError`` when
+        ``src`` is missing or the store refuses."""
 
 
 # --------------------------------------------------------------------------- a save in progress

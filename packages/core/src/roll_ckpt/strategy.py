@@ -31,7 +31,9 @@ from .format.layout import basename, parent, parse_step
 from .runtime.rng import capture_rng, restore_rng
 from .save.state_dict_cache import StateDictCache
 from .runtime.timeouts import bounded, checkpoint_group
-from .runtime.torch_compat import collective, local_tensor, set_element
+from .load.placeholders import placeholders, top_keys
+from .save.incremental import Increments, cold_names
+from .runtime.torch_compat import collective, local_tensor
 
 __all__ = ["DCPStrategy", "PER_RANK", "RNG_KEY"]
 
@@ -59,6 +61,8 @@ class DCPStrategy:
         self._estimate: tuple[int, Any] = (-1, None)
         self._write_items: dict[bool, dict] = {}  # DCP's write items kept across saves (ReusingSavePlanner)
         self._layouts: Any = None
+        self.increments = Increments(bool(getattr(config.checkpoint_config, "incremental", False)))
+        """The newest committed checkpoint, which a save takes unchanged files over from (:mod:`roll_ckpt.save.incremental`)."""
         self.rank = self._dist.get_rank() if self._dist else 0
         self.world_size = self._dist.get_world_size() if self._dist else 1
         self.collective_timeout_s = float(getattr(config.checkpoint_config, "collective_timeout_s", 600.0))
@@ -164,6 +168,7 @@ class DCPStrategy:
             else:
                 mine[key] = _box(obj)
         out[PER_RANK] = {str(self.rank): mine}
+        self.increments.cold = cold_names(state) if self.increments.enabled else frozenset()
         return out
 
     # ------------------------------------------------------------ write / read
@@ -190,7 +195,8 @@ class DCPStrategy:
         pause = CollectorPause(self.config.checkpoint_config.pause_gc)
 
         def new_writer() -> DigestingWriter:
-            return DigestingWriter(storage, dcp_path, thread_count=threads, on_bytes=on_bytes, gate=gate, pause=pause)
+            return DigestingWriter(storage, dcp_path, thread_count=threads, on_bytes=on_bytes, gate=gate, pause=pause,
+                                   **self.increments.writer_options(storage, alone, gate))
 
         step = getattr(save, "step", None)
         with warnings.catch_warnings(), pause, self.bounded(
@@ -200,15 +206,17 @@ class DCPStrategy:
             if not alone:  # a save of the last full save's structure: a fixed-size message per process
                 digests = self._write_fixed(sd, writer, threads, gate)
                 if digests is not None:
-                    return digests
+                    return self.increments.wrote(storage, writer, digests)
                 tried, writer = writer, new_writer()
+                for name in tried.take.taken if tried.take else ():  # a link is never written through
+                    storage.remove(storage.join(dcp_path, name))
             planner = ReusingSavePlanner(self._write_items.setdefault(alone, {}))
             dcp.save(sd, storage_writer=writer, planner=planner, **self._dcp_group(alone))
             if not alone:
                 self.layouts.record(planner, writer, threads)
                 for name in set(tried.written) - set(writer.written):  # a layout written, then redone
                     storage.remove(storage.join(dcp_path, name))
-        return writer.file_digests
+        return writer.file_digests if alone else self.increments.wrote(storage, writer, writer.file_digests)
 
     def _write_fixed(self, sd: dict[str, Any], writer: Any, threads: int, gate: Any) -> dict[str, tuple] | None:
         """The save at the last full save's offsets (:mod:`roll_ckpt.save.fixed_layout`): the
@@ -276,6 +284,7 @@ class DCPStrategy:
                 from .load.job_load import load_job
 
                 load_job(self, state, reader, storage, dcp_path, files, checkpoint or dcp_path)
+                self.increments.seed(storage, dcp_path, files or {})
         finally:
             reader.release()  # the checked files, kept open across the loads below
 
@@ -309,9 +318,9 @@ class DCPStrategy:
                 target[key] = get_model_state_dict(obj)
             elif isinstance(obj, torch.optim.Optimizer):
                 target[key] = get_optimizer_state_dict(state[owners[key]], obj)
-        top, ranks = _top_keys(md)
+        top, ranks = top_keys(md, PER_RANK)
         src = self._source_rank(ranks)
-        target[PER_RANK] = {src: _placeholders(md, (PER_RANK, src))}
+        target[PER_RANK] = {src: placeholders(md, (PER_RANK, src))}
         missing = [k for k in target if k != PER_RANK and k not in top]
         if missing:
             raise RollCkptError(f"the checkpoint at {dcp_path} has no entry for state key(s) "
@@ -416,33 +425,3 @@ def _box(value: Any) -> Any:
 
 def _unbox(value: Any) -> Any:
     return value[0] if isinstance(value, tuple) and len(value) == 1 else value
-
-
-def _top_keys(md: Any) -> tuple[set[str], set[str]]:
-    """The top-level keys of a checkpoint, and the ranks that saved per-process values (one pass)."""
-    top: set[str] = set()
-    ranks: set[str] = set()
-    for path in md.planner_data.values():
-        if path:
-            top.add(path[0])
-            if len(path) > 1 and path[0] == PER_RANK:
-                ranks.add(path[1])
-    return top, ranks
-
-
-def _placeholders(md: Any, prefix: tuple[str, ...]) -> dict[str, Any]:
-    """Rebuild the nested structure saved under ``prefix`` with empty tensors to load into."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    root: dict[str, Any] = {}
-    n = len(prefix)
-    for fqn, path in md.planner_data.items():
-        if tuple(str(p) for p in path[:n]) != prefix:
-            continue
-        entry = md.state_dict_metadata[fqn]
-        if isinstance(entry, TensorStorageMetadata):
-            value: Any = torch.empty(entry.size, dtype=entry.properties.dtype)
-        else:
-            value = None
-        set_element(root, tuple(path[n:]), value)
-    return root

@@ -27,6 +27,7 @@ def _describe(storage: Any, ref: Any, expected: Any = None, guess: bool = True) 
                 manifest, _ = Manifest.from_bytes(f.read())
             row["created"] = manifest.created
             row["bytes"] = sum(e.size for e in manifest.files.values())
+            row["taken_over"] = sum(e.size for e in manifest.files.values() if e.taken_over)
             row["components"] = sorted(components_of(manifest))
             row["hf"] = hf_status(manifest.extra) + (" (model only)" if manifest.extra.get("save_only_model") else "")
             return row
@@ -105,6 +106,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
         cells = [[str(r["step"]), r["run"] or ".", local_time(r["created"]),
                   human_bytes(r["bytes"]), "yes" if r["committed"] else "NO" + (f" ({r['problem']})" if "problem" in r else "")]
                  for r in rows]
+        if any(r.get("taken_over") for r in rows):  # incremental saves: bytes taken over unchanged, not written
+            header.append("WRITTEN")
+            for line, r in zip(cells, rows):
+                line.append(human_bytes(r["bytes"] - r.get("taken_over", 0)) if r.get("bytes") is not None else "-")
         if any(r.get("hf") for r in rows):  # the Hugging Face files each checkpoint carries (hf_weights)
             header.append("HF")
             for line, r in zip(cells, rows):
@@ -113,7 +118,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             header.append("COMPONENTS")
             for line, r in zip(cells, rows):
                 line.append(r.get("parts") or ", ".join(r["components"]) or "-")
-        say(*format_table(header, cells, right={0, 3}))
+        say(*format_table(header, cells, right={0, 3} | ({5} if "WRITTEN" in header else set())))
         done = [r for r in rows if r["committed"]]
         total = sum(r["bytes"] or 0 for r in rows)
         say("", f"{len(rows)} checkpoints ({len(done)} committed, {human_bytes(total)}) under {args.dir}")
@@ -121,6 +126,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
             say(f"newest committed: {done[-1]['path']}")
         if len(done) < len(rows):
             say("uncommitted folders are saves that never finished; they are never resumed from")
+        if "WRITTEN" in header:
+            say("WRITTEN: what each save wrote; the rest of SIZE was taken over unchanged from the checkpoint "
+                "before (incremental saves); every checkpoint holds all its files")
         if any("parts" in r for r in rows):
             say("a step made of components counts once every part is committed; COMPONENTS lists the parts "
                  "committed, then those missing")

@@ -21,6 +21,7 @@ from typing import Any, Mapping
 
 from .values import (choice, count, expect, nice, field_names, location, options as options_map, reject_unknown, seconds,
                             staging_budget, string)
+from .backup import BackupConfig, parse_backup, same_location
 from .file import read_config_file, read_yaml
 from ..errors import ConfigError
 from .interpolation import interpolate, key_path
@@ -34,30 +35,6 @@ from .roll_keys import keep_local_file, log_keys_without_effect, max_ckpt_to_kee
 
 __all__ = ["Config", "CheckpointConfig", "BackupConfig", "InitialLoadConfig", "LocalTierConfig", "PreemptionConfig",
            "StrategyConfig", "load_config", "read_yaml"]  # read_yaml: config_file's, kept importable from here
-
-
-@dataclass(frozen=True)
-class BackupConfig:
-    """A second location every committed checkpoint is replicated to."""
-
-    type: str = "file_system"
-    """Backend plugin of the replica."""
-    output_dir: str = ""
-    """Path or fsspec URL of the replica's root."""
-    storage_options: Mapping[str, Any] = field(default_factory=dict)
-    """Passed to the replica's backend (``endpoint_url``, ``key``...)."""
-    keep_local: int = 0
-    """Local checkpoints kept once their replica is committed (the newest ones); 0 keeps them all.
-
-    Only checkpoints whose replica is committed (and identical) are ever removed, and never
-    the newest local one."""
-    max_wait_s: float = 5.0
-    """The most ``close()`` waits for replication still in flight (seconds); 0 does not wait.
-
-    Saves never wait for replication. A copy cut off by this bound is removed from the
-    replica (nothing of it is committed) and made again by the next run's first save."""
-    retries: int = 3
-    """Further attempts after a failed copy, with exponential backoff (1 s, 2 s, 4 s...)."""
 
 
 @dataclass(frozen=True)
@@ -122,6 +99,11 @@ class CheckpointConfig:
     is read twice). ``false``: one pass, each 8 MiB piece checked just before its bytes are
     used, memory bounded; damage then raises ``PartlyLoadedError`` with the state partly
     loaded (resume falls back to a backup replica when there is one, which overwrites it)."""
+    incremental: bool = True
+    """Write only the data files that changed since the newest committed checkpoint of the
+    run; each unchanged one (proved by its checksum) is taken over from it by the storage: a
+    hard link on POSIX disks, a server-side copy on S3, a plain copy elsewhere. Every
+    checkpoint stays whole (:mod:`roll_ckpt.save.incremental`). ``false``: write every file."""
     collective_timeout_s: float = 600.0
     """The longest any collective of a save, commit or resume waits for the other ranks (a
     rank stopped or cut off): then every waiting rank raises ``CollectiveTimeoutError``."""
@@ -277,36 +259,6 @@ def _plugin_keys(plugins: Any) -> Mapping[str, Any]:
     return plugins.config_keys()
 
 
-def _backup(value: Any) -> BackupConfig | None:
-    if value is None:
-        return None
-    key = "checkpoint_config.backup"
-    expect(key, value, Mapping, "a mapping with type, output_dir, storage_options, keep_local, "
-                                "max_wait_s, retries")
-    reject_unknown(key, value, field_names(BackupConfig))
-    if "output_dir" not in value:
-        raise ConfigError(f"{key}.output_dir", "is required when a backup is configured")
-    return BackupConfig(
-        type=string(f"{key}.type", value.get("type", "file_system")),
-        output_dir=location(f"{key}.output_dir", value["output_dir"]),
-        storage_options=options_map(f"{key}.storage_options", value.get("storage_options")),
-        keep_local=count(f"{key}.keep_local", value.get("keep_local", 0)),
-        max_wait_s=seconds(f"{key}.max_wait_s", value.get("max_wait_s", 5.0)),
-        retries=count(f"{key}.retries", value.get("retries", 3)),
-    )
-
-
-def _same_location(a: str, b: str) -> bool:
-    def norm(u: str) -> str:
-        if "://" not in u or u.startswith("file://"):
-            try:
-                return os.path.normpath(os.path.abspath(os.path.expanduser(u.removeprefix("file://"))))
-            except ValueError:  # a user name ~x that cannot be looked up
-                return u
-        return u.rstrip("/")
-    return norm(a) == norm(b)
-
-
 def _checkpoint(value: Any, default_root: str, raw: Mapping[str, Any]) -> CheckpointConfig:
     key = "checkpoint_config"
     if value is None:
@@ -338,8 +290,8 @@ def _checkpoint(value: Any, default_root: str, raw: Mapping[str, Any]) -> Checkp
             raise ConfigError(f"{key}.run_name", "names a run folder, but timestamp_subdir is false",
                               run_name, "timestamp_subdir: true, or no run_name")
     output_dir = location(f"{key}.output_dir", value.get("output_dir", default_root))
-    backup = _backup(value.get("backup"))
-    if backup is not None and _same_location(backup.output_dir, output_dir):
+    backup = parse_backup(value.get("backup"))
+    if backup is not None and same_location(backup.output_dir, output_dir):
         raise ConfigError(f"{key}.backup.output_dir", "is the same location as checkpoint_config.output_dir",
                           backup.output_dir, "a second location (another disk, a bucket...)")
     keep_local, backup = keep_local_file(value, backup)
@@ -360,6 +312,7 @@ def _checkpoint(value: Any, default_root: str, raw: Mapping[str, Any]) -> Checkp
         verify_before_load=expect(f"{key}.verify_before_load", value.get("verify_before_load", True), bool,
                                   "true or false"),
         keep_local_file=keep_local,
+        incremental=expect(f"{key}.incremental", value.get("incremental", True), bool, "true or false"),
         collective_timeout_s=seconds(f"{key}.collective_timeout_s", value.get("collective_timeout_s", 600.0)),
         initial_load=parse_initial_load(value.get("initial_load")),
         local=parse_local(value.get("local"), str(raw.get("exp_name", "roll-ckpt"))),

@@ -16,7 +16,7 @@ from typing import Any, Callable, Generator
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 
 from ..contracts import Storage
-from .digest import FileHasher
+from .digest import FileHasher, Hasher
 
 __all__ = ["StorageFileSystem"]
 
@@ -71,6 +71,26 @@ class _HashingStream(io.RawIOBase):
         self._on_close(self._hasher.digest())
 
 
+class _DigestSink(io.RawIOBase):
+    """Where a file is serialized to learn its checksum without writing it."""
+
+    def __init__(self) -> None:
+        self._hasher = Hasher()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        self._hasher.update(b)
+        return memoryview(b).nbytes
+
+    def tell(self) -> int:
+        return self._hasher.size
+
+    def digest(self) -> tuple[int, str]:
+        return self._hasher.size, self._hasher.hexdigest()
+
+
 class StorageFileSystem(FileSystemBase):
     """DCP's ``FileSystemBase`` over a roll-ckpt backend."""
 
@@ -82,9 +102,18 @@ class StorageFileSystem(FileSystemBase):
         self.errors: list[BaseException] = []
         self._lock = threading.Lock()
 
-    def _record(self, path: str, digest: tuple[int, str, tuple[str, ...]]) -> None:
+    def _record(self, path: str, digest: tuple) -> None:
         with self._lock:
             self.digests[path] = digest
+
+    record = _record
+    """Record a file's digest: one taken over from another checkpoint (incremental saves)."""
+
+    @contextmanager
+    def hashing_stream(self) -> Generator[_DigestSink, None, None]:
+        """A stream that hashes what is written to it and keeps nothing (``digest()``: size
+        and whole checksum)."""
+        yield _DigestSink()
 
     @contextmanager
     def create_stream(self, path: Any, mode: str) -> Generator[io.IOBase, None, None]:

@@ -69,6 +69,9 @@ class FileEntry:
     empty for others and for checkpoints written before they were recorded)."""
     chunk_size: int = CHUNK_SIZE
     """The manifest's ``chunk_size`` (kept with each entry for the readers that check pieces)."""
+    taken_over: str = ""
+    """The checkpoint (``checkpoint-<step>``) this file's bytes were taken over from by an
+    incremental save (:mod:`roll_ckpt.save.incremental`); the file is whole here either way."""
 
 
 def safe_relpath(name: str) -> bool:
@@ -85,6 +88,8 @@ def _file_body(entry: FileEntry) -> dict[str, Any]:
     body: dict[str, Any] = {"size": entry.size, "checksum": entry.checksum}
     if entry.chunks:
         body["chunks"] = list(entry.chunks)
+    if entry.taken_over:
+        body["taken_over"] = entry.taken_over
     return body
 
 
@@ -174,7 +179,10 @@ class Manifest:
             if not isinstance(chunks, list) or not all(isinstance(c, str) for c in chunks) or (
                     chunks and len(chunks) != -(-ent["size"] // chunk_size)):
                 raise ValueError(f"malformed chunk checksums for {name!r}")
-            files[name] = FileEntry(ent["size"], ent["checksum"], tuple(chunks), chunk_size)
+            taken = ent.get("taken_over", "")
+            if not isinstance(taken, str):
+                raise ValueError(f"malformed 'taken_over' of {name!r}")
+            files[name] = FileEntry(ent["size"], ent["checksum"], tuple(chunks), chunk_size, taken)
         if signature is not None:
             body["signature"] = signature
         body[CHECKSUM_FIELD] = stored

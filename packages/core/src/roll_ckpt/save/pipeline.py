@@ -28,7 +28,6 @@ import json
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ..format import layout
@@ -47,31 +46,20 @@ from ..format.manifest import FileEntry, Manifest
 from ..runtime.network import check_objects, read_counts, report_save
 from ..tiers.retention import apply_retention
 from ..format.runs import utc_now
+from ..runtime.units import human_bytes
 from .staging import stage_state_dict
+from .stats import SaveStats
 
 __all__ = ["SavePipeline", "SaveStats"]
 
 log = logging.getLogger("roll_ckpt")
 
 
-@dataclass(frozen=True)
-class SaveStats:
-    """What one save cost; ``manager.last_save`` holds the latest."""
-
-    step: int
-    path: str
-    is_async: bool
-    blocked_s: float
-    """Seconds the training loop waited inside ``save``."""
-    total_s: float
-    """Seconds from the call until the checkpoint was committed."""
-    bytes: int
-    bytes_copied: int
-    """Bytes copied while staging (0 when every tensor was staged without a copy)."""
-    policies: Mapping[str, int] = field(default_factory=dict)
-    """How many tensors each staging policy took (``regular``, ``zero_copy``...)."""
-    network: NetworkCounts | None = None
-    """Network faults this process met while writing and committing (``None``: not a networked store)."""
+def _tell(strategy: Any, event: str, *args: Any) -> None:
+    """The strategy's optional ``committed``/``failed`` (incremental saves: which checkpoint is the base)."""
+    increments = getattr(strategy, "increments", None)
+    if increments is not None:
+        getattr(increments, event)(*args)
 
 
 def _plugin_versions(job: Job) -> dict[str, str]:
@@ -273,7 +261,7 @@ class SavePipeline:
         before = read_counts(storage)
         error: BaseException | None = None
         begun = False
-        total = 0
+        total = taken = 0
         try:
             if strategy.is_coordinator and refuse is None:
                 self.leftovers.retry()
@@ -295,10 +283,12 @@ class SavePipeline:
                 digests = strategy.write(sd, target, storage.join(pending.write_path, strategy.data_dir), progress,
                                          save=ctx)
             if strategy.is_coordinator:
-                total = self._commit(pending, ctx, user, digests, module)
+                total, taken = self._commit(pending, ctx, user, digests, module)
             self.committed_steps.add(ctx.step)
+            _tell(strategy, "committed", storage, ctx.path, strategy.data_dir)
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             error = exc
+            _tell(strategy, "failed")
             if ctx.gate is not None:
                 ctx.gate.abort(exc)  # the caller may be waiting to stage the next wave
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
@@ -316,13 +306,13 @@ class SavePipeline:
                           blocked_s=ctx.blocked_s if ctx.is_async else time.perf_counter() - t0,
                           total_s=time.perf_counter() - t0, bytes=total, bytes_copied=ctx.bytes_copied,
                           policies=dict(Counter(ctx.staging.values())),
-                          network=_since(read_counts(storage), before))
+                          network=_since(read_counts(storage), before), bytes_taken_over=taken)
         report_save(f"checkpoint-{ctx.step}", strategy.rank, stats.network)
         self.last_save = stats
         return stats
 
     def _commit(self, pending: PendingCheckpoint, ctx: SaveContext, user: dict[str, Any],
-                digests: dict[str, tuple], module: Any = None) -> int:
+                digests: dict[str, tuple], module: Any = None) -> tuple[int, int]:
         """Coordinator: the HF files, trainer state, manifest, commit; then the step, retention, replication."""
         job = self.job
         storage, strategy = job.storage, job.strategy
@@ -347,7 +337,12 @@ class SavePipeline:
         step_path = layout.parent(ctx.path) if job.component else ctx.path
         if self._commit_step(step_path, ctx.step):  # the whole checkpoint, or the last part of the step
             self._after_commit(step_path, ctx.step)
-        return sum(e.size for e in files.values())
+        total, taken = sum(e.size for e in files.values()), sum(e.size for e in files.values() if e.taken_over)
+        if taken:
+            log.info("roll-ckpt: %s: %s written, %s taken over unchanged from %s", layout.basename(ctx.path),
+                     human_bytes(total - taken), human_bytes(taken),
+                     ", ".join(sorted({e.taken_over for e in files.values() if e.taken_over})))
+        return total, taken
 
     def _commit_step(self, step_path: str, step: int) -> bool:
         """True when the step is committed by this process: always without components;

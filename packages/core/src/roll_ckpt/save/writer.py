@@ -29,7 +29,9 @@ from ..format.dcp_fs import StorageFileSystem
 from .tensor_frames import write_tensor
 from ..runtime.torch_compat import create_write_items, local_tensor, storage_info, storage_prefix
 from ..format.unpickle import METADATA_NAME
+from ..format.digest import CHUNK_SIZE
 from ..format.value_slots import padded_value, slot_capacity
+from .incremental import TakeOver
 
 __all__ = ["DigestingWriter", "ReusingSavePlanner", "plan_files"]
 
@@ -44,9 +46,14 @@ def _item_bytes(item: Any) -> int:
     return n
 
 
-def _buckets(items: list[Any], n: int) -> list[list[Any]]:
+def _buckets(items: list[Any], n: int, cold: frozenset[str] = frozenset()) -> list[list[Any]]:
     """Items split over ``n`` files: byte values round-robin, tensors largest first into the
-    lightest file (DCP's own split)."""
+    lightest file (DCP's own split). Tensors named in ``cold`` (no optimizer updates them)
+    go to a file of their own, first, without byte values (:mod:`roll_ckpt.save.incremental`)."""
+    frozen = [i for i in items if i.type != WriteItemType.BYTE_IO and i.index.fqn in cold]
+    if frozen and len(frozen) < len(items):
+        rest = [i for i in items if not (i.type != WriteItemType.BYTE_IO and i.index.fqn in cold)]
+        return [*_buckets(frozen, n), *_buckets(rest, n)]
     buckets: list[list[Any]] = [[] for _ in range(n)]
     sizes = [0] * n
     values = [i for i in items if i.type == WriteItemType.BYTE_IO]
@@ -60,12 +67,13 @@ def _buckets(items: list[Any], n: int) -> list[list[Any]]:
     return [b for b in buckets if b] or [[]]
 
 
-def plan_files(items: list[Any], n: int, gate: Any = None) -> list[list[Any]]:
-    """``items`` over ``n`` files, each in writing order: tensors first (in the order they are
-    staged when staged in waves), byte values last. The tensors' offsets are then a function
-    of the structure alone, whatever size the values pickle to (:mod:`roll_ckpt.format.value_slots`)."""
+def plan_files(items: list[Any], n: int, gate: Any = None, cold: frozenset[str] = frozenset()) -> list[list[Any]]:
+    """``items`` over ``n`` files (one more for ``cold`` tensors), each in writing order:
+    tensors first (in the order they are staged when staged in waves), byte values last.
+    The tensors' offsets are then a function of the structure alone, whatever size the
+    values pickle to (:mod:`roll_ckpt.format.value_slots`)."""
     out = []
-    for bucket in _buckets(items, n):
+    for bucket in _buckets(items, n, cold):
         tensors = [i for i in bucket if i.type != WriteItemType.BYTE_IO]
         if gate is not None:
             tensors = [tensors[k] for k in gate.order([i.index.fqn for i in tensors])]
@@ -79,37 +87,53 @@ Written = list[tuple[MetadataIndex, int, int]]
 
 def _write_file(fs: StorageFileSystem, path: str, name: str, items: list[Any], planner: Any,
                 gate: Any = None, slots: dict[MetadataIndex, int] | None = None,
-                values: dict[MetadataIndex, Any] | None = None) -> tuple[list[WriteResult], Written]:
+                values: dict[MetadataIndex, Any] | None = None,
+                take: TakeOver | None = None) -> tuple[list[WriteResult], Written]:
     """Write ``items`` (in this order) into one file. Byte values go into slots: the
     capacity in ``slots`` (a save that keeps the layout) or a new one (a full save);
-    ``values`` holds byte values serialized already."""
+    ``values`` holds byte values serialized already. With ``take``, a candidate file whose
+    bytes hash to the base checkpoint's is taken over from it instead (:mod:`roll_ckpt.save.incremental`)."""
+    previous = take.candidate(name, [i.index.fqn for i in items]) if take is not None and gate is None else None
+    if previous is not None:
+        with fs.hashing_stream() as sink:
+            results, written = _serialize(sink, name, items, planner, None, slots, dict(values or {}))
+        if sink.digest()[:2] == tuple(previous[:2]) and take.take(name, path):  # type: ignore[union-attr]
+            take.taken[name] = (*previous[:3], CHUNK_SIZE, take.base.name)  # type: ignore[union-attr]
+            fs.record(path, take.taken[name])  # type: ignore[union-attr]
+            return results, written
+    with fs.create_stream(path, "wb") as stream:
+        return _serialize(stream, name, items, planner, gate, slots, values)
+
+
+def _serialize(stream: Any, name: str, items: list[Any], planner: Any, gate: Any,
+               slots: dict[MetadataIndex, int] | None,
+               values: dict[MetadataIndex, Any] | None) -> tuple[list[WriteResult], Written]:
     results = []
     written: Written = []
-    with fs.create_stream(path, "wb") as stream:
-        for item in items:
-            offset = stream.tell()
-            if item.type == WriteItemType.BYTE_IO:
-                data = values.pop(item.index) if values and item.index in values else planner.resolve_data(item)
-                buf = data.getbuffer()
-                capacity = slots[item.index] if slots is not None else slot_capacity(buf)
-                pieces = padded_value(buf, capacity)
-                if pieces is None:
-                    raise RuntimeError(f"{item.index.fqn} does not fit its slot of {capacity} bytes")
-                for piece in pieces:
-                    stream.write(piece)
-            else:
-                if gate is not None:
-                    gate.before(item.index.fqn)
-                tensor = planner.resolve_data(item).detach()
-                if tensor.device.type != "cpu":
-                    tensor = tensor.cpu()
-                write_tensor(tensor, stream)
-                if gate is not None:
-                    gate.after(item.index.fqn)
-            length = stream.tell() - offset
-            written.append((item.index, offset, length))
-            results.append(WriteResult(index=item.index, size_in_bytes=length,
-                                       storage_data=storage_info(name, offset, length)))
+    for item in items:
+        offset = stream.tell()
+        if item.type == WriteItemType.BYTE_IO:
+            data = values.pop(item.index) if values and item.index in values else planner.resolve_data(item)
+            buf = data.getbuffer()
+            capacity = slots[item.index] if slots is not None else slot_capacity(buf)
+            pieces = padded_value(buf, capacity)
+            if pieces is None:
+                raise RuntimeError(f"{item.index.fqn} does not fit its slot of {capacity} bytes")
+            for piece in pieces:
+                stream.write(piece)
+        else:
+            if gate is not None:
+                gate.before(item.index.fqn)
+            tensor = planner.resolve_data(item).detach()
+            if tensor.device.type != "cpu":
+                tensor = tensor.cpu()
+            write_tensor(tensor, stream)
+            if gate is not None:
+                gate.after(item.index.fqn)
+        length = stream.tell() - offset
+        written.append((item.index, offset, length))
+        results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                   storage_data=storage_info(name, offset, length)))
     return results, written
 
 
@@ -212,7 +236,8 @@ class DigestingWriter(FileSystemWriter):
 
     def __init__(self, storage: Storage, path: str, *, thread_count: int = 1,
                  on_bytes: Callable[[int], None] | None = None, gate: Any = None,
-                 pause: CollectorPause | None = None) -> None:
+                 pause: CollectorPause | None = None, cold: frozenset[str] = frozenset(),
+                 take: TakeOver | None = None) -> None:
         # sync_files=False: durability comes from the backend's close(), never from the
         # system-wide os.sync() DCP falls back to for streams without a file descriptor.
         super().__init__(path, single_file_per_rank=True, sync_files=False,
@@ -223,6 +248,10 @@ class DigestingWriter(FileSystemWriter):
         self.gate = gate
         """Regular staging in waves (``roll_ckpt.save.regular_copy.WaveGate``), or ``None``."""
         self.pause = pause or CollectorPause(False)
+        self.cold = cold
+        """Tensors no optimizer updates: written into files of their own."""
+        self.take = take
+        """What this save may take over from the newest committed checkpoint, or ``None``."""
         self.written: dict[str, Written] = {}
         """Per file this process wrote: each item's index, offset and length, in file order."""
         self.final_items: list[Any] = []
@@ -248,7 +277,7 @@ class DigestingWriter(FileSystemWriter):
 
         def run(k: int) -> None:
             try:
-                results[k], layout[k] = _write_file(self.fs, *specs[k], planner, self.gate, slots, values)
+                results[k], layout[k] = _write_file(self.fs, *specs[k], planner, self.gate, slots, values, self.take)
             except BaseException as exc:  # raised below, once every thread is done
                 errors.append(exc)
 
@@ -274,7 +303,7 @@ class DigestingWriter(FileSystemWriter):
         prefix = storage_prefix(plan)
         if self.gate is not None:
             self.gate.expect([i.index.fqn for i in plan.items if i.type != WriteItemType.BYTE_IO])
-        groups = plan_files(list(plan.items), max(1, self.thread_count), self.gate)
+        groups = plan_files(list(plan.items), max(1, self.thread_count), self.gate, self.cold)
         self.final_items = list(plan.items)
         flat = self.write_files([(f"{prefix}{k}.distcp", items) for k, items in enumerate(groups)], planner)
         if len(flat) != len(plan.items):

@@ -232,7 +232,7 @@ class RefusingStorage:
     def _refuse(self, *args: Any, **kwargs: Any) -> Any:
         raise self._error
 
-    makedirs = open_write = write_create = rename_dir = rename_file = _refuse
+    makedirs = open_write = write_create = rename_dir = rename_file = take_over = _refuse
 
 
 class SpaceGuard:
