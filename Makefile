@@ -29,8 +29,12 @@ demo: venv
 	$(VENV)/bin/roll-ckpt demo --config examples/rlvr_demo.yaml --output output/demo --fresh --stop-after 30
 	$(VENV)/bin/roll-ckpt demo --config examples/rlvr_demo.yaml --output output/demo --resume
 
+# The suite on TEST_WORKERS processes (pytest-xdist): most tests wait on processes they
+# started (ranks, servers), so two workers keep a 2-core machine busy. TEST_WORKERS=0 runs
+# it in one process.
+TEST_WORKERS ?= 2
 test: venv
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # Crash consistency and fault injection at full strength: 50 SIGKILLs per mode (make test
 # runs 5), the kill-before-every-storage-operation sweep on S3 too, a rank stopped in each phase
