@@ -4,7 +4,7 @@ a full fine-tune, against the same saves writing every file ("today") and agains
     python bench/incremental.py [--hidden H] [--layers L] [--rank R] [--reps N] [--out DIR]
 
 One process, synchronous saves to a local disk (the bench folder), one manager per case kept
-for the run, the cases alternating, medians of ``reps`` saves after a warm-up save each:
+for the run, the cases in rotating order, medians of ``reps`` saves after a warm-up save each:
 
 * LoRA-shaped: ``L`` frozen ``Linear(H, H)`` layers (the base) with a trainable rank-``R``
   adapter each (``A: H x R``, ``B: R x H``), AdamW over the adapters: about 95 % of the
@@ -139,8 +139,12 @@ def run_state(kind: str, args: argparse.Namespace, scratch: str) -> dict[str, An
     seconds: dict[str, list[float]] = {n: [] for n in cases}
     written: dict[str, list[int]] = {n: [] for n in cases}
     try:
+        names = list(cases)
         for step in range(1, args.reps + 2):  # step 1: the warm-up save (and the incremental base)
-            for name, case in cases.items():
+            # the order rotates: each case follows each other one (the disk's writeback of the
+            # one before slows the next save down)
+            for name in names[step % len(names):] + names[:step % len(names)]:
+                case = cases[name]
                 st = states[name]
                 train_step(st["model"], st["optimizer"], args.hidden)
                 s, w = case.save(step, st)
@@ -159,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--rank", type=int, default=8)
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--reps", type=int, default=9)
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
