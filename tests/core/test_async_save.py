@@ -254,11 +254,15 @@ def test_the_cached_state_dict_survives_storage_resized_in_place_and_not_a_swap(
     with torch.no_grad():
         keep = p.detach().clone()
         address = p.data_ptr()
-        p.untyped_storage().resize_(0)  # offloaded
-        taken = torch.empty_like(keep)  # (the freed memory goes elsewhere)
-        p.untyped_storage().resize_(nbytes)  # brought back: other memory, the same storage
+        taken = []
+        for _ in range(16):  # brought back in other memory (the allocator may hand the old block back)
+            p.untyped_storage().resize_(0)  # offloaded
+            taken.append(torch.empty_like(keep))  # (the freed memory goes elsewhere)
+            p.untyped_storage().resize_(nbytes)  # brought back: the same storage
+            if p.data_ptr() != address:
+                break
         p.copy_(keep)
-        assert p.data_ptr() != address and taken.numel()
+        assert p.data_ptr() != address and taken
     m.save(2, state)
     m.wait()
     assert m.strategy._state_dicts.builds == builds

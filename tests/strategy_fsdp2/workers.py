@@ -331,19 +331,20 @@ def incremental(out: str) -> None:
     manager resumes the newest: every parameter and optimizer state exactly as saved."""
     import shutil
 
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict  # noqa: F401
+    mesh = init_device_mesh(DEVICE, (dist.get_world_size(),))
 
-    ws = dist.get_world_size()
-    mesh = init_device_mesh(DEVICE, (ws,))
-    model = training.mlp(256, 3, seed=0)
-    for layer in (model[0], model[3]):
-        layer.requires_grad_(False)
-    model = training.shard(model.to(DEVICE), mesh)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    def frozen_base(seed: int) -> dict:
+        model = training.mlp(256, 3, seed=seed)
+        for layer in (model[0], model[3]):
+            layer.requires_grad_(False)
+        model = training.shard(model.to(DEVICE), mesh)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        return {"model": model, "optimizer": opt, "scheduler": torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)}
+
+    state = frozen_base(0)
+    model, opt, sched = state["model"], state["optimizer"], state["scheduler"]
     data = [torch.randn(8, 16) for _ in range(4)]
     m = manager(out)
-    state = {"model": model, "optimizer": opt, "scheduler": sched}
     stats = []
     m.bind(state)
     for step in (1, 2, 3):
@@ -371,14 +372,9 @@ def incremental(out: str) -> None:
         for c in ("checkpoint-1", "checkpoint-2"):
             shutil.rmtree(os.path.join(folder, c))
     dist.barrier()
-    model2 = training.mlp(256, 3, seed=1)
-    for layer in (model2[0], model2[3]):
-        layer.requires_grad_(False)
-    model2 = training.shard(model2.to(DEVICE), mesh)
-    opt2 = torch.optim.AdamW([p for p in model2.parameters() if p.requires_grad], lr=1e-2)
-    sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, lambda s: 1.0)
+    state2 = frozen_base(1)
+    model2, opt2, sched2 = state2["model"], state2["optimizer"], state2["scheduler"]
     m2 = manager(out, resume_from_checkpoint="latest")
-    state2 = {"model": model2, "optimizer": opt2, "scheduler": sched2}
     start = m2.resume(state2)
     got, got_opt = full(model2), optim_full(model2, opt2)
     exact = all(torch.equal(got[k], expected[k]) for k in expected) and \
