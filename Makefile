@@ -42,7 +42,7 @@ test: venv
 # ROLL_CKPT_CRASH_SEED=<seed printed by the test>.
 RELIABILITY_KILLS ?= 50
 test-reliability: venv
-	ROLL_CKPT_KILLS=$(RELIABILITY_KILLS) $(PY) -m pytest -q tests/reliability $(PYTEST_ARGS)
+	ROLL_CKPT_KILLS=$(RELIABILITY_KILLS) $(PY) -m pytest -q -n $(TEST_WORKERS) tests/reliability $(PYTEST_ARGS)
 
 # Benchmark: stall, memory and throughput against DCP, torch.save and the disk, in one run
 # (--quick: <= 3 min on 2 cores; BENCH_ARGS=--full for larger states). Writes
