@@ -194,6 +194,21 @@ class BackendConformance(ManagerChecks):
         storage.sync_dir(d)
         assert read_file(storage, storage.join(d, "f")) == b"f"
 
+    def test_take_over_makes_an_independent_whole_file(self, storage: Storage) -> None:
+        """Incremental saves: ``take_over`` (or core's copy for a backend without it) gives a
+        file with the source's bytes that outlives the source."""
+        from ..save.incremental import take_over_file
+
+        d = storage.join(storage.root, "t")
+        storage.makedirs(d)
+        data = os.urandom(300_000)
+        write_file(storage, storage.join(d, "src"), data)
+        how = take_over_file(storage, storage.join(d, "src"), storage.join(d, "dst"))
+        assert how in ("link", "server_copy", "copy")
+        storage.remove(storage.join(d, "src"))
+        assert read_file(storage, storage.join(d, "dst")) == data
+        assert {e.name: e.size for e in storage.list(d)} == {"dst": len(data)}
+
     def test_free_bytes(self, storage: Storage) -> None:
         storage.makedirs(storage.root)
         free = storage.free_bytes(storage.root)
