@@ -202,3 +202,10 @@ def test_ls_shows_what_each_save_wrote(capsys, tmp_path: Path) -> None:
     rc, out, _ = run_cli(capsys, "ls", str(tmp_path), "--json")
     rows = json.loads(out)["checkpoints"]
     assert rows[0]["taken_over"] == 0 and rows[1]["taken_over"] > rows[1]["bytes"] / 2
+
+
+def test_the_base_is_named_within_its_run() -> None:
+    from roll_ckpt.save.incremental import Base
+
+    assert Base("u", "/out/20261202-1/checkpoint-3/dcp", {}).name == "checkpoint-3"
+    assert Base("u", "s3://b/run/checkpoint-3/actor/dcp", {}).name == "checkpoint-3/actor"  # a component's part

@@ -32,7 +32,7 @@ from .runtime.rng import capture_rng, restore_rng
 from .save.state_dict_cache import StateDictCache
 from .runtime.timeouts import bounded, checkpoint_group
 from .load.placeholders import placeholders, top_keys
-from .save.incremental import Increments, cold_names
+from .save.incremental import Increments
 from .runtime.torch_compat import collective, local_tensor
 
 __all__ = ["DCPStrategy", "PER_RANK", "RNG_KEY"]
@@ -168,7 +168,7 @@ class DCPStrategy:
             else:
                 mine[key] = _box(obj)
         out[PER_RANK] = {str(self.rank): mine}
-        self.increments.cold = cold_names(state) if self.increments.enabled else frozenset()
+        self.increments.note_state(state, self._state_dicts.builds)
         return out
 
     # ------------------------------------------------------------ write / read

@@ -102,12 +102,10 @@ class StorageFileSystem(FileSystemBase):
         self.errors: list[BaseException] = []
         self._lock = threading.Lock()
 
-    def _record(self, path: str, digest: tuple) -> None:
+    def record(self, path: str, digest: tuple) -> None:
+        """Record a file's digest: one written here, or taken over from another checkpoint."""
         with self._lock:
             self.digests[path] = digest
-
-    record = _record
-    """Record a file's digest: one taken over from another checkpoint (incremental saves)."""
 
     @contextmanager
     def hashing_stream(self) -> Generator[_DigestSink, None, None]:
@@ -120,7 +118,7 @@ class StorageFileSystem(FileSystemBase):
         path = str(path)
         if mode == "wb":
             stream = _HashingStream(self.storage.open_write(path),
-                                    lambda d: self._record(path, d), self.on_bytes)
+                                    lambda d: self.record(path, d), self.on_bytes)
             try:
                 yield stream  # type: ignore[misc]
             except BaseException as exc:

@@ -180,7 +180,7 @@ class FixedLayouts:
                                     if i.index not in fast.slots])
             writer.write_files(fast.files, fast.planner, fast.slots, fast.values)
             exact = [(n, writer.written.get(n)) for n, _ in fast.files] == layout.files
-            message = ("ok" if exact else _REDO, writer._relative() if exact else None)
+            message = ("ok" if exact else _REDO, writer.own_digests() if exact else None)
         except Exception as exc:  # every process must hear of it: none may stay in the gather
             message = ("error", portable(exc))
         gathered = self._gather(message, group)

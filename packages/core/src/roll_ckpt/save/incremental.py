@@ -21,12 +21,13 @@ straight away, so a full fine-tune pays nothing for the feature.
 Every checkpoint stays a complete, plain DCP folder with all its files: deleting an older
 checkpoint never breaks a newer one (a hard link keeps the bytes; a copy is a copy). On a
 POSIX disk a linked file is one inode shared by both checkpoints: damage *to the disk's
-blocks* of it shows in both, and ``roll-ckpt verify`` names it in each.
+blocks* of it shows in both.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -36,6 +37,7 @@ from ..contracts import Storage, TakesOver
 __all__ = ["Base", "Increments", "TakeOver", "take_over_file", "cold_names"]
 
 log = logging.getLogger("roll_ckpt")
+_STEP = re.compile(r"checkpoint-\d+")
 
 
 @dataclass(frozen=True)
@@ -49,8 +51,10 @@ class Base:
 
     @property
     def name(self) -> str:
-        """The checkpoint's folder name (``checkpoint-<step>``, or ``<component>`` of a step)."""
-        return self.dcp_path.rstrip("/").rsplit("/", 2)[-2]
+        """The checkpoint within its run: ``checkpoint-<step>``, or ``checkpoint-<step>/<component>``."""
+        parts = self.dcp_path.rstrip("/").split("/")[:-1]
+        steps = [i for i, p in enumerate(parts) if _STEP.fullmatch(p)]
+        return "/".join(parts[steps[-1]:]) if steps else parts[-1]
 
 
 @dataclass
@@ -64,8 +68,6 @@ class TakeOver:
     warm_files: frozenset[str]
     taken: dict[str, tuple] = field(default_factory=dict)
     """File name -> digest of each file taken over by this save."""
-    how: dict[str, str] = field(default_factory=dict)
-    """File name -> ``link``, ``server_copy`` or ``copy``."""
 
     def candidate(self, name: str, fqns: list[str]) -> tuple | None:
         """The base's digest of ``name`` when the file is worth hashing first, else ``None``."""
@@ -81,7 +83,7 @@ class TakeOver:
         or the storage fails (the caller then writes it)."""
         src = self.storage.join(self.base.dcp_path, name)
         try:
-            self.how[name] = take_over_file(self.storage, src, dst)
+            how = take_over_file(self.storage, src, dst)
         except (OSError, RuntimeError) as exc:  # the base pruned meanwhile, a store refusing: write it
             log.info("roll-ckpt: cannot take %s over from %s (%s: %s); writing it", name, self.base.dcp_path,
                      type(exc).__name__, exc)
@@ -90,6 +92,7 @@ class TakeOver:
             except OSError:
                 pass
             return False
+        log.debug("roll-ckpt: %s taken over from %s (%s)", name, self.base.dcp_path, how)
         return True
 
 
@@ -128,10 +131,17 @@ class Increments:
         self.enabled = enabled
         self.base: Base | None = None
         self.cold: frozenset[str] = frozenset()
-        """The state's tensors that no optimizer updates (set with each save's state dict)."""
+        """The state's tensors that no optimizer updates (:meth:`note_state`)."""
+        self._cold_of = -1
         self._pending: tuple[str, dict[str, tuple], frozenset[str]] | None = None
         self._warm: frozenset[str] = frozenset()
         self._take: TakeOver | None = None
+
+    def note_state(self, state: Mapping[str, Any], build: int) -> None:
+        """Find :attr:`cold` for ``state`` once per build of its state dict (``build``: the
+        cache's counter): a hint only, so a later ``requires_grad`` change may wait for one."""
+        if self.enabled and build != self._cold_of:
+            self.cold, self._cold_of = cold_names(state), build
 
     def writer_options(self, storage: Storage, alone: bool, gate: Any) -> dict[str, Any]:
         """The writer's ``cold`` and ``take`` for a save of the job's folder. Off for a folder a
@@ -149,7 +159,7 @@ class Increments:
         committed (:meth:`committed`) or failed (:meth:`failed`). Returns ``digests``."""
         if self.enabled:
             take, self._take = self._take, None
-            self._pending = (storage.url, dict(writer._relative()), frozenset(take.taken if take else ()))
+            self._pending = (storage.url, dict(writer.own_digests()), frozenset(take.taken if take else ()))
         return digests
 
     def committed(self, storage: Storage, checkpoint_path: str, data_dir: str) -> None:

@@ -55,11 +55,9 @@ __all__ = ["SavePipeline", "SaveStats"]
 log = logging.getLogger("roll_ckpt")
 
 
-def _tell(strategy: Any, event: str, *args: Any) -> None:
-    """The strategy's optional ``committed``/``failed`` (incremental saves: which checkpoint is the base)."""
-    increments = getattr(strategy, "increments", None)
-    if increments is not None:
-        getattr(increments, event)(*args)
+def _increments(strategy: Any) -> Any:
+    """The strategy's record of the newest committed checkpoint (incremental saves), if it keeps one."""
+    return getattr(strategy, "increments", None)
 
 
 def _plugin_versions(job: Job) -> dict[str, str]:
@@ -285,10 +283,12 @@ class SavePipeline:
             if strategy.is_coordinator:
                 total, taken = self._commit(pending, ctx, user, digests, module)
             self.committed_steps.add(ctx.step)
-            _tell(strategy, "committed", storage, ctx.path, strategy.data_dir)
+            if (increments := _increments(strategy)) is not None:
+                increments.committed(storage, ctx.path, strategy.data_dir)
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             error = exc
-            _tell(strategy, "failed")
+            if (increments := _increments(strategy)) is not None:
+                increments.failed()
             if ctx.gate is not None:
                 ctx.gate.abort(exc)  # the caller may be waiting to stage the next wave
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):

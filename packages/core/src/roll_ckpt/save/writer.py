@@ -93,7 +93,7 @@ def _write_file(fs: StorageFileSystem, path: str, name: str, items: list[Any], p
     capacity in ``slots`` (a save that keeps the layout) or a new one (a full save);
     ``values`` holds byte values serialized already. With ``take``, a candidate file whose
     bytes hash to the base checkpoint's is taken over from it instead (:mod:`roll_ckpt.save.incremental`)."""
-    previous = take.candidate(name, [i.index.fqn for i in items]) if take is not None and gate is None else None
+    previous = take.candidate(name, [i.index.fqn for i in items]) if take is not None else None
     if previous is not None:
         with fs.hashing_stream() as sink:
             results, written = _serialize(sink, name, items, planner, None, slots, dict(values or {}))
@@ -261,7 +261,8 @@ class DigestingWriter(FileSystemWriter):
         """The save's hold on the garbage collector, let go while the data is written (a long
         write would otherwise keep the training loop's garbage uncollected)."""
 
-    def _relative(self) -> dict[str, tuple]:
+    def own_digests(self) -> dict[str, tuple]:
+        """This process's files (relative to the DCP folder) and their digests."""
         root = self.path.rstrip("/") + "/"
         return {k[len(root):] if k.startswith(root) else k: v for k, v in self.fs.digests.items()}
 
@@ -309,7 +310,7 @@ class DigestingWriter(FileSystemWriter):
         if len(flat) != len(plan.items):
             raise RuntimeError(f"the writer returned {len(flat)} results for {len(plan.items)} items")
         # Checksums travel with DCP's own gather of write results.
-        flat.append(WriteResult(index=MetadataIndex(_DIGEST_FQN), size_in_bytes=0, storage_data=self._relative()))
+        flat.append(WriteResult(index=MetadataIndex(_DIGEST_FQN), size_in_bytes=0, storage_data=self.own_digests()))
         out: Future = Future()
         out.set_result(flat)
         return out
