@@ -14,18 +14,16 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: the shared helpers
-
-GRACE_S = 10.0
 
 
 def main(argv: list[str]) -> int:
     from helpers._rank_server import _preload, run
     from helpers.forkserver import die_with_parent
     from helpers.launch import free_port, rank_env
+    from helpers.ranks import signal_all, supervise
 
     nproc, script, args = int(argv[0]), argv[1], argv[2:]
     _preload()
@@ -54,32 +52,19 @@ def main(argv: list[str]) -> int:
         children[pid] = rank
 
     def forward(signum: int, _frame: object) -> None:
-        for pid in children:
-            try:
-                os.kill(pid, signum)
-            except ProcessLookupError:
-                pass
+        signal_all(list(children), signum)
+
+    def poll(pid: int) -> int | None:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        return status if done else None
+
+    def report(pid: int, code: int) -> None:  # as torchrun's agent does
+        how = f"Signal {-code} ({signal.Signals(-code).name})" if code < 0 else f"exit code {code}"
+        print(f"[rank agent] rank {children[pid]} (pid {pid}) failed: {how}", file=sys.stderr, flush=True)
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
-    failed = False
-    stop_at: float | None = None
-    while children:
-        pid, status = os.waitpid(-1, os.WNOHANG)
-        if pid == 0:
-            if stop_at is not None and time.monotonic() > stop_at:
-                forward(signal.SIGKILL, None)
-            time.sleep(0.05)
-            continue
-        rank = children.pop(pid, None)
-        code = os.waitstatus_to_exitcode(status)
-        if code != 0:  # reported as torchrun's agent does
-            how = f"Signal {-code} ({signal.Signals(-code).name})" if code < 0 else f"exit code {code}"
-            print(f"[rank agent] rank {rank} (pid {pid}) failed: {how}", file=sys.stderr, flush=True)
-        if code != 0 and not failed:
-            failed = True
-            forward(signal.SIGTERM, None)
-            stop_at = time.monotonic() + GRACE_S
+    failed, _ = supervise(list(children), poll, report=report)
     return 1 if failed else 0
 
 

@@ -16,7 +16,7 @@ import signal
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Callable, Mapping
 
 from .forkserver import ForkServer
 
@@ -33,16 +33,43 @@ def _the_server() -> ForkServer:
     return _server
 
 
-def _exit_code(status: int) -> int:
-    return os.waitstatus_to_exitcode(status)
-
-
-def _signal_all(pids: list[int], sig: int) -> None:
+def signal_all(pids: list[int], sig: int) -> None:
     for pid in pids:
         try:
             os.kill(pid, sig)
         except ProcessLookupError:
             pass
+
+
+def supervise(pids: list[int], poll: Callable[[int], int | None], timeout: float | None = None,
+              report: Callable[[int, int], None] | None = None) -> tuple[int, bool]:
+    """Wait for the ranks ``pids`` as torchrun's agent does: ``poll(pid)`` gives a rank's
+    raw wait status once it ended; the first failure (``report(pid, exit code)``) ends the
+    others (SIGTERM, SIGKILL after :data:`GRACE_S`), and so does ``timeout``. Returns (0, or
+    the first failure's exit code; whether the timeout ran out)."""
+    codes: dict[int, int] = {}
+    first_failure = 0
+    deadline = None if timeout is None else time.monotonic() + timeout
+    stop_at: float | None = None
+    timed_out = False
+    while len(codes) < len(pids):
+        for pid in pids:
+            if pid not in codes and (status := poll(pid)) is not None:
+                codes[pid] = os.waitstatus_to_exitcode(status)
+                if codes[pid] != 0 and report is not None:
+                    report(pid, codes[pid])
+                if codes[pid] != 0 and first_failure == 0:
+                    first_failure = codes[pid]
+                    stop_at = time.monotonic() + GRACE_S
+                    signal_all([p for p in pids if p not in codes], signal.SIGTERM)
+        now = time.monotonic()
+        if deadline is not None and now > deadline and not timed_out:
+            timed_out = True
+            stop_at = now
+        if stop_at is not None and now >= stop_at:
+            signal_all([p for p in pids if p not in codes], signal.SIGKILL)
+        time.sleep(0.05)
+    return first_failure, timed_out
 
 
 def run_ranks(script: str | os.PathLike[str], args: list[str], *, nproc: int, timeout: float,
@@ -54,36 +81,12 @@ def run_ranks(script: str | os.PathLike[str], args: list[str], *, nproc: int, ti
 
     server = _the_server()
     port = free_port()
-    logs = Path(tempfile.mkdtemp(prefix="ranks-"))
-    pids: list[int] = []
-    for rank in range(nproc):
-        spec: dict[str, Any] = {"script": str(script), "args": list(args), "cwd": os.getcwd(),
-                                "log": str(logs / f"rank-{rank}.log"),
-                                "env": {**env, **rank_env(rank, nproc, port)}}
-        pids.append(server.fork(spec))
-    codes: dict[int, int] = {}
-    first_failure = 0
-    deadline = time.monotonic() + timeout
-    stop_at: float | None = None
-    timed_out = False
-    while len(codes) < nproc:
-        for pid in pids:
-            if pid not in codes and (status := server.poll(pid)) is not None:
-                codes[pid] = _exit_code(status)
-                if codes[pid] != 0 and first_failure == 0:
-                    first_failure = codes[pid]
-                    stop_at = time.monotonic() + GRACE_S
-                    _signal_all([p for p in pids if p not in codes], signal.SIGTERM)
-        now = time.monotonic()
-        if now > deadline and not timed_out:
-            timed_out = True
-            stop_at = now
-        if stop_at is not None and now >= stop_at:
-            _signal_all([p for p in pids if p not in codes], signal.SIGKILL)
-        time.sleep(0.05)
-    output = "".join(f"[rank {r}]\n{(logs / f'rank-{r}.log').read_text(errors='replace')}"
-                     for r in range(nproc) if (logs / f"rank-{r}.log").exists())
-    for f in logs.iterdir():
-        f.unlink()
-    logs.rmdir()
+    with tempfile.TemporaryDirectory(prefix="ranks-") as tmp:
+        logs = Path(tmp)
+        pids = [server.fork({"script": str(script), "args": list(args), "cwd": os.getcwd(),
+                             "log": str(logs / f"rank-{rank}.log"), "env": {**env, **rank_env(rank, nproc, port)}})
+                for rank in range(nproc)]
+        first_failure, timed_out = supervise(pids, server.poll, timeout)
+        output = "".join(f"[rank {r}]\n{(logs / f'rank-{r}.log').read_text(errors='replace')}"
+                         for r in range(nproc) if (logs / f"rank-{r}.log").exists())
     return (first_failure or (1 if timed_out else 0)), output, timed_out
