@@ -417,7 +417,7 @@ class _StubWriter:
     def write_files(self, *args: Any, **kwargs: Any) -> None:
         return None
 
-    def _relative(self) -> dict[str, tuple]:
+    def own_digests(self) -> dict[str, tuple]:
         return dict(self.mine)
 
     def write_metadata(self, data: bytes) -> tuple:
