@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(300)  # shared 2-core machines: the smoke run t
 def test_smoke_run_writes_the_report(tmp_path: Path) -> None:
     out = tmp_path / "results"
     proc = run_python([str(REPO / "bench" / "run.py"), "--smoke", "--out", str(out)], env={"OMP_NUM_THREADS": "1"},
-                      timeout=290, cwd=REPO)
+                      timeout=290, cwd=REPO, warm=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     res = json.loads((out / "latest.json").read_text())
 

@@ -31,7 +31,7 @@ def _bench_module(name: str) -> Any:
 def test_scale_smoke_writes_the_report(tmp_path: Path) -> None:
     out = tmp_path / "results" / "scale.json"
     proc = run_python([str(REPO / "bench" / "scale.py"), "--smoke", "--no-jobs", "--out", str(out)],
-                      env={"OMP_NUM_THREADS": "1"}, timeout=150, cwd=REPO)
+                      env={"OMP_NUM_THREADS": "1"}, timeout=150, cwd=REPO, warm=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     res = json.loads(out.read_text())
     assert set(res["targets"]) == {"T12", "T13", "T14"}
@@ -92,7 +92,7 @@ with rs.phase("resume"):
 out["resume"] = categorise(rs.of("resume")); out["step"] = step
 print(json.dumps(out))
 """
-    proc = run_python(code, timeout=120)
+    proc = run_python(code, timeout=120, warm=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert res["step"] == 3
@@ -153,7 +153,7 @@ def test_scale_targets_from_saved_figures() -> None:
 def test_real_jobs_count_and_resume_exactly(tmp_path: Path) -> None:
     """A 2-process gloo job saves twice and resumes bit-exact; a 1-process job reshards it."""
     proc = run_python([str(REPO / "bench" / "scale_jobs.py"), "--worlds", "2", "--keeps", "2:1", "--saves", "2",
-                       "--reshard", "2,1", "--out", str(tmp_path)], timeout=280, cwd=REPO)
+                       "--reshard", "2,1", "--out", str(tmp_path)], timeout=280, cwd=REPO, warm=True)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     summary = json.loads(proc.stdout[proc.stdout.index("{"):proc.stdout.rindex("}") + 1])
     assert not summary["problems"], summary["problems"]

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
+from helpers import warm
 from helpers.launch import child_env
 
 
@@ -131,8 +132,8 @@ def kill_when_busy(code: str, *args: str, flag: Path, delay: float, env: Mapping
     created ``flag`` (it is writing) let it go on for ``delay`` seconds, then SIGKILL it."""
     script = flag.with_name("child.py")
     script.write_text(code)
-    proc = subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=child_env(env, ROLL_CKPT_QUIET="1", OMP_NUM_THREADS="1"))
+    proc = warm.popen([sys.executable, str(script), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                      text=True, env=child_env(env, ROLL_CKPT_QUIET="1", OMP_NUM_THREADS="1"))
     try:
         wait_for(flag, 60, proc)
         time.sleep(delay)

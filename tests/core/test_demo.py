@@ -37,7 +37,7 @@ def demo_cmd(config: Path, output: Path, *extra: str) -> list[str]:
 
 
 def run(cmd: list[str], timeout: float = TIMEOUT) -> str:
-    return run_ok(cmd, timeout)
+    return run_ok(cmd, timeout, warm=True)
 
 
 def losses(out: str) -> dict[int, tuple[str, str]]:
@@ -55,7 +55,7 @@ def test_stop_then_resume_matches_an_uninterrupted_run(tmp_path: Path) -> None:
     stale.mkdir(parents=True)
     # the uninterrupted run and the run that "crashes" go side by side (two cores)
     full_cmd = demo_cmd(config, full_dir, "--fresh")
-    full = start(full_cmd)
+    full = start(full_cmd, warm=True)
     try:
         first = run(demo_cmd(config, crash_dir, "--fresh", "--stop-after", "13"))
     finally:
@@ -129,7 +129,7 @@ def test_two_processes_fsdp2_stop_and_resume(tmp_path: Path) -> None:
     config = small_config(tmp_path, max_steps=12, save_steps=4, eval_steps=4)
     full_dir, crash_dir = tmp_path / "full", tmp_path / "crash"
     full_cmd = demo_cmd(config, full_dir, "--nproc", "2", "--timeout", "300")
-    full = start(full_cmd, env={"OMP_NUM_THREADS": "1"})
+    full = start(full_cmd, env={"OMP_NUM_THREADS": "1"}, warm=True)
     try:
         first = run(demo_cmd(config, crash_dir, "--nproc", "2", "--stop-after", "6", "--timeout", "300"), timeout=330)
     finally:

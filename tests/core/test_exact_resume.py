@@ -15,7 +15,7 @@ STEPS, EVERY, DIE = 24, 4, 12
 
 def _run(py, out: Path, *extra: str) -> tuple[int, dict[int, str], str]:
     res = py([str(CHILD), "--out", str(out), "--steps", str(STEPS), "--save-every", str(EVERY), *extra],
-             timeout=100)
+             timeout=100, warm=True)
     losses = {int(m.group(1)): m.group(2) for m in re.finditer(r"^loss (\d+) (\S+)$", res.stdout, re.M)}
     start = re.search(r"^start (\d+)$", res.stdout, re.M)
     assert start is not None, f"child failed (rc {res.returncode}):\n{res.stdout}\n{res.stderr}"

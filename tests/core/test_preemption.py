@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import warm
 from helpers.launch import child_env
 from roll_ckpt import CheckpointManager, DriverState, Preempted, load_config, new_run_name
 from roll_ckpt.format import layout
@@ -39,7 +40,7 @@ class Job:
         """One launch; with ``kill_after_step`` the test sends SIGTERM once the job logged that step."""
         self.launches += 1
         log = self.out / f"launch-{self.launches}.log"
-        proc = subprocess.Popen([sys.executable, str(CHILD), str(self.out), str(log), str(MAX_STEPS), signal_at],
+        proc = warm.popen([sys.executable, str(CHILD), str(self.out), str(log), str(MAX_STEPS), signal_at],
                                 env=child_env(ROLL_CKPT_QUIET="1", OMP_NUM_THREADS="1"),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         signalled = None

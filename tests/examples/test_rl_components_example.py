@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import warm
 from helpers.launch import REPO, finish, run_ok, start
 
 pytestmark = pytest.mark.timeout(400)
@@ -29,7 +30,7 @@ def job(output: Path, *extra: str) -> list[str]:
 
 
 def run(cmd: list[str]) -> str:
-    return run_ok(cmd, TIMEOUT)
+    return run_ok(cmd, TIMEOUT, warm=True)
 
 
 def steps(out: str) -> list[str]:
@@ -41,7 +42,7 @@ def test_killed_job_resumes_every_component_exactly(tmp_path: Path) -> None:
     ckpt = crash_dir / "checkpoints"
     # the uninterrupted run and the run that is killed go side by side
     full_cmd = job(full_dir)
-    full = start(full_cmd)
+    full = start(full_cmd, warm=True)
     try:
         first = run(job(crash_dir, "--stop-at", "8"))
     finally:
@@ -113,9 +114,9 @@ def test_sigterm_to_every_process_stops_the_job_at_one_whole_step(tmp_path: Path
 
     full_dir, job_dir = tmp_path / "full", tmp_path / "job"
     full_cmd = job(full_dir)
-    full = start(full_cmd)
-    proc = subprocess.Popen(job(job_dir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=child_env(), start_new_session=True)
+    full = start(full_cmd, warm=True)
+    proc = warm.popen(job(job_dir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                      env=child_env(), start_new_session=True)
     try:
         lines: list[str] = []
         deadline = time.monotonic() + TIMEOUT

@@ -16,22 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: the shared helpers
 
+from helpers._warm_server import _preload  # noqa: E402,F401 - the same imports as the warm interpreter
 from helpers.forkserver import serve  # noqa: E402
-
-
-def _preload() -> None:
-    import torch  # noqa: F401
-    import torch.distributed.checkpoint  # noqa: F401
-    import torch.distributed.fsdp  # noqa: F401
-    import torch.distributed.tensor  # noqa: F401
-    import roll_ckpt.manager  # noqa: F401
-    import roll_ckpt.strategy  # noqa: F401
-
-    for optional in ("roll_ckpt_fsdp2", "roll_ckpt_fs", "transformers"):
-        try:
-            __import__(optional)
-        except ImportError:
-            pass
 
 
 def run(spec: dict) -> int:  # pragma: no cover - runs in the forked rank

@@ -33,18 +33,25 @@ def child_env(env: Mapping[str, str] | None = None, **more: str) -> dict[str, st
 
 
 def run_python(code_or_args: list[str] | str, *, env: Mapping[str, str] | None = None, timeout: float = 90,
-               cwd: str | os.PathLike[str] | None = None) -> subprocess.CompletedProcess:
-    """Run a fresh interpreter (``python -c code`` or ``python *args``) with a time limit."""
+               cwd: str | os.PathLike[str] | None = None, warm: bool = False) -> subprocess.CompletedProcess:
+    """Run ``python -c code`` or ``python *args`` with a time limit: a fresh interpreter, or
+    with ``warm`` one forked from the warm interpreter (:mod:`helpers.warm`: for a child that
+    imports torch anyway and tests nothing about what a fresh process imports)."""
+    from . import warm as warm_
+
     args = ["-c", code_or_args] if isinstance(code_or_args, str) else list(code_or_args)
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout,
-                          env=child_env(env), cwd=cwd)
+    run = warm_.run if warm else subprocess.run
+    return run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=child_env(env), cwd=cwd)
 
 
 def start(cmd: list[str], *, env: Mapping[str, str] | None = None,
-          cwd: str | os.PathLike[str] | None = REPO) -> subprocess.Popen:
-    """Start ``cmd`` in the background (text pipes for stdout and stderr; :func:`finish` it)."""
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
-                            env=child_env(env))
+          cwd: str | os.PathLike[str] | None = REPO, warm: bool = False) -> subprocess.Popen:
+    """Start ``cmd`` in the background (text pipes for stdout and stderr; :func:`finish` it);
+    ``warm``: ``cmd`` is ``[sys.executable, ...]``, forked from the warm interpreter (:func:`run_python`)."""
+    from . import warm as warm_
+
+    popen = warm_.popen if warm else subprocess.Popen
+    return popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd, env=child_env(env))
 
 
 def finish(proc: subprocess.Popen, cmd: list[str], timeout: float) -> str:
@@ -62,9 +69,9 @@ def finish(proc: subprocess.Popen, cmd: list[str], timeout: float) -> str:
 
 
 def run_ok(cmd: list[str], timeout: float, *, env: Mapping[str, str] | None = None,
-           cwd: str | os.PathLike[str] | None = REPO) -> str:
+           cwd: str | os.PathLike[str] | None = REPO, warm: bool = False) -> str:
     """Run ``cmd`` and wait (:func:`start`, :func:`finish`): its stdout."""
-    return finish(start(cmd, env=env, cwd=cwd), cmd, timeout)
+    return finish(start(cmd, env=env, cwd=cwd, warm=warm), cmd, timeout)
 
 
 def free_port() -> int:
@@ -98,10 +105,14 @@ def start_torchrun(script: str | os.PathLike[str], *args: Any, nproc: int = 2,
                    stderr: int | IO[Any] | None = subprocess.STDOUT, real: bool = False) -> subprocess.Popen:
     """``torchrun --standalone --nproc_per_node=nproc script *args`` in the background, in a
     process group of its own; one thread per rank, roll-ckpt quiet, output unbuffered.
-    ``real``: torchrun itself (a test of what torchrun's agent does), else the tests' agent."""
-    return subprocess.Popen(torchrun_command(script, *args, nproc=nproc, real=real), stdin=subprocess.DEVNULL,
-                            stdout=stdout, stderr=stderr, start_new_session=True,
-                            env=child_env(env, OMP_NUM_THREADS="1", ROLL_CKPT_QUIET="1", PYTHONUNBUFFERED="1"))
+    ``real``: torchrun itself (a test of what torchrun's agent does), else the tests' agent,
+    forked from the warm interpreter (:mod:`helpers.warm`)."""
+    from . import warm
+
+    cmd = torchrun_command(script, *args, nproc=nproc, real=real)
+    popen = warm.popen if cmd[1] == str(TESTS / "helpers" / "_rank_agent.py") else subprocess.Popen
+    return popen(cmd, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, start_new_session=True,
+                 env=child_env(env, OMP_NUM_THREADS="1", ROLL_CKPT_QUIET="1", PYTHONUNBUFFERED="1"))
 
 
 def kill_group(proc: subprocess.Popen) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from helpers import warm
 from helpers.launch import child_env
 from helpers.plugins import plugins_with_backend
 from helpers.training import config, train_step
@@ -72,7 +73,7 @@ def test_two_runs_in_two_processes_keep_their_own_checkpoints(tmp_path: Path) ->
     out, sync = tmp_path / "ckpt", tmp_path / "sync"
     sync.mkdir()
     steps = 4
-    procs = {name: subprocess.Popen([sys.executable, str(HERE / "_two_runs_child.py"), str(out), name, other,
+    procs = {name: warm.popen([sys.executable, str(HERE / "_two_runs_child.py"), str(out), name, other,
                                      str(steps), str(sync), is_async],
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
              for name, other, is_async in (("a", "b", "0"), ("b", "a", "1"))}

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import warm
 from helpers.launch import child_env, free_port, rank_env
 from roll_ckpt.format import layout
 from roll_ckpt.format.verify import verify
@@ -37,9 +38,9 @@ need a first job to resume from, twice the time)."""
 
 def _launch(out: Path, phase: str) -> list[subprocess.Popen]:
     port = free_port()
-    return [subprocess.Popen([sys.executable, str(CHILD), str(out), phase], stdin=subprocess.DEVNULL,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                             env=child_env(rank_env(rank, 2, port), OMP_NUM_THREADS="1", ROLL_CKPT_QUIET="1"))
+    return [warm.popen([sys.executable, str(CHILD), str(out), phase], stdin=subprocess.DEVNULL,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                       env=child_env(rank_env(rank, 2, port), OMP_NUM_THREADS="1", ROLL_CKPT_QUIET="1"))
             for rank in range(2)]
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import warm
 from helpers.launch import child_env
 from roll_ckpt.format import layout
 from roll_ckpt.format.verify import verify
@@ -28,9 +29,9 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def _start(out: Path, name: str, sync: Path, keep: int, *actions: str, flat: bool = False) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(CHILD), str(out), name, str(sync), str(keep), "1" if flat else "0",
-                             *actions], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=child_env(OMP_NUM_THREADS="1", ROLL_CKPT_QUIET="1"))
+    return warm.popen([sys.executable, str(CHILD), str(out), name, str(sync), str(keep), "1" if flat else "0",
+                       *actions], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                      text=True, env=child_env(OMP_NUM_THREADS="1", ROLL_CKPT_QUIET="1"))
 
 
 def _report(p: subprocess.Popen, timeout: float = 120) -> dict:
