@@ -31,10 +31,12 @@ demo: venv
 
 # The suite on TEST_WORKERS processes (pytest-xdist): most tests wait on processes they
 # started (ranks, servers), so two workers keep a 2-core machine busy. TEST_WORKERS=0 runs
-# it in one process.
+# it in one process. worksteal: xdist hands each worker a contiguous share at first, and the
+# longest modules come first (tests/conftest.py), so an idle worker takes from the other's.
 TEST_WORKERS ?= 2
+TEST_DIST := $(if $(filter 0,$(TEST_WORKERS)),,--dist worksteal)
 test: venv
-	$(PY) -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) $(TEST_DIST) $(PYTEST_ARGS)
 
 # Crash consistency and fault injection at full strength: 50 SIGKILLs per mode (make test
 # runs 5), the kill-before-every-storage-operation sweep on S3 too, a rank stopped in each phase
@@ -42,7 +44,7 @@ test: venv
 # ROLL_CKPT_CRASH_SEED=<seed printed by the test>.
 RELIABILITY_KILLS ?= 50
 test-reliability: venv
-	ROLL_CKPT_KILLS=$(RELIABILITY_KILLS) $(PY) -m pytest -q -n $(TEST_WORKERS) tests/reliability $(PYTEST_ARGS)
+	ROLL_CKPT_KILLS=$(RELIABILITY_KILLS) $(PY) -m pytest -q -n $(TEST_WORKERS) $(TEST_DIST) tests/reliability $(PYTEST_ARGS)
 
 # Benchmark: stall, memory and throughput against DCP, torch.save and the disk, in one run
 # (--quick: <= 3 min on 2 cores; BENCH_ARGS=--full for larger states). Writes

@@ -50,8 +50,9 @@ def example_backend(_example_backend_site: Path) -> Iterator[Path]:
 
 
 # The modules with the longest tests first (measured with --durations, make test on 2 cores):
-# xdist hands tests out in collection order, and a two-minute test picked up last keeps one
-# worker busy while the other has nothing left to do.
+# a two-minute test picked up last keeps one worker busy while the other has nothing left to
+# do. (xdist gives each worker a contiguous share first: make test uses --dist worksteal, so
+# the worker without these takes from the other's.)
 LONGEST_FIRST = (
     "tests/bench/test_bench_smoke.py", "tests/core/test_demo.py", "tests/core/test_preemption.py",
     "tests/strategy_fsdp2/test_preemption_fsdp2.py", "tests/examples/test_ray_job.py",
