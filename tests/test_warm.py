@@ -42,3 +42,32 @@ def test_an_uncaught_exception_and_a_signal_end_it_as_they_end_python(tmp_path: 
     os.killpg(proc.pid, signal.SIGKILL)
     assert proc.wait(timeout=30) == -signal.SIGKILL
     proc.stdout.close()
+
+
+PARENT = """\
+import os, signal, subprocess, sys, torch
+signal.signal(signal.SIGTERM, lambda *_: None)  # the caller's handler: a child must not keep it
+leak = open(os.devnull)  # not a standard stream: a child does not inherit it
+code = "import os, signal, sys, torch; print(os.getppid(), signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, " \\
+       "torch.initial_seed() != int(sys.argv[2]), sys.argv[1:2], os.environ['ONLY_CHILD'], os.getsid(0) == os.getpid(), " \\
+       f"os.path.exists('/proc/self/fd/{leak.fileno()}'), sys.path[0] == os.getcwd())"
+out = subprocess.run([sys.executable, "-u", "-c", code, "a", str(torch.initial_seed())], capture_output=True, text=True, timeout=60,
+                     env={**os.environ, "ONLY_CHILD": "1"}, start_new_session=True, check=True)
+print(os.getpid(), out.stdout.strip(), out.stderr.strip())
+print(subprocess.run(["echo", "not python"], capture_output=True, text=True).stdout.strip())
+"""
+
+
+def test_a_child_starting_python_forks_itself_and_resets_what_exec_resets(tmp_path: Path) -> None:
+    """A warm child's own ``python`` children are forked from it (torch is already there, the
+    child's parent is the caller) with what a fresh interpreter has: default signal handlers,
+    a random seed of its own, no descriptor but the standard ones."""
+    script = tmp_path / "parent.py"
+    script.write_text(PARENT)
+    res = warm.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                   env=child_env())
+    assert res.returncode == 0, res
+    first, second = res.stdout.splitlines()
+    pid, rest = first.split(" ", 1)
+    assert rest == f"{pid} True True ['a'] 1 True False False ", first
+    assert second == "not python"

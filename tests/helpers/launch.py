@@ -105,13 +105,13 @@ def start_torchrun(script: str | os.PathLike[str], *args: Any, nproc: int = 2,
                    stderr: int | IO[Any] | None = subprocess.STDOUT, real: bool = False) -> subprocess.Popen:
     """``torchrun --standalone --nproc_per_node=nproc script *args`` in the background, in a
     process group of its own; one thread per rank, roll-ckpt quiet, output unbuffered.
-    ``real``: torchrun itself (a test of what torchrun's agent does), else the tests' agent,
-    forked from the warm interpreter (:mod:`helpers.warm`)."""
+    ``real``: torchrun itself (a test of what torchrun's agent does), else the tests' agent.
+    Either is forked from the warm interpreter (:mod:`helpers.warm`), and so are the workers
+    torchrun's agent starts (forked from the agent)."""
     from . import warm
 
     cmd = torchrun_command(script, *args, nproc=nproc, real=real)
-    popen = warm.popen if cmd[1] == str(TESTS / "helpers" / "_rank_agent.py") else subprocess.Popen
-    return popen(cmd, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, start_new_session=True,
+    return warm.popen(cmd, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, start_new_session=True,
                  env=child_env(env, OMP_NUM_THREADS="1", ROLL_CKPT_QUIET="1", PYTHONUNBUFFERED="1"))
 
 
