@@ -14,6 +14,17 @@ from helpers.launch import run_python
 from helpers.training import config
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """A pytest-xdist worker computes on one torch thread: the workers run side by side, one a
+    core (two threads each on two cores only made them wait for each other)."""
+    import os
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
 @pytest.fixture(autouse=True)
 def _isolated_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """No plugin selection or signing key inherited from the shell that runs the tests."""
