@@ -32,6 +32,7 @@ EXAMPLE = REPO / "examples" / "rl_components"
 sys.path.insert(0, str(EXAMPLE))
 
 import ray_job  # noqa: E402
+from helpers import warm  # noqa: E402
 from rl_job import ActorTrain, read_config  # noqa: E402
 
 from roll_ckpt.format import layout  # noqa: E402
@@ -149,7 +150,7 @@ def reference(tmp_path: Path) -> Any:
     the Ray cluster so that it runs meanwhile; returns its final digests and history."""
     out = tmp_path / "reference"
     cmd = [sys.executable, str(EXAMPLE / "rl_job.py"), "--output", str(out), "--fsdp2"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    proc = warm.popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
 
     def result() -> tuple[dict[str, str], list[dict]]:
         stdout, stderr = proc.communicate(timeout=REFERENCE_TIMEOUT_S)

@@ -174,8 +174,19 @@ def _end(run: Callable[[], int]) -> NoReturn:  # pragma: no cover - the forked c
             os._exit(code)
 
 
+def die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent ends (best effort)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 - best effort
+        pass
+
+
 def _child(spec: dict, fds: list[int]) -> NoReturn:  # pragma: no cover - the forked child
     def run() -> int:
+        die_with_parent()  # with the warm interpreter, so with the test process: nothing outlives the tests
         if spec["session"]:
             os.setsid()
         for target, fd in zip(spec["std"], fds):
@@ -290,10 +301,5 @@ def serve(sock: socket.socket) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the test process
-    except Exception:  # noqa: BLE001 - best effort
-        pass
+    die_with_parent()  # with the test process
     serve(socket.socket(fileno=int(sys.argv[1])))

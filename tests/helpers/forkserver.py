@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
+
+from ._warm_server import die_with_parent
 
 
 def emit(fd: int, *parts: Any) -> None:
@@ -44,16 +45,6 @@ def read_events(path: str | os.PathLike[str]) -> list[tuple[str, list[str], floa
 
 
 # --------------------------------------------------------------------------- the server (child side)
-
-
-def die_with_parent() -> None:
-    """Linux: SIGKILL this process when its parent ends (best effort)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:  # noqa: BLE001 - best effort
-        pass
 
 
 def _run_forked(run: Callable[[dict[str, Any]], int], spec: dict[str, Any], stderr: str,
