@@ -65,13 +65,13 @@ def example_backend(_example_backend_site: Path) -> Iterator[Path]:
 # do. (xdist gives each worker a contiguous share first: make test uses --dist worksteal, so
 # the worker without these takes from the other's.)
 LONGEST_FIRST = (
-    "tests/bench/test_bench_smoke.py", "tests/core/test_demo.py", "tests/core/test_preemption.py",
-    "tests/strategy_fsdp2/test_preemption_fsdp2.py", "tests/examples/test_ray_job.py",
-    "tests/reliability/test_two_launches.py", "tests/bench/test_recovery_bench.py",
-    "tests/strategy_fsdp2/test_local_tier.py", "tests/examples/test_rl_components_example.py",
-    "tests/core/test_exact_resume.py", "tests/bench/test_scale_smoke.py", "tests/reliability/test_components.py",
-    "tests/reliability/test_crash.py", "tests/strategy_fsdp2/test_fsdp2.py",
-    "tests/strategy_fsdp2/test_fixed_layout_ranks.py", "tests/strategy_fsdp2/test_hf_fsdp2.py",
+    "tests/examples/test_ray_job.py", "tests/bench/test_bench_smoke.py", "tests/strategy_fsdp2/test_local_tier.py",
+    "tests/backend_fs/test_network_faults.py", "tests/strategy_fsdp2/test_preemption_fsdp2.py",
+    "tests/strategy_fsdp2/test_hf_fsdp2.py", "tests/strategy_fsdp2/test_fixed_layout_ranks.py",
+    "tests/reliability/test_crash.py", "tests/strategy_fsdp2/test_fsdp2.py", "tests/plugins/test_third_party_backend.py",
+    "tests/bench/test_recovery_bench.py", "tests/core/test_demo.py", "tests/reliability/test_components.py",
+    "tests/core/test_preemption.py", "tests/bench/test_scale_smoke.py", "tests/core/test_exact_resume.py",
+    "tests/examples/test_rl_components_example.py", "tests/reliability/test_two_launches.py",
 )
 
 

@@ -5,7 +5,11 @@
 * :mod:`helpers.training` - config builders and the one training step of the tests' small jobs;
 * :mod:`helpers.plugins`  - a plugin manager with one extra backend, and the test-fixture
   backend distribution (``tests/plugins/example_backend``) installed for a test run only;
-* :mod:`helpers.forkserver` - the fork server the crash and component tests start workers from.
+* :mod:`helpers.forkserver` - the fork server the crash and component tests start workers from;
+* :mod:`helpers.warm`     - a ``subprocess.Popen`` whose child is forked from a warm interpreter
+  (``_warm_server.py``), and whose own python children are forked from it in turn;
+* :mod:`helpers.ranks`    - ranks as ``torchrun --standalone`` starts them, and their supervision
+  as its agent does (the tests' agent: ``_rank_agent.py``).
 
 ``tests/`` is on ``sys.path`` under pytest (its rootdir conftest, ``tests/conftest.py``); the
 processes tests start get it on ``PYTHONPATH`` from :func:`helpers.launch.child_env`, so

@@ -160,7 +160,9 @@ def _run_python(argv: list[str], env: dict[str, str], unbuffered: bool) -> int: 
     return code
 
 
-def _end(run: Callable[[], int]) -> NoReturn:  # pragma: no cover - the forked child
+def end_child(run: Callable[[], int]) -> NoReturn:  # pragma: no cover - the forked child
+    """End a forked child as the interpreter would end: with ``run()``'s status, its
+    traceback printed if it raised, its output flushed, and nothing of the parent's run."""
     code = 1
     try:
         code = run()
@@ -195,7 +197,7 @@ def _child(spec: dict, fds: list[int]) -> NoReturn:  # pragma: no cover - the fo
         os.chdir(spec["cwd"])
         return _run_python(spec["argv"], spec["env"], False)
 
-    _end(run)
+    end_child(run)
 
 
 def _python_argv(args: Any) -> tuple[list[str], bool] | None:
@@ -264,7 +266,7 @@ class ForkPopen(_SPAWN):  # type: ignore[misc, valid-type]
                     preexec_fn()
                 return _run_python(argv, child_env, unbuffered)
 
-            _end(run)
+            end_child(run)
         self.pid = pid
         self._child_created = True
         self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)

@@ -21,9 +21,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NoReturn
 
-from ._warm_server import die_with_parent
+from ._warm_server import die_with_parent, end_child
 
 
 def emit(fd: int, *parts: Any) -> None:
@@ -48,9 +48,8 @@ def read_events(path: str | os.PathLike[str]) -> list[tuple[str, list[str], floa
 
 
 def _run_forked(run: Callable[[dict[str, Any]], int], spec: dict[str, Any], stderr: str,
-                orphan_dies: bool) -> None:  # pragma: no cover - runs in the forked worker
-    code = 1
-    try:
+                orphan_dies: bool) -> NoReturn:  # pragma: no cover - runs in the forked worker
+    def body() -> int:
         if orphan_dies:
             die_with_parent()
         null = os.open(os.devnull, os.O_RDONLY)
@@ -61,17 +60,9 @@ def _run_forked(run: Callable[[dict[str, Any]], int], spec: dict[str, Any], stde
         sys.stdin = open(os.devnull)
         sys.stdout = os.fdopen(1, "w", buffering=1)
         sys.stderr = os.fdopen(2, "w", buffering=1)
-        code = run(spec)
-    except BaseException:  # noqa: BLE001 - reported in the worker's stderr file
-        import traceback
+        return run(spec)  # a traceback goes to the worker's stderr file
 
-        traceback.print_exc()
-    finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
+    end_child(body)
 
 
 def serve(run: Callable[[dict[str, Any]], int], *, stderr_of: Callable[[dict[str, Any]], str],
