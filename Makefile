@@ -17,12 +17,15 @@ SOURCES := pyproject.toml packages/*/pyproject.toml
 
 venv: $(STAMP)
 
+# pip byte-compiles what it installs on one core; compileall does it afterwards on every core
+# (10-14 s less here, side by side). A file that does not compile is skipped, as pip skips it.
 $(STAMP): $(SOURCES) Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q "$(TORCH)"
-	$(PIP) install -q "$(TORCH)" $(PACKAGES)
+	$(PIP) install -q --no-compile "$(TORCH)"
+	$(PIP) install -q --no-compile "$(TORCH)" $(PACKAGES)
 	$(PIP) uninstall -qq -y roll-ckpt-example-backend  # left by an older set-up; a no-op otherwise
+	$(PY) -m compileall -q -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" > /dev/null || true
 	touch $(STAMP)
 
 demo: venv
