@@ -69,7 +69,7 @@ MODES: dict[str, dict[str, Any]] = {
              "many": {"points": [100, 1000, 3000, 10000], "reps": 5},
              "transformer": {**TRANSFORMER, "reps": 5}},
     # Every case once, in one 2-rank group: checks the harness end to end, not the speed
-    # (a fixed K of 2 steps for the loops, 1 torch thread a rank).
+    # (a fixed K of 2 steps for the loop and transformer groups, 1 torch thread a rank in the loop).
     "smoke": {"reps": 1, "target": (256, 2), "small": (256, 2), "warmup": False, "one_group": True,
               "ranks": "2", "loop": {"width": 64, "depth": 4, "reps": 1, "steps": 2, "threads": 1, "cpu_reps": 1},
               "many": {"points": [100, 300], "reps": 1},

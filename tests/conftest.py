@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import uuid
 from pathlib import Path
@@ -17,8 +18,6 @@ from helpers.training import config
 def pytest_configure(config: pytest.Config) -> None:
     """A pytest-xdist worker computes on one torch thread: the workers run side by side, one a
     core (two threads each on two cores only made them wait for each other)."""
-    import os
-
     if os.environ.get("PYTEST_XDIST_WORKER"):
         import torch
 

@@ -18,9 +18,9 @@ The tree stays warm: in a child, ``subprocess.Popen([sys.executable, ...])`` (a 
 agent starting its workers, the demo or a benchmark starting torchrun) forks the calling
 process the same way instead of starting a fresh interpreter (:class:`ForkPopen`), so a
 child of a child is its caller's own child, as after ``exec``. What ``exec`` would reset
-is reset: Python signal handlers, ``atexit`` handlers, descriptors
-other than the standard three and ``pass_fds``, and the modules the caller imported from
-outside the installed libraries (they are imported again). Any other command starts as usual.
+is reset: Python signal handlers, ``atexit`` handlers, descriptors other than the standard
+three and ``pass_fds``, and the modules the caller imported from outside the installed
+libraries (they are imported again). Any other command starts as usual.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ _SERVER_MODULES: frozenset[str] = frozenset()  # what every child starts with
 _SPAWN = subprocess.Popen
 
 
-def _preload() -> int:
+def _preload() -> None:
     import torch
     import torch.distributed.checkpoint  # noqa: F401
     import torch.distributed.fsdp  # noqa: F401
@@ -64,7 +64,6 @@ def _preload() -> int:
     _SERVER_MODULES = frozenset(sys.modules)
     _BASE_PATH = [p for p in sys.path if p not in _ENV_PATHS and p != _HERE]
     _DEFAULT_THREADS = torch.get_num_threads()  # what a fresh process without OMP_NUM_THREADS uses
-    return _DEFAULT_THREADS
 
 
 def _exit_code(exc: SystemExit) -> int:

@@ -112,7 +112,7 @@ def start_torchrun(script: str | os.PathLike[str], *args: Any, nproc: int = 2,
 
     cmd = torchrun_command(script, *args, nproc=nproc, real=real)
     return warm.popen(cmd, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, start_new_session=True,
-                 env=child_env(env, OMP_NUM_THREADS="1", ROLL_CKPT_QUIET="1", PYTHONUNBUFFERED="1"))
+                      env=child_env(env, OMP_NUM_THREADS="1", ROLL_CKPT_QUIET="1", PYTHONUNBUFFERED="1"))
 
 
 def kill_group(proc: subprocess.Popen) -> None:
