@@ -108,7 +108,7 @@ class DCPCase:
         t0 = time.perf_counter()
         sd = {"model": get_model_state_dict(state["model"]),
               "optimizer": get_optimizer_state_dict(state["model"], state["optimizer"])}
-        dcp.save(sd, checkpoint_id=path, no_dist=True)
+        dcp.save(sd, checkpoint_id=path)  # one process, no group
         seconds = time.perf_counter() - t0
         written = folder_bytes(path)
         shutil.rmtree(os.path.join(self.out, f"step-{step - 2}"), ignore_errors=True)  # keeps 2, as the others

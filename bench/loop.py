@@ -25,6 +25,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from roll_ckpt.runtime.torch_compat import fsdp2_options
 
 from common import cpu_all, state_size
 from roll_ckpt import CheckpointManager, load_config
@@ -76,8 +77,8 @@ class Loop:
         width, depth = spec["width"], spec["depth"]
         self.model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(depth)])
         for layer in self.model:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(self.model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, **fsdp2_options(mesh.device_type))
+        fully_shard(self.model, mesh=mesh, **fsdp2_options(mesh.device_type))
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.x = torch.randn(spec.get("batch", 16), width)
 

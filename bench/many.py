@@ -23,6 +23,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from roll_ckpt.runtime.torch_compat import fsdp2_options
 
 from common import state_size
 from roll_ckpt import CheckpointManager, load_config
@@ -77,8 +78,8 @@ class Point:
         torch.manual_seed(0)
         self.model = Model(blocks).to(device)
         for b in self.model.blocks:
-            fully_shard(b, mesh=mesh)
-        fully_shard(self.model, mesh=mesh)
+            fully_shard(b, mesh=mesh, **fsdp2_options(mesh.device_type))
+        fully_shard(self.model, mesh=mesh, **fsdp2_options(mesh.device_type))
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.model(torch.randn(2, 8192, device=device)).pow(2).mean().backward()
         self.opt.step()

@@ -44,6 +44,7 @@ def worker(out: str, local: str, steps: int, die_at: int, use_local: bool, width
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from roll_ckpt.runtime.torch_compat import fsdp2_options
 
     from roll_ckpt import CheckpointManager, load_config
 
@@ -59,8 +60,8 @@ def worker(out: str, local: str, steps: int, die_at: int, use_local: bool, width
     mesh = init_device_mesh("cpu", (world,))
     for m in model:
         if isinstance(m, torch.nn.Linear):
-            fully_shard(m, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(m, mesh=mesh, **fsdp2_options(mesh.device_type))
+    fully_shard(model, mesh=mesh, **fsdp2_options(mesh.device_type))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     cc = {"output_dir": os.path.join(out, "persist")}
     if use_local:

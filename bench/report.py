@@ -317,7 +317,7 @@ def scale_markdown(res: dict[str, Any]) -> str:
              "(`roll_ckpt.save.fixed_layout`: the library's own `FixedLayouts.save` on the coordinator, over a simulated "
              "group that hands it the N ranks' pickled messages; `modelled`: the same message shapes, merged by "
              "bench/scale.py's `RollCkptFastPath`). Its full save (the first of a structure) is DCP's protocol with "
-             "roll-ckpt's own global plan (`ReusingSavePlanner._create_global_plan`, timed on the same gathered plans). "
+             "roll-ckpt's own global plan (`ReusingSavePlanner.create_global_plan`, timed on the same gathered plans). "
              "\"Before issue 20\": each rank read and unpickled `.metadata` twice per resume (collector on, "
              "restricted unpickler).", ""]
     cells = [c for c in res.get("cells", []) if not c.get("error")]

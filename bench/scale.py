@@ -563,7 +563,7 @@ def cell(n: int, p: int, methods: list[str], unpickle_reps: int = 1, md_estimate
                     "coordinator_cpu_s": sum(ph.values()), "phases": ph, "collective_bytes": dict(sent),
                     "collective_total": sum(sent.values()), "per_rank_sent": per_rank_sent if n > 1 else 0,
                     "metadata_bytes": len(md_bytes), "metadata_files": 1, "same_metadata": rc_full["same"],
-                    "source": "roll_ckpt.save.writer.ReusingSavePlanner._create_global_plan; the rest as DCP's"}
+                    "source": "roll_ckpt.save.writer.ReusingSavePlanner.create_global_plan; the rest as DCP's"}
             out["methods"][save] = {
                 "coordinator_cpu_s": co.total, "phases": co.phases, "collective_bytes": sent,
                 "collective_total": sum(sent.values()), "per_rank_sent": per_rank_sent if n > 1 else 0,
@@ -676,7 +676,7 @@ def cell(n: int, p: int, methods: list[str], unpickle_reps: int = 1, md_estimate
 
 
 def _rc_global_plan(gathered: list[Any], dcp_md: Any) -> dict[str, Any] | None:
-    """CPU seconds of roll-ckpt's global plan (``ReusingSavePlanner._create_global_plan``:
+    """CPU seconds of roll-ckpt's global plan (``ReusingSavePlanner.create_global_plan``:
     linear-time planner-data merge and chunk validation) on the same gathered plans, and
     whether its metadata equals DCP's; ``None`` where this roll-ckpt has no such planner."""
     try:
@@ -684,10 +684,10 @@ def _rc_global_plan(gathered: list[Any], dcp_md: Any) -> dict[str, Any] | None:
     except ImportError:
         return None
     planner = ReusingSavePlanner({})
-    if "_create_global_plan" not in type(planner).__dict__:
+    if "create_global_plan" not in type(planner).__dict__:
         return None  # DCP's own: nothing to compare
     c0 = time.process_time()
-    _, md = planner._create_global_plan(gathered)
+    _, md = planner.create_global_plan(gathered)
     cpu = time.process_time() - c0
     same = (md.state_dict_metadata.keys() == dcp_md.state_dict_metadata.keys()
             and dict(md.planner_data) == dict(dcp_md.planner_data))

@@ -47,6 +47,7 @@ def _build(seed: int) -> tuple[Any, Any, Any]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from roll_ckpt.runtime.torch_compat import fsdp2_options
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(seed)
@@ -55,8 +56,8 @@ def _build(seed: int) -> tuple[Any, Any, Any]:
         layers += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.LayerNorm(WIDTH)]
     model = torch.nn.Sequential(*layers)
     for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **fsdp2_options(mesh.device_type))
+    fully_shard(model, mesh=mesh, **fsdp2_options(mesh.device_type))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     return model, opt, sched

@@ -37,6 +37,7 @@ class TransformerLoop(Loop):
 
     def build(self, spec: dict[str, Any], mesh: Any) -> None:
         from torch.distributed.fsdp import fully_shard
+        from roll_ckpt.runtime.torch_compat import fsdp2_options
         from transformers import LlamaConfig, LlamaForCausalLM
 
         cfg = LlamaConfig(hidden_size=spec["hidden"], intermediate_size=spec["intermediate"],
@@ -44,8 +45,8 @@ class TransformerLoop(Loop):
                           vocab_size=spec["vocab"], tie_word_embeddings=False)
         self.model = LlamaForCausalLM(cfg)
         for layer in self.model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(self.model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, **fsdp2_options(mesh.device_type))
+        fully_shard(self.model, mesh=mesh, **fsdp2_options(mesh.device_type))
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.x = torch.randint(0, spec["vocab"], (spec.get("batch", 2), spec.get("seq", 32)))
 

@@ -26,6 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from roll_ckpt.runtime.torch_compat import fsdp2_options
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import PeakRSS, drop_cache, io_read_bytes, state_size, tree_bytes, tree_files  # noqa: E402
@@ -78,8 +79,8 @@ def build(width: int, depth: int, mesh_kind: str = "fsdp") -> tuple[torch.nn.Mod
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(depth)]).to(DEVICE)
     for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **fsdp2_options(mesh.device_type))
+    fully_shard(model, mesh=mesh, **fsdp2_options(mesh.device_type))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randn(4, width, device=DEVICE)
     model(x).pow(2).mean().backward()  # one step materialises AdamW's exp_avg / exp_avg_sq

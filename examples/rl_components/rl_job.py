@@ -127,8 +127,10 @@ class TrainGroupRank:
         if self.fsdp2:  # shard it over the group: the manager then picks the fsdp2 strategy
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
+            from roll_ckpt.runtime.torch_compat import fsdp2_options
 
-            fully_shard(self.model, mesh=init_device_mesh("cpu", (world_size,)))
+            # fsdp2_options: what FSDP2 on the CPU needs on this torch (torch 2.6: see its doc)
+            fully_shard(self.model, mesh=init_device_mesh("cpu", (world_size,)), **fsdp2_options("cpu"))
         torch.manual_seed(self.cfg.seed * 1000 + rank)  # then each rank its own sampling/dropout stream
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.lr())
         self.state: dict[str, Any] = {"model": self.model, "optimizer": self.optimizer}

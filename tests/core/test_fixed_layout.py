@@ -78,7 +78,7 @@ def test_saves_of_one_structure_repeat_the_metadata(tmp_path: Path, async_save: 
     # plain DCP reads a checkpoint written that way, values and all
     sd = {"model": {k: torch.empty_like(v) for k, v in state["model"].state_dict().items()},
           "per_rank": {"0": {"buf": torch.empty(5), "counter": None}}}
-    dcp.load(sd, checkpoint_id=str(tmp_path / "checkpoint-4" / "dcp"), no_dist=True)
+    dcp.load(sd, checkpoint_id=str(tmp_path / "checkpoint-4" / "dcp"))  # one process, no group
     for k, v in state["model"].state_dict().items():
         assert torch.equal(sd["model"][k], v)
     assert torch.equal(sd["per_rank"]["0"]["buf"], state["buf"])

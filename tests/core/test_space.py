@@ -201,6 +201,7 @@ import json, os, sys
 import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from roll_ckpt.runtime.torch_compat import fsdp2_options
 from roll_ckpt import CheckpointManager, StorageFullError, load_config
 
 root, out = sys.argv[1], sys.argv[2]
@@ -212,8 +213,8 @@ def state(width):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Linear(width, 8))
     for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **fsdp2_options(mesh.device_type))
+    fully_shard(model, mesh=mesh, **fsdp2_options(mesh.device_type))
     opt = torch.optim.AdamW(model.parameters())
     model(torch.randn(2, width)).sum().backward()
     opt.step()

@@ -108,12 +108,26 @@ def shard(model: Any, mesh: Any) -> Any:
     """FSDP2 (``fully_shard`` over ``mesh``) on each ``Linear`` of ``model``, then on the model."""
     import torch
     from torch.distributed.fsdp import fully_shard
+    from roll_ckpt.runtime.torch_compat import fsdp2_options
 
     for m in model:
         if isinstance(m, torch.nn.Linear):
-            fully_shard(m, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(m, mesh=mesh, **fsdp2_options(mesh.device_type))
+    fully_shard(model, mesh=mesh, **fsdp2_options(mesh.device_type))
     return model
+
+
+GLOO_AVG_MISSING = ("torch 2.6's gloo has no ReduceOp.AVG, with which its HSDP averages gradients over the "
+                    "replicas (torch 2.8's has it)")
+"""Why an HSDP job with replicas cannot train on the CPU with torch 2.6 (:func:`gloo_averages`)."""
+
+
+def gloo_averages() -> bool:
+    """Whether gloo's all-reduce takes ``ReduceOp.AVG`` here (torch 2.8-2.14; not 2.6)."""
+    import torch
+
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    return (major, minor) >= (2, 8)
 
 
 def optimizer_and_scheduler(model: Any) -> tuple[Any, Any]:

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+from roll_ckpt.runtime.torch_compat import fsdp2_options
 
 from helpers.launch import exit_worker
 from roll_ckpt import CheckpointManager, load_config
@@ -44,8 +45,8 @@ def roundtrip(out: str, name: str, folder: str, config_folder: str) -> None:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     offload = CPUOffloadPolicy(pin_memory=False)
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, offload_policy=offload)
-    fully_shard(model, mesh=mesh, offload_policy=offload)
+        fully_shard(layer, mesh=mesh, offload_policy=offload, **fsdp2_options(mesh.device_type))
+    fully_shard(model, mesh=mesh, offload_policy=offload, **fsdp2_options(mesh.device_type))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     state = {"model": model, "optimizer": opt}
     cfg = load_config({"checkpoint_config": {"output_dir": os.path.join(out, f"ckpt-{name}"),

@@ -28,6 +28,8 @@ def _model(kind: str, seed: int = 0):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
 
+    from roll_ckpt.runtime.torch_compat import fsdp2_options
+
     ws = dist.get_world_size()
     model = training.mlp(64, 3, seed=seed).to(DEVICE)
     if kind == "hsdp":
@@ -37,8 +39,10 @@ def _model(kind: str, seed: int = 0):
     kw = {"shard_placement_fn": lambda p: Shard(1) if p.dim() > 1 else Shard(0)} if kind == "dim1" else {}
     for m in model:
         if isinstance(m, torch.nn.Linear):
-            fully_shard(m, mesh=mesh, **kw)
-    fully_shard(model, mesh=mesh, **kw)
+            fully_shard(m, mesh=mesh, **kw, **fsdp2_options(mesh.device_type))
+    fully_shard(model, mesh=mesh, **kw, **fsdp2_options(mesh.device_type))
+    if kind == "hsdp" and not training.gloo_averages():
+        model.set_requires_all_reduce(False)  # one replica: its average is itself (GLOO_AVG_MISSING)
     return (model, *training.optimizer_and_scheduler(model))
 
 

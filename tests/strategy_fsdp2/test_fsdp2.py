@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from helpers import launch
+from helpers import training
 from helpers.training import mlp
 
 WORKERS = Path(__file__).with_name("workers.py")
@@ -77,6 +78,8 @@ def test_exact_resume_after_abrupt_death_with_async_zero_copy_saves(tmp_path: Pa
 def test_store_and_regular_paths_write_equal_checkpoints(tmp_path: Path, kind: str) -> None:
     if kind == "local_dedup" and NPROC < 2:
         pytest.skip("deduplication needs a tensor replicated over at least 2 ranks")
+    if kind == "local_dedup" and not training.gloo_averages():
+        pytest.skip(training.GLOO_AVG_MISSING)
     torchrun(NPROC, "paths_equal", str(tmp_path), kind)
     r = result(tmp_path, f"paths_equal-{kind}")
     assert set(r["regular"]) == {"regular"}

@@ -33,7 +33,7 @@ from .save.state_dict_cache import StateDictCache
 from .runtime.timeouts import bounded, checkpoint_group
 from .load.placeholders import placeholders, top_keys
 from .save.incremental import Increments
-from .runtime.torch_compat import collective, local_tensor
+from .runtime.torch_compat import collective, dcp_load, dcp_save, local_tensor
 
 __all__ = ["DCPStrategy", "PER_RANK", "RNG_KEY"]
 
@@ -184,8 +184,6 @@ class DCPStrategy:
         (the fast recovery tier's unit): its metadata lists only this process's chunks, and
         replicated values are written in full, so it loads without any other process's files.
         """
-        import torch.distributed.checkpoint as dcp
-
         from .save.writer import DigestingWriter, ReusingSavePlanner
 
         gate = getattr(save, "gate", None)
@@ -211,7 +209,7 @@ class DCPStrategy:
                 for name in tried.take.taken if tried.take else ():  # a link is never written through
                     storage.remove(storage.join(dcp_path, name))
             planner = ReusingSavePlanner(self._write_items.setdefault(alone, {}))
-            dcp.save(sd, storage_writer=writer, planner=planner, **self._dcp_group(alone))
+            dcp_save(sd, storage_writer=writer, planner=planner, **self._dcp_group(alone))
             if not alone:
                 self.layouts.record(planner, writer, threads)
                 for name in set(tried.written) - set(writer.written):  # a layout written, then redone
@@ -367,8 +365,6 @@ class DCPStrategy:
         return {"process_group": self.process_group, "no_dist": False}
 
     def _dcp_load(self, target: dict[str, Any], reader: Any, dcp_path: str, alone: bool) -> None:
-        import torch.distributed.checkpoint as dcp
-
         from .format.unpickle import SafeLoadPlanner
 
         reader.reset(dcp_path)
@@ -379,7 +375,7 @@ class DCPStrategy:
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             try:
                 with self.bounded("resume: loading", parse_step(basename(parent(dcp_path)))):
-                    dcp.load(target, storage_reader=reader, planner=planner, **self._dcp_group(alone))
+                    dcp_load(target, storage_reader=reader, planner=planner, **self._dcp_group(alone))
             except BaseException as exc:  # DCP wraps every rank's error in a CheckpointException
                 found = carried_roll_error(exc)
                 if found is None:

@@ -342,9 +342,10 @@ def _init_distributed() -> tuple[Any, int, int, Any]:
 def _shard(policy: Any, world: int, device: Any) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from roll_ckpt.runtime.torch_compat import fsdp2_options
 
     mesh = init_device_mesh(device.type, (world,))
     for module in (policy.body[0], policy.body[3], policy.policy_head, policy.value_head):
-        fully_shard(module, mesh=mesh)
-    fully_shard(policy, mesh=mesh)
+        fully_shard(module, mesh=mesh, **fsdp2_options(mesh.device_type))
+    fully_shard(policy, mesh=mesh, **fsdp2_options(mesh.device_type))
     return policy

@@ -24,7 +24,7 @@ from ..contracts import Storage
 from ..format.dcp_fs import StorageFileSystem
 from ..format.digest import hash_bytes, hash_stream
 from ..errors import CheckpointCorruptError, PartlyLoadedError, UnsafeCheckpointError
-from ..runtime.torch_compat import narrow_tensor_by_index
+from ..runtime.torch_compat import narrow_tensor_by_index, transform_descriptors
 from ..format.unpickle import METADATA_NAME, pickle_reason, safe_load_metadata
 from ..format.streamed_files import MAX_PIECE, StreamedFile
 from ..format.verified_files import CHECK_STREAMS, Verified, load_tensor, piece_pool, read_hashed, verify_budget
@@ -387,7 +387,7 @@ class SafeReader(FileSystemReader):
                 data = self._open_streamed(name)
             if data is None and self._expected(name).size and self._keeps_files:
                 data = self._checked_elsewhere(name, plan)
-            if data is None or any(self.storage_data[r.storage_index].transform_descriptors for r in reqs):
+            if data is None or any(transform_descriptors(self.storage_data[r.storage_index]) for r in reqs):
                 if isinstance(data, StreamedFile):  # DCP decodes it itself: check the whole file first
                     self._read_verified(name, False)
                 # checked but not kept (too large for memory): DCP reads it again

@@ -21,10 +21,10 @@ import torch
 
 from ..errors import RollCkptError
 
-__all__ = ["TorchCompatError", "local_tensor", "set_local_tensor", "rewrap_dtensor", "save_tensor_without_crc",
+__all__ = ["TorchCompatError", "fsdp2_options", "local_tensor", "set_local_tensor", "rewrap_dtensor", "save_tensor_without_crc",
            "serializes_plainly", "create_write_items",
-           "weights_only_load", "file_reader", "storage_info", "set_element", "get_element",
-           "load_state_dict_no_dist", "module_tensor_ids", "empty_state_dict_load_planner", "planner_set_value", "storage_prefix",
+           "weights_only_load", "file_reader", "storage_info", "transform_descriptors", "dcp_format_version", "set_element", "get_element",
+           "dcp_save", "dcp_load", "load_state_dict_no_dist", "module_tensor_ids", "empty_state_dict_load_planner", "planner_set_value", "storage_prefix",
            "narrow_tensor_by_index", "local_chunk", "collective", "all_reduce_ints", "CHECKED_ON"]
 
 CHECKED_ON = ("2.6", "2.9", "2.11", "2.13")
@@ -40,6 +40,34 @@ def _missing(api: str, exc: BaseException) -> TorchCompatError:
         f"torch {torch.__version__} lacks {api} ({type(exc).__name__}: {exc}), which roll-ckpt uses "
         f"(checked on torch {', '.join(CHECKED_ON)}); install one of those torch versions or a "
         "roll-ckpt release that supports this one")
+
+
+# --------------------------------------------------------------------------- FSDP2 on the CPU
+
+
+_OLD_CPU_FSDP2 = not hasattr(torch.cpu.Stream, "record_event")
+"""torch 2.6 (before :func:`fsdp2_options` adds the stubs)."""
+
+
+def fsdp2_options(device_type: str) -> dict[str, Any]:
+    """The ``fully_shard`` keyword arguments FSDP2 needs to train on ``device_type`` with this
+    torch: ``{}`` everywhere but on the CPU (gloo) with torch 2.6, whose FSDP2 was not yet made
+    to run there.
+
+    torch 2.6's CPU stream stub (``torch.cpu.Stream``) lacks the no-op ``record_event`` and
+    ``wait_event`` that torch 2.7 added for FSDP2 (pytorch PR 145935; CPU work is synchronous,
+    so there is nothing to wait for): they are added to the stub here, as torch 2.8-2.14 have
+    them. Its backward then fails the autograd version check when parameters were resharded
+    after the forward pass (the all-gather of the backward writes into the buffer the forward's
+    views saved), so on 2.6 the parameters stay unsharded until the backward ends
+    (``reshard_after_forward=False``): what a checkpoint sees between steps, the sharded
+    parameters and optimizer state, is the same. roll-ckpt's saves and loads never need this;
+    the demo's, the example's, the benchmark's and the tests' CPU jobs call it."""
+    if device_type != "cpu" or not _OLD_CPU_FSDP2:
+        return {}
+    torch.cpu.Stream.record_event = lambda self: None  # type: ignore[attr-defined]
+    torch.cpu.Stream.wait_event = lambda self, event: None  # type: ignore[attr-defined]
+    return {"reshard_after_forward": False}
 
 
 # --------------------------------------------------------------------------- DTensor internals
@@ -151,13 +179,16 @@ def save_tensor_without_crc(tensor: torch.Tensor, stream: Any) -> None:
     in the same pass, and the CRC-32 costs about as much CPU as copying the data. Only this
     call skips it: other ``torch.save`` calls keep torch's setting. Its pickler is a plain
     one (:data:`_PICKLE`): no class is made per tensor.
-    ``torch.serialization._save`` / ``_get_storage_alignment`` / ``torch._C.PyTorchFileWriter``:
-    torch 2.6-2.13.
+    ``torch.serialization._save`` / ``torch._C.PyTorchFileWriter``: torch 2.6-2.14
+    (``_get_storage_alignment`` and the writer's alignment argument: 2.8-2.14).
     """
     import torch.serialization as ser
 
     try:
-        writer = torch._C.PyTorchFileWriter(stream, False, ser._get_storage_alignment())
+        if hasattr(ser, "_get_storage_alignment"):  # torch 2.8-2.14: torch.serialization's setting
+            writer = torch._C.PyTorchFileWriter(stream, False, ser._get_storage_alignment())
+        else:  # torch 2.6: storages aligned to 64 bytes, not configurable
+            writer = torch._C.PyTorchFileWriter(stream, False)
         save = ser._save
     except (AttributeError, TypeError) as exc:
         raise _missing("torch.serialization._save / PyTorchFileWriter(stream, compute_crc32, alignment)",
@@ -207,12 +238,31 @@ def weights_only_load(reader: Any, overall_storage: Any) -> Any:
 
 
 def storage_info(relative_path: str, offset: int, length: int) -> Any:
-    """DCP's per-item storage record (``filesystem._StorageInfo``, torch 2.3-2.13)."""
+    """DCP's per-item storage record (``filesystem._StorageInfo``, torch 2.6-2.14; its
+    ``transform_descriptors`` field, 2.8-2.14, keeps its default)."""
     try:
         from torch.distributed.checkpoint.filesystem import _StorageInfo
     except ImportError as exc:
         raise _missing("torch.distributed.checkpoint.filesystem._StorageInfo", exc) from None
     return _StorageInfo(relative_path, offset, length)
+
+
+def transform_descriptors(info: Any) -> Any:
+    """The stream transforms DCP applied to an item's bytes (``_StorageInfo.transform_descriptors``,
+    torch 2.8-2.14: ``None`` or empty for plain bytes); torch 2.6 has no transforms, and a
+    ``.metadata`` it wrote has no such attribute."""
+    return getattr(info, "transform_descriptors", None)
+
+
+def dcp_format_version() -> str | None:
+    """The version DCP's own writer puts in ``Metadata.version`` (``filesystem.CURRENT_DCP_VERSION``,
+    "1.0.0" on torch 2.10-2.14); ``None`` on torch 2.6-2.9, which have neither the constant nor
+    the field, and whose readers ignore it when a newer torch wrote it."""
+    try:
+        from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+    except ImportError:
+        return None
+    return CURRENT_DCP_VERSION
 
 
 def create_write_items(fqn: str, obj: Any) -> list[Any]:
@@ -259,6 +309,60 @@ def planner_set_value(planner: Any, fqn: str, value: Any) -> None:
         set_element(planner.original_state_dict, planner.mappings[fqn], value)
     else:
         planner.state_dict[fqn] = value
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_no_dist(which: str) -> bool:
+    import inspect
+
+    import torch.distributed.checkpoint as dcp
+
+    return "no_dist" in inspect.signature(getattr(dcp, which)).parameters
+
+
+def dcp_save(state_dict: dict, *, storage_writer: Any, planner: Any, process_group: Any, no_dist: bool) -> Any:
+    """``dcp.save`` with its ``no_dist`` (torch 2.8-2.14). torch 2.6's ``dcp.save`` has no such
+    argument and saves without collectives only when no default group exists; a save of one
+    process in a job that has one (a job of one rank, the fast tier's own unit) goes there
+    through the function ``dcp.save`` calls, ``state_dict_saver._save_state_dict`` (2.6-2.14)."""
+    import torch.distributed.checkpoint as dcp
+
+    if _takes_no_dist("save"):
+        return dcp.save(state_dict, storage_writer=storage_writer, planner=planner, process_group=process_group,
+                        no_dist=no_dist)
+    if not no_dist:
+        return dcp.save(state_dict, storage_writer=storage_writer, planner=planner, process_group=process_group)
+    try:
+        from torch.distributed.checkpoint.state_dict_saver import _save_state_dict, _stateful_to_state_dict
+    except ImportError as exc:
+        raise _missing("torch.distributed.checkpoint.state_dict_saver._save_state_dict", exc) from None
+    return _save_state_dict(state_dict=_stateful_to_state_dict(state_dict), storage_writer=storage_writer,
+                            process_group=None, no_dist=True, planner=planner)
+
+
+def dcp_load(state_dict: dict, *, storage_reader: Any, planner: Any, process_group: Any, no_dist: bool) -> None:
+    """``dcp.load`` with its ``no_dist`` (torch 2.8-2.14); on torch 2.6, whose ``dcp.load`` has
+    none, a load of one process in a job with a default group goes through
+    ``state_dict_loader._load_state_dict`` (2.6-2.14), with ``Stateful`` values handled as
+    ``dcp.load`` handles them."""
+    import torch.distributed.checkpoint as dcp
+
+    if _takes_no_dist("load"):
+        dcp.load(state_dict, storage_reader=storage_reader, planner=planner, process_group=process_group,
+                 no_dist=no_dist)
+        return
+    if not no_dist:
+        dcp.load(state_dict, storage_reader=storage_reader, planner=planner, process_group=process_group)
+        return
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    loaded = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
+    load_state_dict_no_dist(loaded, storage_reader, planner)
+    for key, value in loaded.items():
+        if isinstance(state_dict[key], Stateful):
+            state_dict[key].load_state_dict(value)
+        else:
+            state_dict[key] = value
 
 
 def load_state_dict_no_dist(sd: dict, reader: Any, planner: Any) -> None:

@@ -27,7 +27,7 @@ from ..runtime.collector import CollectorPause
 from ..contracts import Storage
 from ..format.dcp_fs import StorageFileSystem
 from .tensor_frames import write_tensor
-from ..runtime.torch_compat import create_write_items, local_tensor, storage_info, storage_prefix
+from ..runtime.torch_compat import create_write_items, dcp_format_version, local_tensor, storage_info, storage_prefix
 from ..format.unpickle import METADATA_NAME
 from ..format.digest import CHUNK_SIZE
 from ..format.value_slots import padded_value, slot_capacity
@@ -159,7 +159,7 @@ class ReusingSavePlanner(DefaultSavePlanner):
     """
 
     def __init__(self, items: dict[tuple, tuple[Any, "_Planned"]]) -> None:
-        super().__init__(enable_plan_caching=False)
+        super().__init__()  # DCP's plan caching is off by default (torch 2.8-2.14; 2.6 has none)
         self.items = items
         self._values: dict[str, Any] = {}
 
@@ -184,9 +184,12 @@ class ReusingSavePlanner(DefaultSavePlanner):
     def lookup_object(self, index: MetadataIndex) -> Any:
         return find_state_dict_object(self._values, index)
 
-    def _create_global_plan(self, all_plans: list[Any]) -> tuple[list[Any], Metadata]:
+    def create_global_plan(self, all_plans: list[Any]) -> tuple[list[Any], Metadata]:
         """DCP's global plan, with small replicated values in the lowest process's file and
-        the planner-data merge and chunk validation in linear time (:mod:`roll_ckpt.save.global_plan`)."""
+        the planner-data merge and chunk validation in linear time (:mod:`roll_ckpt.save.global_plan`).
+        A unit one process writes alone lists only its own chunks: no check that they fill
+        the tensor. (The planner's public method: torch 2.6 has no ``_create_global_plan`` to
+        override, and 2.8-2.14's ``create_global_plan`` only adds plan caching, which is off.)"""
         import dataclasses
 
         from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
@@ -200,6 +203,7 @@ class ReusingSavePlanner(DefaultSavePlanner):
         if errors:
             summary = "; ".join(errors)
             raise ValueError(f"Failed to validate global plan: {summary[:500]}")
+        self.global_plan, self.metadata = global_plan, metadata
         return global_plan, metadata
 
 
@@ -321,8 +325,6 @@ class DigestingWriter(FileSystemWriter):
         later save of the same structure writes again (:mod:`roll_ckpt.save.fixed_layout`)."""
         import pickle
 
-        from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
-
         digests: dict[str, tuple] = {}
         storage_md = {}
         for rank_results in results:
@@ -331,7 +333,9 @@ class DigestingWriter(FileSystemWriter):
                     digests.update(wr.storage_data)
                 else:
                     storage_md[wr.index] = wr.storage_data
-        metadata.version = CURRENT_DCP_VERSION
+        version = dcp_format_version()
+        if version is not None:  # torch < 2.10 writes no version, and its Metadata has no field for one
+            metadata.version = version
         metadata.storage_data = storage_md
         metadata.storage_meta = self.storage_meta()
         self.metadata_bytes = pickle.dumps(metadata)
