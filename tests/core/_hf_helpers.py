@@ -63,8 +63,13 @@ def train_and_save(root: Path, tied: bool = False, steps: int = 3, **overrides: 
 
 
 def from_pretrained(folder: Path, **kwargs: Any) -> Any:
+    """``from_pretrained`` in the dtype of the folder's config, as transformers 5 loads by default
+    (transformers 4 loads float32 unless told ``torch_dtype="auto"``)."""
     from transformers import AutoModelForCausalLM
 
+    from roll_ckpt.runtime.transformers_compat import dtype_argument
+
+    kwargs.setdefault(dtype_argument(), "auto")
     return AutoModelForCausalLM.from_pretrained(str(folder), **kwargs).eval()
 
 
@@ -96,6 +101,14 @@ def assert_same_as_save_pretrained(folder: Path, model: Any, max_shard_size: Any
                 a, b = mine.get_tensor(k), theirs.get_tensor(k)
                 assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), k
     return index
+
+
+def expected_total_parameters(model: Any) -> int | None:
+    """What ``save_pretrained``'s index says in ``metadata.total_parameters`` (nothing before
+    transformers 4.53)."""
+    from roll_ckpt.runtime.transformers_compat import index_has_total_parameters
+
+    return model.num_parameters() if index_has_total_parameters() else None
 
 
 def moe_config(family: str) -> Any:

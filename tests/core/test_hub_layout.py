@@ -1,6 +1,6 @@
 """MoE models in the hub's layout both ways (roll_ckpt/format/hub_layout.py): transformers 5 fuses
 an MoE layer's experts, the hub (save_pretrained, published checkpoints) has one tensor per
-expert. ``export --format hf`` writes exactly what ``save_pretrained`` writes (names, shapes,
+expert, as transformers 4's modules do. ``export --format hf`` writes exactly what ``save_pretrained`` writes (names, shapes,
 shards, the index with ``total_parameters``, the tensors bit for bit) and ``from_pretrained``
 gives the exact float32 logits; ``initial_load`` reads a ``save_pretrained`` folder of the
 hub's layout into the module. An architecture whose rules cannot be applied tensor by tensor
@@ -16,10 +16,12 @@ import torch
 from roll_ckpt import CheckpointManager, export_hf, load_config
 from roll_ckpt.errors import RollCkptError
 
-from ._hf_helpers import (assert_same_as_save_pretrained, from_pretrained, logits, tiny_llama, tiny_moe,
-                          train)
-
 pytest.importorskip("transformers")
+
+from roll_ckpt.runtime.transformers_compat import converts_weights  # noqa: E402
+
+from ._hf_helpers import (assert_same_as_save_pretrained, expected_total_parameters, from_pretrained,  # noqa: E402
+                          logits, tiny_llama, tiny_moe, train)
 pytestmark = pytest.mark.timeout(180)
 
 FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral")
@@ -43,7 +45,8 @@ def test_export_writes_what_save_pretrained_writes(tmp_path: Path, family: str, 
     report = export_hf(str(ckpt), tmp_path / "hf", hf_config=config_dir, max_shard_size=shard, quiet=True)
     index = assert_same_as_save_pretrained(tmp_path / "hf", model, shard, tmp_path)
     if shard == "20KB":
-        assert index["metadata"]["total_parameters"] == model.num_parameters() and len(report.shards) > 1
+        assert index["metadata"].get("total_parameters") == expected_total_parameters(model)
+        assert len(report.shards) > 1
     if family != "llama_tied":
         assert any(".experts.0." in name for name in report_names(tmp_path / "hf"))  # one tensor per expert
     assert torch.equal(logits(from_pretrained(tmp_path / "hf")), logits(model))
@@ -90,6 +93,8 @@ def test_a_wrong_expert_count_is_named(tmp_path: Path) -> None:
     assert "Qwen2MoeForCausalLM" in str(info.value) and "experts.2." in str(info.value)
 
 
+@pytest.mark.skipif(not converts_weights(), reason="transformers 4.x has no weight-conversion rules "
+                    "(transformers.conversion_mapping and core_model_loading came with 5.0)")
 def test_an_architecture_that_cannot_be_converted_is_named(tmp_path: Path) -> None:
     """Rules that make one hub tensor of several (q, k, v into qkv) cannot be applied tensor
     by tensor: refused with the architecture and the keys."""

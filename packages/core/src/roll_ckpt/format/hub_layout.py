@@ -5,8 +5,9 @@ layer's experts as fused tensors (``mlp.experts.gate_up_proj``) where the hub ha
 tensor per expert (``mlp.experts.<k>.gate_proj.weight``; Mixtral's ``w1``/``w3``). Its
 ``save_pretrained`` writes the hub's form, through the model's weight-conversion mapping
 (``transformers.conversion_mapping``), reverted by ``revert_weight_conversion``; it also
-drops tied weights (``remove_tied_weights_from_state_dict``) and shards with
-``huggingface_hub``'s split. :func:`hub_layout` asks the same three functions, over meta
+drops tied weights and shards with ``huggingface_hub``'s split. transformers 4 holds the
+hub's form already (one module per expert). What differs between the two goes through
+:mod:`roll_ckpt.runtime.transformers_compat`. :func:`hub_layout` asks the same three functions, over meta
 tensors (nothing is allocated but, for a converted tensor, an uninitialized stand-in of
 its size to learn which outputs share storage, as the shard split counts them), so the
 names, shapes, shards and ``total_parameters`` written are ``save_pretrained``'s.
@@ -25,8 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from ..errors import RollCkptError
+from ..runtime.transformers_compat import drop_tied_weights, index_has_total_parameters, revert_weight_conversion
 
-__all__ = ["HubLayout", "hub_layout", "identity_layout", "meta_model", "transformers_model"]
+__all__ = ["HubLayout", "architecture_name", "hub_layout", "identity_layout", "meta_model", "transformers_model"]
 
 _SHOWN = 5
 
@@ -44,7 +46,8 @@ class HubLayout:
     plan: Any = None
     """huggingface_hub's ``StateDictSplit`` of the hub tensors (files, names in each)."""
     total_parameters: int | None = None
-    """``save_pretrained``'s ``metadata.total_parameters`` (``None``: not a transformers model)."""
+    """``save_pretrained``'s ``metadata.total_parameters`` (``None``: not a transformers model, or a
+    transformers before 4.53, whose index has none)."""
     model: Any = field(default=None, repr=False)
     """The meta model whose rules convert (``None``: the identity)."""
 
@@ -67,8 +70,6 @@ class HubLayout:
             if outs == [key] or self.model is None:
                 out[key] = tensor
                 continue
-            from transformers.core_model_loading import revert_weight_conversion
-
             got = revert_weight_conversion(self.model, {key: tensor})
             out.update({n: t.contiguous() for n, t in got.items()})
         return out
@@ -78,7 +79,6 @@ class HubLayout:
         ``rows`` (slices of the module tensor), only that part, reading only the hub tensors
         that hold some of it."""
         import torch
-        from transformers.core_model_loading import revert_weight_conversion
 
         shape, dtype = self.module_shape(key)
         numel = 1
@@ -127,6 +127,14 @@ def transformers_model(module: Any) -> Any:
         if cls.__module__.startswith("transformers.") and cls.__name__ == "PreTrainedModel":
             return module
     return None
+
+
+def architecture_name(model: Any) -> str:
+    """The model's own class name (``LlamaForCausalLM``), not FSDP2's subclass of it."""
+    for cls in type(model).__mro__:
+        if not cls.__module__.startswith("torch."):
+            return cls.__name__
+    return type(model).__name__
 
 
 def _architecture(module_or_config: Any) -> tuple[Any, Any]:
@@ -183,13 +191,11 @@ def hub_layout(model: Any, sizes: Mapping[str, tuple[tuple[int, ...], Any]], max
     meta model ``model`` (:func:`meta_model`), as ``save_pretrained`` writes it."""
     import torch
     from huggingface_hub.serialization import split_state_dict_into_shards_factory
-    from transformers.core_model_loading import revert_weight_conversion
-    from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
     arch = type(model).__name__
     meta = {k: torch.empty(shape, dtype=dtype, device="meta") for k, (shape, dtype) in sizes.items()}
     try:
-        kept = remove_tied_weights_from_state_dict(dict(meta), model)
+        kept = drop_tied_weights(meta, model)
         whole = revert_weight_conversion(model, dict(kept))
     except Exception as exc:  # transformers' own error: keys its rules expect and do not find
         raise RollCkptError(f"{arch} ({model.config.model_type}): transformers' weight conversion cannot be applied "
@@ -238,6 +244,7 @@ def hub_layout(model: Any, sizes: Mapping[str, tuple[tuple[int, ...], Any]], max
         {n: _Name(n) for n in hub}, get_storage_size=lambda ref: size(ref.name),
         get_storage_id=lambda ref: storage[ref.name][0] if ref.name in storage else None,
         filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size)
-    layout = HubLayout(arch, outputs, hub, plan, int(model.num_parameters()), model)
+    total = int(model.num_parameters()) if index_has_total_parameters() else None
+    layout = HubLayout(arch, outputs, hub, plan, total, model)
     layout._module = dict(sizes)
     return layout

@@ -35,7 +35,6 @@ an HF failure: it fails the save as any write does. Otherwise ``extra.hf`` is
 
 from __future__ import annotations
 
-import copy
 import errno
 import json
 import logging
@@ -155,8 +154,10 @@ class HFPart:
                     with open(os.path.join(src, n), "rb") as f:
                         files[n] = f.read()
         elif model is not None:
-            config = copy.deepcopy(model.config)
-            config.architectures = [_class_name(model)]
+            from ..format.hub_layout import architecture_name
+            from ..runtime.transformers_compat import saved_config
+
+            config = saved_config(model, architecture_name(model))
             files["config.json"] = config.to_json_string(use_diff=True).encode()
             generation = getattr(model, "generation_config", None)
             if generation is not None and getattr(model, "can_generate", lambda: False)():
@@ -186,13 +187,6 @@ class HFPart:
                         with open(os.path.join(tmp, n), "rb") as f:
                             self._extra_files[n] = f.read()
         return self._extra_files
-
-
-def _class_name(model: Any) -> str:
-    for cls in type(model).__mro__:
-        if not cls.__module__.startswith("torch."):
-            return cls.__name__
-    return type(model).__name__
 
 
 def hf_status(extra: Mapping[str, Any]) -> str:

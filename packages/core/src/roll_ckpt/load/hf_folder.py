@@ -173,7 +173,7 @@ def present(folder: HFFolder, name: str, layout: Any = None) -> str | None:
 
 
 def check_against(folder: HFFolder, targets: Mapping[str, Any], groups: list[list[str]], key: str,
-                  layout: Any = None) -> None:
+                  layout: Any = None, architecture: str | None = None) -> None:
     """Raise, naming the keys, when the folder and the module do not match (names, shapes).
     With ``layout`` (a transformers model's), a tensor may be in the hub's layout (an MoE
     layer's experts one tensor each, as ``save_pretrained`` writes them) or in the module's."""
@@ -186,7 +186,8 @@ def check_against(folder: HFFolder, targets: Mapping[str, Any], groups: list[lis
                  if missing else []) + \
                 ([f"unexpected {len(unexpected)} key(s) (the folder's, not in the module): {_listed(unexpected)}"]
                  if unexpected else [])
-        arch = f" ({layout.architecture})" if layout is not None and layout.architecture else ""
+        arch = architecture or (layout.architecture if layout is not None else None)
+        arch = f" ({arch})" if arch else ""
         raise RollCkptError(f"{where}{arch}: {'; '.join(parts)}; load the folder saved from this model's architecture")
     wrong = [f"'{n}' is {list(folder.shapes[n])} in {folder.files[n]}, the module's is {list(targets[n].shape)}"
              for n in folder.files if n in targets and tuple(targets[n].shape) != folder.shapes[n]]
@@ -314,13 +315,16 @@ def load_initial(state: Mapping[str, Any], initial: Any, strategy: Any,
                             "config of processes whose state holds no such module (a driver component)")
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+    from ..format.hub_layout import architecture_name, transformers_model
+
     targets = get_model_state_dict(module)  # on every process: no rank calls into torch.distributed alone
     groups = _tied_groups(module, list(targets))
 
     def check() -> HFFolder:
         folder = read_hf_folder(initial.path)
         layout = module_layout(module, targets) if any(n not in folder.files for n in targets) else None
-        check_against(folder, targets, groups, key, layout)
+        check_against(folder, targets, groups, key, layout,
+                      architecture_name(module) if transformers_model(module) is not None else None)
         check_tied(folder, groups, key)
         return folder
 
