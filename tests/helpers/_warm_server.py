@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import inspect
 import json
 import os
 import runpy
@@ -45,6 +46,8 @@ _BASE_PATH: list[str] = []  # the server's sys.path without its PYTHONPATH and s
 _DEFAULT_THREADS = 1
 _SERVER_MODULES: frozenset[str] = frozenset()  # what every child starts with
 _SPAWN = subprocess.Popen
+_CHILD_ARGS = tuple(inspect.signature(subprocess.Popen._execute_child).parameters)[1:]
+"""The names of ``Popen._execute_child``'s arguments on this Python (after ``self``)."""
 
 
 def _preload() -> None:
@@ -218,18 +221,20 @@ class ForkPopen(_SPAWN):  # type: ignore[misc, valid-type]
     """:class:`subprocess.Popen` that, for a Python command, forks this (warm) process and runs
     the script in the fork, as :func:`_run_python` does; other commands start as usual."""
 
-    def _execute_child(self, args: Any, executable: Any, preexec_fn: Any, close_fds: bool, pass_fds: Any,
-                       cwd: Any, env: Any, startupinfo: Any, creationflags: Any, shell: bool,
-                       p2cread: int, p2cwrite: int, c2pread: int, c2pwrite: int, errread: int, errwrite: int,
-                       restore_signals: bool, gid: Any, gids: Any, uid: Any, umask: int,
-                       start_new_session: bool, process_group: Any) -> None:
-        parsed = None if (shell or executable is not None or gid is not None or gids is not None or uid is not None
-                          or umask != -1 or process_group not in (None, -1)) else _python_argv(args)
+    def _execute_child(self, *call: Any) -> None:
+        # Bound by name: the private method's arguments differ between Pythons (3.11 added
+        # process_group), and the base class is called back with them as they came.
+        a = dict(zip(_CHILD_ARGS, call))
+        args, env, cwd, shell = a["args"], a["env"], a["cwd"], a["shell"]
+        p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite = (
+            a[k] for k in ("p2cread", "p2cwrite", "c2pread", "c2pwrite", "errread", "errwrite"))
+        preexec_fn, close_fds, pass_fds, start_new_session = (
+            a["preexec_fn"], a["close_fds"], a["pass_fds"], a["start_new_session"])
+        parsed = None if (shell or a["executable"] is not None or a["gid"] is not None or a["gids"] is not None
+                          or a["uid"] is not None or a["umask"] != -1
+                          or a.get("process_group") not in (None, -1)) else _python_argv(args)
         if parsed is None:
-            return super()._execute_child(args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
-                                          creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread,
-                                          errwrite, restore_signals, gid, gids, uid, umask, start_new_session,
-                                          process_group)
+            return super()._execute_child(*call)
         argv, unbuffered = parsed
         child_env = {os.fsdecode(k): os.fsdecode(v) for k, v in (os.environ if env is None else env).items()}
         workdir = os.fspath(cwd) if cwd is not None else os.getcwd()

@@ -37,13 +37,13 @@ def signal_all(procs: list[subprocess.Popen], sig: int) -> None:
 
 def start_ranks(script: str | os.PathLike[str], args: list[str], *, nproc: int, env: Mapping[str, str],
                 popen: Callable[..., subprocess.Popen] = subprocess.Popen, stdouts: list[Any] | None = None,
-                **kwargs: Any) -> list[subprocess.Popen]:
-    """Start ``nproc`` ranks of ``script args`` with ``env`` and torchrun's variables added;
+                python: str = sys.executable, **kwargs: Any) -> list[subprocess.Popen]:
+    """Start ``nproc`` ranks of ``python script args`` with ``env`` and torchrun's variables added;
     rank ``r`` writes to ``stdouts[r]`` when given, ``kwargs`` go to every ``popen``."""
     from .launch import free_port, rank_env
 
     port = free_port()
-    return [popen([sys.executable, str(script), *map(str, args)], env={**env, **rank_env(rank, nproc, port)},
+    return [popen([python, str(script), *map(str, args)], env={**env, **rank_env(rank, nproc, port)},
                   **({"stdout": stdouts[rank]} if stdouts else {}), **kwargs) for rank in range(nproc)]
 
 
@@ -79,18 +79,22 @@ def supervise(procs: list[subprocess.Popen], timeout: float | None = None,
 
 
 def run_ranks(script: str | os.PathLike[str], args: list[str], *, nproc: int, timeout: float,
-              env: Mapping[str, str]) -> tuple[int, str, bool]:
+              env: Mapping[str, str], python: str | None = None) -> tuple[int, str, bool]:
     """Run ``script args`` on ``nproc`` ranks forked from the warm interpreter, with ``env``
-    (``child_env``'s). Returns (exit code: 0 when every rank succeeded, else the first
-    failure's; the ranks' output, rank by rank; whether ``timeout`` ran out)."""
+    (``child_env``'s), or started by another interpreter (``python``: another leg's, fresh
+    processes). Returns (exit code: 0 when every rank succeeded, else the first failure's;
+    the ranks' output, rank by rank; whether ``timeout`` ran out)."""
     from . import warm
+
+    popen = warm.popen if python is None else subprocess.Popen
 
     with tempfile.TemporaryDirectory(prefix="ranks-") as tmp:
         logs = [Path(tmp) / f"rank-{rank}.log" for rank in range(nproc)]
         files = [open(log, "wb") for log in logs]
         try:
-            procs = start_ranks(script, args, nproc=nproc, env=env, popen=warm.popen, stdin=subprocess.DEVNULL,
-                                stderr=subprocess.STDOUT, cwd=os.getcwd(), stdouts=files)
+            procs = start_ranks(script, args, nproc=nproc, env=env, popen=popen, stdin=subprocess.DEVNULL,
+                                stderr=subprocess.STDOUT, cwd=os.getcwd(), stdouts=files,
+                                python=python or sys.executable)
         finally:
             for f in files:
                 f.close()
