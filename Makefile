@@ -1,6 +1,8 @@
 # Two commands on a fresh machine: `make demo` and `make test`. Both create .venv.
 PYTHON ?= python3
-TORCH ?= torch==2.13.0
+# The default leg's pins (matrix/legs.py): make test runs on exactly that stack.
+PINS := $(shell $(PYTHON) -m matrix pins default)
+TORCH ?= $(filter torch==%,$(PINS))
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
@@ -11,9 +13,9 @@ PYTEST_ARGS ?=
 # need it install it for their run only (the example_backend fixture, tests/conftest.py).
 PACKAGES := -e packages/core -e packages/backend-fs -e packages/strategy-fsdp2 -e packages/demo \
             -e ".[all,dev]"
-SOURCES := pyproject.toml packages/*/pyproject.toml
+SOURCES := pyproject.toml packages/*/pyproject.toml matrix/legs.py
 
-.PHONY: venv demo test test-reliability bench bench-check docs wheels clean
+.PHONY: venv demo test test-leg leg-venv test-matrix test-reliability bench bench-check docs wheels clean
 
 venv: $(STAMP)
 
@@ -23,7 +25,7 @@ $(STAMP): $(SOURCES) Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q --no-compile "$(TORCH)"
-	$(PIP) install -q --no-compile "$(TORCH)" $(PACKAGES)
+	$(PIP) install -q --no-compile "$(TORCH)" $(filter-out torch==%,$(PINS)) $(PACKAGES)
 	$(PIP) uninstall -qq -y roll-ckpt-example-backend  # left by an older set-up; a no-op otherwise
 	$(PY) -m compileall -q -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" > /dev/null || true
 	touch $(STAMP)
@@ -38,8 +40,23 @@ demo: venv
 # longest modules come first (tests/conftest.py), so an idle worker takes from the other's.
 TEST_WORKERS ?= 2
 TEST_DIST := $(if $(filter 0,$(TEST_WORKERS)),,--dist worksteal)
+# ROLL_CKPT_TEST_LEG: the suite checks it runs on that leg's pins (not when TORCH is another).
 test: venv
-	$(PY) -m pytest -q -n $(TEST_WORKERS) $(TEST_DIST) $(PYTEST_ARGS)
+	ROLL_CKPT_TEST_LEG=$(if $(filter $(TORCH),$(PINS)),default,) $(PY) -m pytest -q -n $(TEST_WORKERS) $(TEST_DIST) $(PYTEST_ARGS)
+
+# The compatibility matrix (matrix/legs.py): one venv per leg in .matrix/<leg>/ (pip, the leg's
+# pins, the project editable), the whole suite in each; the cross-version tests in every leg
+# resume every other built leg's checkpoints. test-matrix records each leg's counts and time in
+# matrix/results/ and docs/compatibility.md; test-leg runs one (LEG=roll-2.8), leg-venv builds one.
+LEG ?= roll-2.8
+leg-venv:
+	$(PYTHON) -m matrix build $(LEG)
+
+test-leg:
+	$(PYTHON) -m matrix test $(LEG) --workers $(TEST_WORKERS)
+
+test-matrix:
+	$(PYTHON) -m matrix test --all --record --workers $(TEST_WORKERS)
 
 # Crash consistency and fault injection at full strength: 50 SIGKILLs per mode (make test
 # runs 5), the kill-before-every-storage-operation sweep on S3 too, a rank stopped in each phase
@@ -69,4 +86,4 @@ wheels: venv
 	rm -rf dist && $(PIP) wheel -q --no-deps -w dist . packages/core packages/backend-fs packages/strategy-fsdp2 packages/demo
 
 clean:
-	rm -rf $(VENV) output .pytest_cache site
+	rm -rf $(VENV) .matrix output .pytest_cache site

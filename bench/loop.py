@@ -25,12 +25,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from roll_ckpt.runtime.torch_compat import fsdp2_options
+from roll_ckpt.runtime.torch_compat import TorchCompatError, fsdp2_options, process_mode
 
 from common import cpu_all, state_size
 from roll_ckpt import CheckpointManager, load_config
 
 METHODS = ["dcp_thread", "dcp_process", "rc_regular", "rc_zc", "rc_zc_nice0"]
+NEEDS = {"dcp_process": process_mode}
+"""What a method needs of this torch (it raises TorchCompatError where a release lacks it)."""
 TITLES = {
     "dcp_thread": "dcp.async_save, thread mode (with get_state_dict)",
     "dcp_process": "dcp.async_save, process mode (AsyncCheckpointerType.PROCESS)",
@@ -123,11 +125,7 @@ class Loop:
             elif method == "dcp_thread" or method == "dcp_process":
                 msd, osd = get_state_dict(self.model, self.opt)
                 written = self.path(method)
-                kw = {}
-                if method == "dcp_process":
-                    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-
-                    kw["async_checkpointer_type"] = AsyncCheckpointerType.PROCESS
+                kw = process_mode() if method == "dcp_process" else {}
                 resp = dcp.async_save({"model": msd, "optimizer": osd}, checkpoint_id=written, process_group=self.pg,
                                       **kw)
                 fut = getattr(resp, "upload_completion", resp)
@@ -172,11 +170,7 @@ class Loop:
         if method in ("dcp_thread", "dcp_process"):
             msd, osd = get_state_dict(self.model, self.opt)
             written = self.path(method)
-            kw = {}
-            if method == "dcp_process":
-                from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-
-                kw["async_checkpointer_type"] = AsyncCheckpointerType.PROCESS
+            kw = process_mode() if method == "dcp_process" else {}
             resp = dcp.async_save({"model": msd, "optimizer": osd}, checkpoint_id=written, process_group=self.pg, **kw)
             getattr(resp, "upload_completion", resp).result()
         else:
@@ -205,7 +199,14 @@ def run_group(spec: dict[str, Any], scratch: str, out: dict[str, Any]) -> None:
     lp = Loop(spec, scratch)
     log(f"{spec['name']}: {lp.tensors} tensors, {lp.state_bytes / 2**20:.0f} MiB/rank, {threads} torch threads, "
         f"built in {time.perf_counter() - t_build:.1f} s")
-    methods = [m for m in spec.get("methods", METHODS)]
+    unavailable = {}
+    for m in spec.get("methods", METHODS):
+        try:
+            NEEDS.get(m, lambda: None)()
+        except TorchCompatError as exc:
+            unavailable[m] = str(exc)
+            log(f"{spec['name']}: {m} not available: {exc}")
+    methods = [m for m in spec.get("methods", METHODS) if m not in unavailable]
     # warm-up: first calls (DCP's process mode spawns its process here, ~5 s), and the sizes of K
     lp.steps(2)
     tries = []
@@ -258,7 +259,8 @@ def run_group(spec: dict[str, Any], scratch: str, out: dict[str, Any]) -> None:
     lp.close()
     out["groups"].append({"name": spec["name"], "kind": "loop", "world_size": dist.get_world_size(),
                           "tensors": lp.tensors, "state_bytes": lp.state_bytes, "threads": threads,
-                          "k": k, "step_s": step_s, "titles": TITLES, "methods": reps, "save_cpu": cpu})
+                          "k": k, "step_s": step_s, "titles": TITLES, "methods": reps, "save_cpu": cpu,
+                          "unavailable": unavailable})
     if dist.get_rank() == 0:
         shutil.rmtree(lp.dir, ignore_errors=True)
     dist.barrier()

@@ -19,16 +19,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from roll_ckpt.runtime.torch_compat import fsdp2_options
+from roll_ckpt.runtime.torch_compat import TorchCompatError, caching_save_planner, fsdp2_options
 
 from common import state_size
 from roll_ckpt import CheckpointManager, load_config
 
 METHODS = ["dcp_async", "dcp_async_plancache", "rc_async", "rc_async_zc_all"]
+NEEDS = {"dcp_async_plancache": caching_save_planner}
+"""What a method needs of this torch (it raises TorchCompatError where a release lacks it)."""
 TITLES = {
     "dcp_async": "get_state_dict + dcp.async_save, default staging",
     "dcp_async_plancache": "get_state_dict + dcp.async_save, DefaultSavePlanner(enable_plan_caching=True)",
@@ -109,7 +110,7 @@ class Point:
             msd, osd = get_state_dict(self.model, self.opt)
             gsd = time.perf_counter() - t0
             written = os.path.join(self.dir, f"{method}-{self.n}")
-            kw = {"planner": DefaultSavePlanner(enable_plan_caching=True)} if method == "dcp_async_plancache" else {}
+            kw = {"planner": caching_save_planner()} if method == "dcp_async_plancache" else {}
             fut = dcp.async_save({"model": msd, "optimizer": osd}, checkpoint_id=written, process_group=self.pg, **kw)
             blocked = time.perf_counter() - t0
             fut.result()
@@ -133,7 +134,14 @@ class Point:
 
 
 def run_group(spec: dict[str, Any], scratch: str, out: dict[str, Any]) -> None:
-    methods = spec.get("methods", METHODS)
+    unavailable = {}
+    for m in spec.get("methods", METHODS):
+        try:
+            NEEDS.get(m, lambda: None)()
+        except TorchCompatError as exc:
+            unavailable[m] = str(exc)
+            log(f"{spec['name']}: {m} not available: {exc}")
+    methods = [m for m in spec.get("methods", METHODS) if m not in unavailable]
     points = []
     for n in spec["points"]:
         t_build = time.perf_counter()
@@ -153,5 +161,5 @@ def run_group(spec: dict[str, Any], scratch: str, out: dict[str, Any]) -> None:
         points.append({"tensors": p.tensors, "state_bytes": p.state_bytes, "methods": res})
         p.close()
     out["groups"].append({"name": spec["name"], "kind": "many", "world_size": dist.get_world_size(),
-                          "titles": TITLES, "points": points})
+                          "titles": TITLES, "points": points, "unavailable": unavailable})
     dist.barrier()

@@ -52,6 +52,10 @@ def markdown(res: dict[str, Any]) -> str:
             blocked += f" (copy done {_ms(r['staged_s'])})"
         lines.append(f"| {state} | {r['ranks']} | `{r['case']}` {r['title']} | {blocked} | {_ms(r['durable_s'])} | "
                      f"{_f(r.get('gbps'), '{:.2f}')} | {rss} | {copied} |")
+    if res.get("unavailable"):
+        lines += ["", f"Not run on torch {m.get('torch')} (each a DCP option a newer release has; "
+                  "the targets that compare with it are not reached here):", ""]
+        lines += [f"- `{case}`: {why}" for case, why in sorted(res["unavailable"].items())]
     lines += ["", "| target | value | limit | result | what |", "|---|---:|---:|---|---|"]
     for k, t in res["targets"].items():
         extra = ""

@@ -166,7 +166,7 @@ def run_scale(mode: str, out: str, no_plot: bool = False, timeout: float = 1800)
     with open(path) as f:
         res = json.load(f)
     return {"targets": res.get("targets", {}), "file": path, "duration_s": res.get("duration_s"),
-            "rc_source": res.get("rc_source")}
+            "rc_source": res.get("rc_source"), "unavailable": res.get("unavailable", {})}
 
 
 # ----------------------------------------------------------------------------- summarising
@@ -554,6 +554,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     limits: dict[str, Any] = {}
     invariants: list[str] = []
+    unavailable: dict[str, str] = {}
     extra: dict[str, Any] = {"hash": hash_cost(), "skipped": []}
     if mode == "full":
         ok, why = cgroup_memory()
@@ -605,6 +606,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[bench] {mode}: {nproc} rank(s), groups {[g['name'] for g in groups]}, {reps} rep(s)", flush=True)
             res = run_worker(nproc, spec, scratch, timeout=1800)
             for group in res["groups"]:
+                unavailable.update(group.get("unavailable") or {})
                 if group.get("kind") == "loop":
                     extra["loop"] = summarise_loop(group)
                     continue
@@ -622,6 +624,7 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append(row)
         if "scale" in set(args.groups.split(",")):
             extra["scale"] = run_scale(mode, args.out, no_plot=args.no_plot)
+            unavailable.update({f"scale:{m}": why for m, why in (extra["scale"].get("unavailable") or {}).items()})
         for key, case in (("disk_write_gbps", "limit_write"), ("disk_write2_gbps", "limit_write2"),
                           ("disk_write_direct_gbps", "limit_write_direct"),
                           ("disk_read_gbps", "limit_read"), ("disk_read2_gbps", "limit_read2"),
@@ -642,6 +645,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine(scratch_parent, args.device), "limits": limits,
         "cases": [r for r in rows if r["kind"] != "limit"], "targets": tg,
         "invariants": sorted(set(invariants)), **extra,
+        "unavailable": unavailable,  # case -> why this torch cannot run it (an older release)
         "all_pass": all(t["pass"] for t in tg.values()) and not invariants,
     }
     from report import markdown, plot, plot_tensors

@@ -181,9 +181,9 @@ class State:
             mappings[fqn] = ("per_rank", str(r), k)
         plan = SavePlan(items, planner_data=mappings)
         if prefix is not None:
-            from torch.distributed.checkpoint.filesystem import _StoragePrefix
+            from roll_ckpt.runtime.torch_compat import storage_prefix_record
 
-            plan = dataclasses.replace(plan, storage_data=_StoragePrefix(prefix))
+            plan = dataclasses.replace(plan, storage_data=storage_prefix_record(prefix))
         return plan
 
     def rank_bytes(self, r: int) -> int:
@@ -214,7 +214,7 @@ def _index(fqn: str, offset: Any = None) -> Any:
 def write_results(plan: Any, r: int, files: int = 1) -> list[Any]:
     """The write results of rank ``r``'s final plan: DCP's ``_StorageInfo`` per item, in
     ``files`` files, offsets as a writer lays the items out (values first)."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from roll_ckpt.runtime.torch_compat import storage_info
     from torch.distributed.checkpoint.planner import WriteItemType
     from torch.distributed.checkpoint.storage import WriteResult
 
@@ -231,7 +231,7 @@ def write_results(plan: Any, r: int, files: int = 1) -> list[Any]:
                 n *= s
             length = n + 1100  # torch.save's framing of one tensor
         out.append(WriteResult(index=item.index, size_in_bytes=length,
-                               storage_data=_StorageInfo(f"{prefix}{f}.distcp", offsets[f], length)))
+                               storage_data=storage_info(f"{prefix}{f}.distcp", offsets[f], length)))
         offsets[f] += length
     return out
 
@@ -464,7 +464,8 @@ def cell(n: int, p: int, methods: list[str], unpickle_reps: int = 1, md_estimate
     """Every method at N = ``n`` ranks, P = ``p`` parameters, in this process."""
     from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
     from torch.distributed.checkpoint.planner import SavePlan
-    from torch.distributed.checkpoint.planner_helpers import _compare_save_plans
+
+    from roll_ckpt.runtime.torch_compat import caching_save_planner, compare_save_plans
 
     st = State(p, n)
     out: dict[str, Any] = {"ranks": n, "params": p, "methods": {}}
@@ -482,7 +483,7 @@ def cell(n: int, p: int, methods: list[str], unpickle_reps: int = 1, md_estimate
     items_per_rank = len(st.local_plan(0).items)
     out["items_per_rank"] = items_per_rank
     if "dcp" in methods or "dcp_cached" in methods:
-        planner = DefaultSavePlanner(enable_plan_caching=True)
+        planner = caching_save_planner()
         planner._cached_plans_key = f"scale-{n}-{p}"
         for save in ("dcp", "dcp_cached"):
             co = Coordinator()
@@ -498,7 +499,7 @@ def cell(n: int, p: int, methods: list[str], unpickle_reps: int = 1, md_estimate
             else:  # every rank finds its plan unchanged and sends an empty one
                 plan = st.local_plan(0)
                 cached = SavePlanner_cached(planner)
-                co.run("compare_local_plan", lambda: _compare_save_plans(plan, cached))
+                co.run("compare_local_plan", lambda: compare_save_plans(plan, cached))
                 empty = SavePlan([], usable=False)
                 co.run("pickle_own", lambda: dumps(empty))
                 del plan, cached
@@ -542,9 +543,10 @@ def cell(n: int, p: int, methods: list[str], unpickle_reps: int = 1, md_estimate
             stamp(f"{save}:write_results")
 
             def finish() -> bytes:
-                from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+                from roll_ckpt.runtime.torch_compat import dcp_format_version
 
-                metadata.version = CURRENT_DCP_VERSION
+                if dcp_format_version() is not None:
+                    metadata.version = dcp_format_version()
                 storage_md = {}
                 for wr_list in results:
                     storage_md.update({wr.index: wr.storage_data for wr in wr_list})
@@ -672,6 +674,22 @@ def cell(n: int, p: int, methods: list[str], unpickle_reps: int = 1, md_estimate
     out["resume"] = res
     out["wall_s"] = time.perf_counter() - t_cell
     out["max_rss_gib"] = _max_rss_gib()
+    return out
+
+
+def _unavailable() -> dict[str, str]:
+    """The methods this torch cannot simulate, and why: DCP's protocol is simulated with its own
+    plan caching (``dcp``, ``dcp_cached``, and ``rc_full`` on DCP's gathered plans), and
+    ``dcp_nocoord`` is its ``use_collectives=False``; an older release has neither."""
+    from roll_ckpt.runtime.torch_compat import TorchCompatError, caching_save_planner, without_collectives
+
+    out = {}
+    for methods, probe in ((("dcp", "dcp_cached", "rc_full"), caching_save_planner),
+                           (("dcp_nocoord",), without_collectives)):
+        try:
+            probe()
+        except TorchCompatError as exc:
+            out.update({m: str(exc) for m in methods})
     return out
 
 
@@ -855,8 +873,11 @@ def main(argv: list[str] | None = None) -> int:
         given = {(n, q) for n, q in cells_todo} if args.cells else set()
         cells = [c for c in reused.get("cells", []) if (c["ranks"], c["params"]) not in given]
         cells_todo = sorted(given)
+    unavailable = _unavailable()
+    for m, why in unavailable.items():
+        print(f"[scale] {m} not available: {why}", flush=True)
     for n, q in cells_todo:
-        methods = [m for m in args.methods.split(",") if m in METHODS]
+        methods = [m for m in args.methods.split(",") if m in METHODS and m not in unavailable]
         skipped = []
         est = estimate_gib(n, q)
         if est > args.max_gib:
@@ -912,6 +933,7 @@ def main(argv: list[str] | None = None) -> int:
             "hidden": HIDDEN, "intermediate": INTERMEDIATE, "vocab": VOCAB, "kv": KV, "dtype": "float32",
             "optimizer": "AdamW", "per_rank_values": [f"__rng__.{k}" for k, _, _ in RNG] + PER_RANK_VALUES},
         "methods": METHODS, "cells": cells, "jobs": jobs,
+        "unavailable": unavailable,
         "rc_source": next((c["methods"]["rc"]["source"] for c in cells if "rc" in c.get("methods", {})),
                           RollCkptFastPath().source),
     }

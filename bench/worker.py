@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from roll_ckpt.runtime.torch_compat import fsdp2_options
+from roll_ckpt.runtime.torch_compat import TorchCompatError, default_stager, fsdp2_options, gloo_averages
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import PeakRSS, drop_cache, io_read_bytes, state_size, tree_bytes, tree_files  # noqa: E402
@@ -81,6 +81,10 @@ def build(width: int, depth: int, mesh_kind: str = "fsdp") -> tuple[torch.nn.Mod
     for layer in model:
         fully_shard(layer, mesh=mesh, **fsdp2_options(mesh.device_type))
     fully_shard(model, mesh=mesh, **fsdp2_options(mesh.device_type))
+    if mesh_kind == "hsdp" and DEVICE == "cpu" and not gloo_averages():
+        # torch 2.6's gloo cannot average over the replicas; they hold the same weights and
+        # inputs, so their gradients are the same without it
+        model.set_requires_all_reduce(False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randn(4, width, device=DEVICE)
     model(x).pow(2).mean().backward()  # one step materialises AdamW's exp_avg / exp_avg_sq
@@ -190,6 +194,11 @@ class Case:
     def prepare(self) -> None:
         pass
 
+    def unavailable(self) -> str | None:
+        """Why this torch cannot run the case (an older release without the DCP option it
+        measures), or ``None``."""
+        return None
+
     def run(self) -> tuple[float, float, dict[str, Any]]:
         raise NotImplementedError
 
@@ -256,12 +265,13 @@ class DCPAsync(Case):
 class DCPAsyncStager(Case):
     name, title = "dcp_async_stager", "dcp.async_save + DefaultStager"
 
-    def prepare(self):
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-        if self.g.stager is None:
-            opts = StagingOptions() if DEVICE == "cuda" else StagingOptions(False, True, True, False)
-            self.g.stager = DefaultStager(opts)
+    def unavailable(self):
+        try:
+            if self.g.stager is None:
+                self.g.stager = default_stager(DEVICE == "cuda")
+        except TorchCompatError as exc:
+            return str(exc)
+        return None
 
     def run(self):
         g = self.g
@@ -649,6 +659,10 @@ def run_group(spec: dict[str, Any], scratch: str, out: dict[str, Any]) -> None:
     gc.freeze()  # what exists now lives on: the collections between cases skip it (else ~0.3 s each)
     names = [n for n in spec["cases"] if CASES[n].ranks_min <= ws]
     cases = {n: CASES[n](g) for n in names}
+    unavailable = {n: why for n in names if (why := cases[n].unavailable()) is not None}
+    names = [n for n in names if n not in unavailable]
+    for n, why in unavailable.items():
+        log(f"{g.name}: {n} not available: {why}")
     results: dict[str, list[Any]] = {n: [] for n in names}
     log(f"{g.name}: state {g.state_bytes / 2**20:.0f} MiB/rank built in {build_s:.1f} s")
     if spec.get("warmup", True):
@@ -667,6 +681,7 @@ def run_group(spec: dict[str, Any], scratch: str, out: dict[str, Any]) -> None:
         "state_bytes": g.state_bytes, "build_s": build_s,
         "checkpoint_bytes": g.load_bytes, "invariants": g.invariants,
         "cases": {n: {"title": cases[n].title, "kind": cases[n].kind, "reps": results[n]} for n in names},
+        "unavailable": unavailable,
     })
     if dist.get_rank() == 0:
         shutil.rmtree(g.dir, ignore_errors=True)

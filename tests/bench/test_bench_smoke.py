@@ -12,10 +12,27 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers.launch import REPO, run_python
 
 pytestmark = pytest.mark.timeout(300)  # shared 2-core machines: the smoke run took 200 s under load 13
+
+
+def _lacking() -> dict[str, str]:
+    """The cases this torch cannot run, asked of the seam as the benchmark asks it."""
+    from roll_ckpt.runtime import torch_compat as tc
+
+    out = {}
+    for cases, probe in ((("dcp_async_stager",), lambda: tc.default_stager(False)), (("dcp_process",), tc.process_mode),
+                         (("dcp_async_plancache", "scale:dcp", "scale:dcp_cached", "scale:rc_full"),
+                          tc.caching_save_planner), (("scale:dcp_nocoord",), tc.without_collectives)):
+        try:
+            made = probe()
+            getattr(made, "close", lambda: None)()  # the stager's thread pool
+        except tc.TorchCompatError as exc:
+            out.update({c: str(exc) for c in cases})
+    return out
 
 
 def test_smoke_run_writes_the_report(tmp_path: Path) -> None:
@@ -32,7 +49,12 @@ def test_smoke_run_writes_the_report(tmp_path: Path) -> None:
         assert t["value"] is None or isinstance(t["value"], (int, float)), name
     assert res["all_pass"] == all(t["pass"] for t in res["targets"].values()) and not res["invariants"]
 
-    cases = {r["case"] for r in res["cases"]}
+    # what this torch lacks is not run, and said: each a DCP option of a newer release
+    lacking = _lacking()
+    assert res["unavailable"].keys() == lacking.keys(), res["unavailable"]
+    assert all(why.startswith(f"torch {torch.__version__} has no") for why in res["unavailable"].values())
+    assert all(f"`{case}`" in (out / "latest.md").read_text() for case in lacking)
+    cases = {r["case"] for r in res["cases"]} | set(lacking)
     assert {"torch_save", "dcp_save", "dcp_async", "dcp_async_stager", "rc_save", "rc_async",
             "rc_async_zc_model", "rc_async_zc_all", "rc_dedup", "rc_dedup_cold", "dcp_async_hsdp", "dcp_load", "rc_load",
             "rc_load_stream", "rc_budget_0.1", "rc_budget_0.25", "rc_budget_0.5", "rc_budget_none"} <= cases
@@ -55,19 +77,22 @@ def test_smoke_run_writes_the_report(tmp_path: Path) -> None:
 
     # T6: the training loop, every method, with and without a save
     loop = res["loop"]["methods"]
-    assert set(loop) == {"dcp_thread", "dcp_process", "rc_regular", "rc_zc", "rc_zc_nice0"}
+    assert set(loop) | set(lacking) == {"dcp_thread", "dcp_process", "rc_regular", "rc_zc", "rc_zc_nice0"} | set(lacking)
+    assert set(loop).isdisjoint(lacking)
     for name, r in loop.items():
         assert r["durable_s"] > 0 and r["without_s"] > 0 and r["lost_s"] is not None, name
         assert r["cpu_s_per_gb"] is not None and r["cpu_s_per_gb"] > 0, name  # T6: the save path's CPU
     assert set(res["targets"]["T6"]["cpu_s_per_gb"]) == set(loop)
     # T12-T14 come from bench/scale.py (its smoke run: simulated ranks, no real jobs)
     assert (out / "scale.json").exists() and (out / "scale.md").exists()
-    assert res["targets"]["T13"]["value"] is not None and res["targets"]["T12"]["value"] is not None
+    if "scale:dcp" not in lacking:  # both compare with DCP's simulated protocol
+        assert res["targets"]["T13"]["value"] is not None and res["targets"]["T12"]["value"] is not None
     # T7: the tensor-count sweep, every method at every point
     points = res["many"]["points"]
     assert len(points) >= 2 and points[0]["tensors"] < points[-1]["tensors"]
     for pt in points:
-        assert set(pt["methods"]) == {"dcp_async", "dcp_async_plancache", "rc_async", "rc_async_zc_all"}
+        assert set(pt["methods"]) | set(lacking) == \
+            {"dcp_async", "dcp_async_plancache", "rc_async", "rc_async_zc_all"} | set(lacking)
         assert all(m["blocked_s"] > 0 for m in pt["methods"].values())
     assert res["targets"]["T7"]["tensors"] == points[-1]["tensors"]  # no point >= 2,000 in the smoke run
     assert res["hash"]["file_hasher_gbps"] > 0

@@ -149,8 +149,13 @@ def test_core_never_imports_a_plugin_nor_names_its_config() -> None:
         assert "offload_backend" not in path.read_text(), f"{module} names a plugin's config key"
 
 
+SEAMS = ("roll_ckpt.runtime.torch_compat",)
+"""One module by design (every version-dependent torch API in one place): not held to the cap."""
+
+
 def test_core_modules_stay_small() -> None:
-    big = {m: n for m, p in CORE_MODULES.items() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    big = {m: n for m, p in CORE_MODULES.items()
+           if m not in SEAMS and (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not big, f"modules over {MAX_LINES} lines: {big}"
 
 

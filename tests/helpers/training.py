@@ -119,15 +119,13 @@ def shard(model: Any, mesh: Any) -> Any:
 
 GLOO_AVG_MISSING = ("torch 2.6's gloo has no ReduceOp.AVG, with which its HSDP averages gradients over the "
                     "replicas (torch 2.8's has it)")
-"""Why an HSDP job with replicas cannot train on the CPU with torch 2.6 (:func:`gloo_averages`)."""
+"""Why an HSDP job with replicas cannot train on the CPU with torch 2.6 (``torch_compat.gloo_averages``)."""
 
 
 def gloo_averages() -> bool:
-    """Whether gloo's all-reduce takes ``ReduceOp.AVG`` here (torch 2.8-2.14; not 2.6)."""
-    import torch
+    from roll_ckpt.runtime.torch_compat import gloo_averages as averages
 
-    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
-    return (major, minor) >= (2, 8)
+    return averages()
 
 
 def optimizer_and_scheduler(model: Any) -> tuple[Any, Any]:

@@ -149,20 +149,28 @@ def _fsync(path: str) -> None:
 
 
 def _copy_configs(files: list[str], tmp: str, dtype: Any) -> list[str]:
-    """Copy ``files`` into ``tmp``; with ``dtype`` (``--dtype``), ``config.json`` says it."""
+    """Copy ``files`` into ``tmp``; ``config.json`` as ``save_pretrained`` writes it
+    (:func:`~roll_ckpt.runtime.transformers_compat.as_saved`) and, with ``dtype`` (``--dtype``),
+    saying it."""
+    from ..runtime.transformers_compat import as_saved
+
     copied = []
     for src in files:
         name = os.path.basename(src)
         dst = os.path.join(tmp, name)
-        if name == "config.json" and dtype is not None:
+        config = None
+        if name == "config.json":
             with open(src, encoding="utf-8") as f:
                 try:
                     config = json.load(f)
                 except ValueError as exc:
                     raise RollCkptError(f"--hf-config {src} is not valid JSON: {exc}") from None
-            written = str(dtype).removeprefix("torch.")
-            for k in [k for k in ("dtype", "torch_dtype") if k in config] or ["torch_dtype"]:
-                config[k] = written  # from_pretrained(dtype="auto") and vLLM read it
+        if config is not None and (dtype is not None or as_saved(config) is not config):
+            config = as_saved(config)
+            if dtype is not None:
+                written = str(dtype).removeprefix("torch.")
+                for k in [k for k in ("dtype", "torch_dtype") if k in config] or ["torch_dtype"]:
+                    config[k] = written  # from_pretrained(dtype="auto") and vLLM read it
             with open(dst, "w", encoding="utf-8") as f:
                 json.dump(config, f, indent=2, sort_keys=True)
                 f.write("\n")

@@ -165,11 +165,16 @@ class HFPart:
         else:
             raise RollCkptError(f"state['{self.config.key}'] is not a transformers model, so there is no config.json "
                                 "to write beside its weights: set checkpoint_config.hf_weights.config_dir")
-        if out_dtype is not None and "config.json" in files:
+        if "config.json" in files:
+            from ..runtime.transformers_compat import as_saved
+
             body = json.loads(files["config.json"])
-            for k in [k for k in ("dtype", "torch_dtype") if k in body] or ["dtype"]:
-                body[k] = str(out_dtype).removeprefix("torch.")
-            files["config.json"] = (json.dumps(body, indent=2, sort_keys=True) + "\n").encode()
+            if out_dtype is not None or as_saved(body) is not body:  # else the bytes as they are
+                body = as_saved(body)
+                if out_dtype is not None:
+                    for k in [k for k in ("dtype", "torch_dtype") if k in body] or ["dtype"]:
+                        body[k] = str(out_dtype).removeprefix("torch.")
+                files["config.json"] = (json.dumps(body, indent=2, sort_keys=True) + "\n").encode()
         files.update(self._handed_over())
         return files
 

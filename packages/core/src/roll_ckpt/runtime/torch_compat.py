@@ -21,14 +21,16 @@ import torch
 
 from ..errors import RollCkptError
 
-__all__ = ["TorchCompatError", "fsdp2_options", "local_tensor", "set_local_tensor", "rewrap_dtensor", "save_tensor_without_crc",
+__all__ = ["TorchCompatError", "fsdp2_options", "gloo_averages", "local_tensor", "set_local_tensor", "rewrap_dtensor", "save_tensor_without_crc",
            "serializes_plainly", "create_write_items",
            "weights_only_load", "file_reader", "storage_info", "transform_descriptors", "dcp_format_version", "set_element", "get_element",
            "dcp_save", "dcp_load", "load_state_dict_no_dist", "module_tensor_ids", "empty_state_dict_load_planner", "planner_set_value", "storage_prefix",
-           "narrow_tensor_by_index", "local_chunk", "collective", "all_reduce_ints", "CHECKED_ON"]
+           "narrow_tensor_by_index", "local_chunk", "collective", "all_reduce_ints", "CHECKED_ON",
+           "default_stager", "process_mode", "caching_save_planner", "without_collectives", "compare_save_plans", "storage_prefix_record"]
 
-CHECKED_ON = ("2.6", "2.9", "2.11", "2.13")
-"""torch releases these accessors were checked against (the test suite runs on 2.13)."""
+CHECKED_ON = ("2.6", "2.8", "2.10", "2.11", "2.13", "2.14")
+"""torch releases the whole suite ran on: the legs of ``make test-matrix`` (``matrix/results/``;
+``tests/compat/test_seams.py`` keeps them equal)."""
 
 
 class TorchCompatError(RollCkptError):
@@ -38,7 +40,7 @@ class TorchCompatError(RollCkptError):
 def _missing(api: str, exc: BaseException) -> TorchCompatError:
     return TorchCompatError(
         f"torch {torch.__version__} lacks {api} ({type(exc).__name__}: {exc}), which roll-ckpt uses "
-        f"(checked on torch {', '.join(CHECKED_ON)}); install one of those torch versions or a "
+        f"(the suite ran on torch {', '.join(CHECKED_ON)}); install one of those torch versions or a "
         "roll-ckpt release that supports this one")
 
 
@@ -70,18 +72,26 @@ def fsdp2_options(device_type: str) -> dict[str, Any]:
     return {"reshard_after_forward": False}
 
 
+def gloo_averages() -> bool:
+    """Whether gloo's all-reduce takes ``ReduceOp.AVG``, with which FSDP2's HSDP averages
+    gradients over the replicas: torch 2.8-2.14; torch 2.6's gloo refuses it ("Cannot use
+    ReduceOp.AVG with Gloo"), so HSDP with replicas cannot train on its CPU."""
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    return (major, minor) >= (2, 8)
+
+
 # --------------------------------------------------------------------------- DTensor internals
 
 
 def local_tensor(t: Any) -> Any:
     """The local shard of a DTensor itself (not a view: ``to_local()`` may wrap it for
-    autograd), or ``t`` when it is a plain tensor. ``DTensor._local_tensor``: torch 2.4-2.13."""
+    autograd), or ``t`` when it is a plain tensor. ``DTensor._local_tensor``: torch 2.6-2.14."""
     return getattr(t, "_local_tensor", t)
 
 
 def set_local_tensor(t: Any, local: Any) -> None:
     """Swap a DTensor's local shard (the offload store releases memory this way;
-    ``DTensor._local_tensor``, torch 2.4-2.13)."""
+    ``DTensor._local_tensor``, torch 2.6-2.14)."""
     if not hasattr(t, "_local_tensor"):
         raise _missing("DTensor._local_tensor", AttributeError("_local_tensor"))
     t._local_tensor = local
@@ -91,7 +101,7 @@ def local_chunk(t: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Where this process's shard of the DTensor ``t`` lies in the global tensor: its
     ``(offsets, sizes)``, for any placements (``Shard``, ``Replicate``, FSDP2's strided
     shards). ``DTensor.__create_chunk_list__``, the call DCP's planner makes for every
-    DTensor it saves (since torch 2.2; checked on torch 2.13, with uneven and empty shards)."""
+    DTensor it saves (since torch 2.2; ran on torch 2.6-2.14, with uneven and empty shards)."""
     try:
         chunks = t.__create_chunk_list__()
     except AttributeError as exc:
@@ -104,7 +114,7 @@ def local_chunk(t: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 def rewrap_dtensor(like: Any, local: Any) -> Any:
     """A DTensor over ``local`` with ``like``'s mesh, placements, global shape and stride
-    (public ``DTensor.from_local``; its ``shape``/``stride`` arguments exist since torch 2.4)."""
+    (public ``DTensor.from_local``; its ``shape``/``stride`` arguments exist since torch 2.4; ran on 2.6-2.14)."""
     from torch.distributed.tensor import DTensor
 
     return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
@@ -115,7 +125,7 @@ def module_tensor_ids(module: Any) -> tuple[tuple[int, int], ...]:
     """The identity of every parameter and buffer of ``module`` and its submodules, and of
     the storage it uses, in one pass (``nn.Module._parameters``/``_buffers``, a DTensor's
     ``_local_tensor``, ``UntypedStorage._cdata``): what a cached state dict depends on,
-    compared on every save, so it must be cheap; torch 2.0-2.13. The storage catches
+    compared on every save, so it must be cheap; torch 2.6-2.14. The storage catches
     ``p.data = other`` (the same parameter over other memory, which the cached state
     dict's views do not see); a storage resized in place (offloaded, then brought back)
     stays the same storage, and the views follow it."""
@@ -203,7 +213,7 @@ def serializes_plainly(t: Any) -> bool:
     :mod:`roll_ckpt.save.tensor_frames` relies on): a ``torch.Tensor`` (no subclass), strided,
     contiguous, on the CPU, not empty, not quantized, without autograd and without the
     conjugate/negative bits or any other entry of ``torch._C._get_tensor_metadata``, not a
-    zero tensor (``_is_zerotensor``, which has no memory). Checked on torch 2.13."""
+    zero tensor (``_is_zerotensor``, which has no memory). Ran on torch 2.6-2.14."""
     try:
         return (type(t) is torch.Tensor and t.layout is torch.strided and t.device.type == "cpu"
                 and not t.requires_grad and not t.is_quantized and t.is_contiguous() and t.numel() > 0
@@ -213,7 +223,7 @@ def serializes_plainly(t: Any) -> bool:
 
 
 def file_reader(stream: Any) -> Any:
-    """``torch._C.PyTorchFileReader`` over a seekable stream (torch 2.6-2.13)."""
+    """``torch._C.PyTorchFileReader`` over a seekable stream (torch 2.6-2.14)."""
     try:
         return torch._C.PyTorchFileReader(stream)
     except AttributeError as exc:
@@ -224,7 +234,7 @@ def weights_only_load(reader: Any, overall_storage: Any) -> Any:
     """``torch.load(weights_only=True)`` of a zip record set, its storages taken from
     ``overall_storage`` (the mechanism behind ``torch.load(mmap=True)``):
     ``torch.serialization._load(..., overall_storage=)`` and ``_weights_only_unpickler``,
-    torch 2.6-2.13."""
+    torch 2.6-2.14."""
     import torch.serialization as ser
 
     try:
@@ -267,7 +277,7 @@ def dcp_format_version() -> str | None:
 
 def create_write_items(fqn: str, obj: Any) -> list[Any]:
     """DCP's write items for one value of a flattened state dict, as ``DefaultSavePlanner``
-    makes them (``planner_helpers._create_write_items``, torch 2.3-2.13)."""
+    makes them (``planner_helpers._create_write_items``, torch 2.6-2.14)."""
     try:
         from torch.distributed.checkpoint.planner_helpers import _create_write_items
     except ImportError as exc:
@@ -276,7 +286,7 @@ def create_write_items(fqn: str, obj: Any) -> list[Any]:
 
 
 def storage_prefix(plan: Any) -> str:
-    """The file-name prefix DCP's planner gave this rank (``_StoragePrefix.prefix``, torch 2.3-2.13)."""
+    """The file-name prefix DCP's planner gave this rank (``_StoragePrefix.prefix``, torch 2.6-2.14)."""
     try:
         return plan.storage_data.prefix
     except AttributeError as exc:
@@ -293,18 +303,18 @@ def _traverse(name: str) -> Callable[..., Any]:
 
 
 def set_element(root: Any, path: tuple, value: Any) -> None:
-    """Set ``value`` at DCP's object path ``path`` (``_traverse.set_element``, torch 2.2-2.13)."""
+    """Set ``value`` at DCP's object path ``path`` (``_traverse.set_element``, torch 2.6-2.14)."""
     _traverse("set_element")(root, path, value)
 
 
 def get_element(root: Any, path: tuple) -> Any:
-    """The value at DCP's object path ``path`` (``_traverse.get_element``, torch 2.2-2.13)."""
+    """The value at DCP's object path ``path`` (``_traverse.get_element``, torch 2.6-2.14)."""
     return _traverse("get_element")(root, path)
 
 
 def planner_set_value(planner: Any, fqn: str, value: Any) -> None:
     """Store a loaded non-tensor value where DCP's default load planner would
-    (``DefaultLoadPlanner.original_state_dict`` / ``mappings``, torch 2.2-2.13)."""
+    (``DefaultLoadPlanner.original_state_dict`` / ``mappings``, torch 2.6-2.14)."""
     if planner.flatten_state_dict:
         set_element(planner.original_state_dict, planner.mappings[fqn], value)
     else:
@@ -312,12 +322,12 @@ def planner_set_value(planner: Any, fqn: str, value: Any) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _takes_no_dist(which: str) -> bool:
+def _takes(which: str, argument: str) -> bool:
     import inspect
 
     import torch.distributed.checkpoint as dcp
 
-    return "no_dist" in inspect.signature(getattr(dcp, which)).parameters
+    return argument in inspect.signature(getattr(dcp, which)).parameters
 
 
 def dcp_save(state_dict: dict, *, storage_writer: Any, planner: Any, process_group: Any, no_dist: bool) -> Any:
@@ -327,7 +337,7 @@ def dcp_save(state_dict: dict, *, storage_writer: Any, planner: Any, process_gro
     through the function ``dcp.save`` calls, ``state_dict_saver._save_state_dict`` (2.6-2.14)."""
     import torch.distributed.checkpoint as dcp
 
-    if _takes_no_dist("save"):
+    if _takes("save", "no_dist"):
         return dcp.save(state_dict, storage_writer=storage_writer, planner=planner, process_group=process_group,
                         no_dist=no_dist)
     if not no_dist:
@@ -347,7 +357,7 @@ def dcp_load(state_dict: dict, *, storage_reader: Any, planner: Any, process_gro
     ``dcp.load`` handles them."""
     import torch.distributed.checkpoint as dcp
 
-    if _takes_no_dist("load"):
+    if _takes("load", "no_dist"):
         dcp.load(state_dict, storage_reader=storage_reader, planner=planner, process_group=process_group,
                  no_dist=no_dist)
         return
@@ -367,7 +377,7 @@ def dcp_load(state_dict: dict, *, storage_reader: Any, planner: Any, process_gro
 
 def load_state_dict_no_dist(sd: dict, reader: Any, planner: Any) -> None:
     """DCP's load in one process without a process group, into ``sd`` as the planner
-    builds it (``state_dict_loader._load_state_dict``, torch 2.2-2.13)."""
+    builds it (``state_dict_loader._load_state_dict``, torch 2.6-2.14)."""
     try:
         from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
     except ImportError as exc:
@@ -377,7 +387,7 @@ def load_state_dict_no_dist(sd: dict, reader: Any, planner: Any) -> None:
 
 def empty_state_dict_load_planner() -> type:
     """DCP's planner that rebuilds a whole state dict from metadata
-    (``default_planner._EmptyStateDictLoadPlanner``, torch 2.2-2.13)."""
+    (``default_planner._EmptyStateDictLoadPlanner``, torch 2.6-2.14)."""
     try:
         from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     except ImportError as exc:
@@ -387,7 +397,7 @@ def empty_state_dict_load_planner() -> type:
 
 def narrow_tensor_by_index(tensor: Any, offsets: Any, sizes: Any) -> Any:
     """The part of ``tensor`` a DCP read item asks for (``_shard._utils.narrow_tensor_by_index``,
-    torch 2.0-2.13)."""
+    torch 2.6-2.14)."""
     try:
         from torch.distributed._shard._utils import narrow_tensor_by_index as narrow
     except ImportError as exc:
@@ -395,10 +405,80 @@ def narrow_tensor_by_index(tensor: Any, offsets: Any, sizes: Any) -> Any:
     return narrow(tensor, offsets, sizes)
 
 
+# --------------------------------------------------------------------------- DCP's newer options
+# What the benchmark compares roll-ckpt against, where a release has it: an older release has
+# no such baseline, and the benchmark reports the case as not available, with this error.
+
+
+def _absent(what: str, since: str, exc: BaseException) -> TorchCompatError:
+    return TorchCompatError(f"torch {torch.__version__} has no {what} (torch {since} and later have it; "
+                            f"{type(exc).__name__}: {exc})")
+
+
+def default_stager(cuda: bool) -> Any:
+    """DCP's ``DefaultStager`` for ``async_save(async_stager=...)``: its default options on a
+    GPU, on the CPU pinned memory off (``StagingOptions(False, True, True, False)``). torch
+    2.10-2.14; torch 2.6 and 2.8 have none."""
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    except ImportError as exc:
+        raise _absent("torch.distributed.checkpoint.staging.DefaultStager", "2.10", exc) from None
+    return DefaultStager(StagingOptions() if cuda else StagingOptions(False, True, True, False))
+
+
+def process_mode() -> dict[str, Any]:
+    """``async_save``'s keyword for its process mode (``AsyncCheckpointerType.PROCESS``): torch
+    2.8-2.14; torch 2.6 saves asynchronously in a thread only."""
+    try:
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+    except ImportError as exc:
+        raise _absent("async_save(async_checkpointer_type=AsyncCheckpointerType.PROCESS)", "2.8", exc) from None
+    return {"async_checkpointer_type": AsyncCheckpointerType.PROCESS}
+
+
+def caching_save_planner() -> Any:
+    """``DefaultSavePlanner(enable_plan_caching=True)``: torch 2.8-2.14; torch 2.6's planner
+    caches no plans."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    try:
+        return DefaultSavePlanner(enable_plan_caching=True)
+    except TypeError as exc:
+        raise _absent("DefaultSavePlanner(enable_plan_caching=True)", "2.8", exc) from None
+
+
+def without_collectives() -> dict[str, Any]:
+    """``dcp.save``'s keyword for a save without collectives, each rank writing its own
+    metadata (``use_collectives=False``): torch 2.10-2.14; torch 2.6 and 2.8 have none."""
+    if not _takes("save", "use_collectives"):
+        raise _absent("dcp.save(use_collectives=False)", "2.10", TypeError("no argument use_collectives"))
+    return {"use_collectives": False}
+
+
+def compare_save_plans(plan: Any, cached: Any) -> bool:
+    """DCP's test of a local plan against its cached one (``planner_helpers._compare_save_plans``,
+    torch 2.8-2.14; 2.6 has no plan caching)."""
+    try:
+        from torch.distributed.checkpoint.planner_helpers import _compare_save_plans
+    except ImportError as exc:
+        raise _absent("planner_helpers._compare_save_plans", "2.8", exc) from None
+    return _compare_save_plans(plan, cached)
+
+
+def storage_prefix_record(prefix: str) -> Any:
+    """A plan's file-name prefix as DCP's planner records it (``filesystem._StoragePrefix``,
+    torch 2.6-2.14)."""
+    try:
+        from torch.distributed.checkpoint.filesystem import _StoragePrefix
+    except ImportError as exc:
+        raise _missing("torch.distributed.checkpoint.filesystem._StoragePrefix", exc) from None
+    return _StoragePrefix(prefix)
+
+
 def collective(call: Callable[..., Any], tensors: tuple[Any, ...], *args: Any, timeout: float = 2.0,
                **kwargs: Any) -> Any:
     """``call(*args, **kwargs)``, a blocking collective over ``tensors``, returning only once
-    the process group's worker thread has let go of them. Checked on torch 2.13 (``Tensor._use_count``).
+    the process group's worker thread has let go of them. Ran on torch 2.6-2.14 (``Tensor._use_count``).
 
     A gloo collective returns when its data is there; the worker thread drops the finished
     work a moment later, and dropping the last C++ reference to a tensor that Python also
@@ -419,7 +499,7 @@ def collective(call: Callable[..., Any], tensors: tuple[Any, ...], *args: Any, t
 
 def all_reduce_ints(dist: Any, values: list[int], op: Any, group: Any) -> list[int]:
     """An all-reduce of a few integers on ``group`` (a GPU tensor on an NCCL group), through
-    :func:`collective`. Checked on torch 2.13 (``dist.get_backend``, ``all_reduce``)."""
+    :func:`collective`. Ran on torch 2.6-2.14 (``dist.get_backend``, ``all_reduce``)."""
     nccl = dist.get_backend(group) == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     t = torch.tensor(values, dtype=torch.int64, device=device)

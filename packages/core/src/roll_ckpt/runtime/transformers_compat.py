@@ -17,14 +17,14 @@ import re
 from typing import Any, Mapping
 
 __all__ = ["CHECKED_ON", "version", "converts_weights", "revert_weight_conversion", "drop_tied_weights",
-           "saved_config", "index_has_total_parameters", "dtype_argument"]
+           "saved_config", "ATTN_AUTOSET", "as_saved", "index_has_total_parameters", "dtype_argument"]
 
 CHECKED_ON = ("4.51", "4.57", "5.2", "5.25")
 """transformers releases the suite ran on (the legs of ``make test-matrix``; a test keeps them equal)."""
 
 
 def version() -> tuple[int, int]:
-    """The installed transformers' (major, minor)."""
+    """The installed transformers' (major, minor): ``(4, 51)``... on 4.51-4.57 and 5.2-5.25."""
     import transformers
 
     major, minor = transformers.__version__.split(".")[:2]
@@ -98,14 +98,29 @@ def saved_config(model: Any, architecture: str) -> Any:
     """A copy of ``model.config`` as ``save_pretrained`` writes it: ``architectures`` names the
     model's class; and on transformers 4.51, ``_attn_implementation_autoset`` reset as its
     ``save_pretrained`` resets it (a config.json that says it is set makes ``from_pretrained``
-    keep the eager attention instead of choosing SDPA). 4.57 and 5.x have no such field."""
+    keep the eager attention instead of choosing SDPA). 4.57 and 5.2-5.25 have no such field."""
     import copy
 
     config = copy.deepcopy(model.config)
     config.architectures = [architecture]
-    if getattr(config, "_attn_implementation_autoset", False):
-        config._attn_implementation_autoset = False
+    if getattr(config, ATTN_AUTOSET, False):
+        setattr(config, ATTN_AUTOSET, False)
     return config
+
+
+ATTN_AUTOSET = "_attn_implementation_autoset"
+"""transformers 4.51's flag that its ``save_pretrained`` clears and a ``config.save_pretrained``
+of a live model's config writes set (4.57 and 5.2-5.25 have none)."""
+
+
+def as_saved(config_json: dict[str, Any]) -> dict[str, Any]:
+    """A ``config.json``'s values as ``save_pretrained`` writes them: without transformers
+    4.51's :data:`ATTN_AUTOSET` set, which makes ``from_pretrained`` keep the eager attention
+    (a config saved from a live 4.51 model by ``config.save_pretrained`` holds it); 4.57 and
+    5.2-5.25 write no such key. Reads nothing of transformers."""
+    if config_json.get(ATTN_AUTOSET):
+        config_json = {k: v for k, v in config_json.items() if k != ATTN_AUTOSET}
+    return config_json
 
 
 def index_has_total_parameters() -> bool:
