@@ -1,0 +1,51 @@
+"""The legs of the matrix: who runs each stack, and its exact pins.
+
+ROLL ships requirement sets for torch 2.6 (transformers 4.51), 2.8 (4.57) and 2.10
+(transformers 5.2), all with numpy < 2 on Python 3.10; verl pins torch 2.11. The default
+leg is ``make test``'s; the newest is the newest release of each that pip installs here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Leg", "LEGS", "DEFAULT", "CI_LEG", "by_name"]
+
+
+@dataclass(frozen=True)
+class Leg:
+    name: str
+    """``.matrix/<name>/`` and ``matrix/results/<name>.json``."""
+    python: str
+    """``major.minor``; found on PATH, in pyenv or in ``MATRIX_PYTHON_<major>_<minor>``."""
+    pins: tuple[str, ...]
+    """pip requirements installed with the project (``-e``), exact versions."""
+    who: str
+    """Whose stack this is (the docs' table)."""
+
+
+LEGS: tuple[Leg, ...] = (
+    Leg("roll-2.6", "3.10", ("torch==2.6.0", "transformers==4.51.3", "numpy==1.26.4", "ray==2.48.0"),
+        "ROLL's torch 2.6 set"),
+    Leg("roll-2.8", "3.10", ("torch==2.8.0", "transformers==4.57.0", "numpy==1.26.4", "ray==2.48.0"),
+        "ROLL's torch 2.8 set (requirements_torch280_vllm.txt)"),
+    Leg("torch-2.10", "3.12", ("torch==2.10.0", "transformers==5.2.0", "numpy==1.26.4", "ray==2.60.0"),
+        "ROLL's torch 2.10 set (transformers 5.2, numpy < 2)"),
+    Leg("torch-2.11", "3.11", ("torch==2.11.0", "transformers==5.25.0", "numpy==2.4.6", "ray==2.60.0"),
+        "verl's torch; the GPU machine's"),
+    Leg("default", "3.11", ("torch==2.13.0", "transformers==5.25.0", "numpy==2.4.6", "ray==2.60.0"),
+        "make test (a CPU build of torch)"),
+    Leg("newest", "3.13", ("torch==2.14.1", "transformers==5.25.0", "numpy==2.5.5", "ray==2.60.0"),
+        "the newest of each that pip installs here"),
+)
+
+DEFAULT = "default"
+CI_LEG = "roll-2.8"
+"""The leg ``.ci/run`` runs beside ``make test``: the users' own stack."""
+
+
+def by_name(name: str) -> Leg:
+    for leg in LEGS:
+        if leg.name == name:
+            return leg
+    raise SystemExit(f"no leg '{name}'; the legs: {', '.join(leg.name for leg in LEGS)}")
