@@ -156,8 +156,9 @@ class _PicklerFactory(type):
     checkpoint of thousands of tensors then set off collections that scan the whole heap,
     hundreds of milliseconds each with a large model in memory, holding the GIL in the
     writer thread or falling into ``save`` itself. Here that subclass is a factory
-    instead: a plain pickler whose ``persistent_id`` is an instance attribute (pickle's
-    documented alternative), nothing in a cycle.
+    instead: one pickler class, made once, whose ``persistent_id`` calls the one ``_save``
+    defined; nothing in a cycle. (An instance attribute ``persistent_id`` on a plain
+    pickler did the same on Python 3.10-3.12; 3.13 made that attribute read-only.)
     """
 
     def __new__(mcls, name: str, bases: tuple, namespace: dict) -> Any:
@@ -166,11 +167,18 @@ class _PicklerFactory(type):
             return super().__new__(mcls, name, bases, namespace)
 
         def make(file: Any, protocol: int | None = None) -> Any:
-            pickler = pickle.Pickler(file, protocol=protocol)
-            pickler.persistent_id = functools.partial(persistent_id, None)  # (its self is unused)
-            return pickler
+            return _DelegatingPickler(file, protocol, functools.partial(persistent_id, None))  # (its self is unused)
 
         return make
+
+
+class _DelegatingPickler(pickle.Pickler):
+    def __init__(self, file: Any, protocol: int | None, persistent_id: Callable[[Any], Any]) -> None:
+        super().__init__(file, protocol=protocol)
+        self._persistent_id = persistent_id
+
+    def persistent_id(self, obj: Any) -> Any:
+        return self._persistent_id(obj)
 
 
 class _Pickler(pickle.Pickler, metaclass=_PicklerFactory):
