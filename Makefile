@@ -81,9 +81,11 @@ bench-check: venv
 docs: venv
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
-# Pure-Python wheels of the five distributions (carried to a GPU machine by scripts/gpu_check.sh).
+# Pure-Python wheels of the five distributions and of the two the core needs that a GPU
+# machine's Python may lack (omegaconf and its parser), carried there by scripts/gpu_check.sh.
 wheels: venv
 	rm -rf dist && $(PIP) wheel -q --no-deps -w dist . packages/core packages/backend-fs packages/strategy-fsdp2 packages/demo
+	$(PIP) wheel -q --no-deps -w dist "omegaconf==$$($(PY) -c 'import omegaconf; print(omegaconf.__version__)')" "antlr4-python3-runtime==4.9.3"
 
 clean:
 	rm -rf $(VENV) .matrix output .pytest_cache site

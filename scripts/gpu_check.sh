@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU check: the FSDP2 tests on CUDA (NCCL for FSDP, gloo for checkpoints) and the quick
 # benchmark, in under 5 minutes on one GPU machine. Nothing is downloaded there: the
-# roll-ckpt wheels come from `make wheels` (dist/), the rest from the machine's python3.
+# roll-ckpt wheels and omegaconf with its parser come from `make wheels` (dist/, antlr4 built
+# into a wheel there, it has none on PyPI), the rest from the machine's python3.
 #
 #   make wheels && scripts/gpu_check.sh            # writes gpu-check/ (log and results)
 set -uo pipefail
