@@ -5,9 +5,9 @@ writes ``OUT/<rank>.json`` (``{"error": type, "message": ..., "s": seconds it wa
 
 Phases (who stops, where):
 
-* ``write``   rank 1, before its save of step 2 (rank 0 waits in DCP's plan exchange);
-* ``commit``  rank 0, in the commit of step 2, before the manifest (rank 1 has returned
-  from the save and waits in step 3's preemption check);
+* ``write``   rank 1, before its save of step 2 (rank 0 waits in the save's first agreement);
+* ``commit``  rank 0, in the commit of step 2, before the manifest (rank 1 has written its
+  part and waits in the agreement that the step was committed);
 * ``choose``  rank 1, before resume (rank 0 waits for it to take the checkpoint chosen);
 * ``load``    rank 1, in resume's DCP load of step 1 (rank 0 waits in the load's plan exchange).
 

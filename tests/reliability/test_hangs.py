@@ -26,8 +26,8 @@ TIMEOUT_S = 3  # checkpoint_config.collective_timeout_s in the child
 
 # phase -> (the rank that stops, the phase the other reports, its step)
 PHASES = {
-    "write": (1, "save: writing of step 2", 2),
-    "commit": (0, "maybe_save: the preemption check of step 3", 3),
+    "write": (1, "save: starting of step 2", 2),
+    "commit": (0, "save: committing of step 2", 2),
     "choose": (1, "resume: choosing the checkpoint", None),
     "load": (1, "resume: loading of step 1", 1),
 }

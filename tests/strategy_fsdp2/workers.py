@@ -237,8 +237,10 @@ def count_collectives(fn) -> dict[str, int]:
 
 
 def collectives(out: str) -> None:
-    """The first save issues exactly the collectives of a plain dcp.save of the same state;
-    a zero-copy save of the same structure only the fixed-layout protocol's three."""
+    """The first save issues exactly the collectives of a plain dcp.save of the same state
+    and the save's two agreements (before the write, after the commit: one all-reduce of one
+    integer each); a zero-copy save of the same structure the fixed-layout protocol's three
+    and the same two."""
     import torch.distributed.checkpoint as dcp
 
     model, opt, sched = build()

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable, Mapping, MutableMapping, Protocol, Sequence, runtime_checkable
 
 __all__ = [
-    "Entry", "NetworkCounts", "Storage", "TakesOver", "Strategy", "StagingPolicy", "SaveContext", "CommitInfo", "SpaceEstimate",
+    "Entry", "NetworkCounts", "Storage", "TakesOver", "Strategy", "StrategyDefaults", "strategy_member", "StagingPolicy", "SaveContext", "CommitInfo", "SpaceEstimate",
     "BackendRecord", "StrategyRecord", "StagingPolicyRecord", "ConfigKeyRecord", "CommandRecord",
 ]
 
@@ -243,6 +243,36 @@ class CommitInfo:
 # --------------------------------------------------------------------------- strategies and staging
 
 
+class StrategyDefaults:
+    """The members of :class:`Strategy` a strategy may leave out, with the one default core
+    uses for each (:func:`strategy_member`). Subclassing it is optional: a strategy written
+    before a member joined the contract keeps working with that member's default, which is
+    right for a job of one process (a strategy that runs on several defines :meth:`agree`;
+    :class:`roll_ckpt.plugin.DCPStrategy` does)."""
+
+    collective_timeout_s: float = 0.0
+    """How long the strategy's collectives wait for the other ranks; ``0``: their process
+    group's own timeout (messages say so)."""
+
+    increments: Any = None
+    """The record of the newest committed checkpoint that incremental saves take unchanged
+    files over from (:class:`roll_ckpt.save.incremental.Increments`), or ``None``: every save whole."""
+
+    def agree(self, error: BaseException | None, phase: str, step: int | None = None) -> None:
+        """A job of one process: raise ``error``, if any (see :meth:`Strategy.agree`)."""
+        if error is not None:
+            raise error
+
+
+def strategy_member(strategy: Any, name: str) -> Any:
+    """``strategy.<name>``, or :class:`StrategyDefaults`'s default for it (bound to ``strategy``)."""
+    try:
+        return getattr(strategy, name)
+    except AttributeError:
+        default = getattr(StrategyDefaults, name)
+        return default.__get__(strategy) if callable(default) else default
+
+
 @runtime_checkable
 class Strategy(Protocol):
     """Turns a training state into the files of a checkpoint and back.
@@ -258,6 +288,10 @@ class Strategy(Protocol):
     world_size: int
     data_dir: str
     """The checkpoint's folder this strategy writes its files into (``dcp``, ``state``)."""
+    collective_timeout_s: float
+    """Optional (:class:`StrategyDefaults`): how long its collectives wait for the other ranks."""
+    increments: Any
+    """Optional (:class:`StrategyDefaults`): what incremental saves take unchanged files over from."""
 
     @property
     def is_coordinator(self) -> bool:
@@ -265,6 +299,13 @@ class Strategy(Protocol):
 
     def broadcast(self, obj: Any) -> Any:
         """The coordinator's ``obj`` on every process (picklable; exceptions included)."""
+
+    def agree(self, error: BaseException | None, phase: str, step: int | None = None) -> None:
+        """Optional (:class:`StrategyDefaults`). Raise on every process the error of the lowest rank that has one (``None``: this
+        process has none); return when no process has. Every process calls it at the same
+        point of a save or resume, so one rank's failure ends every rank's wait at once; the
+        error raised names its rank (``rank N: ...``). ``phase`` names the point in a
+        :class:`~roll_ckpt.errors.CollectiveTimeoutError` when a rank never gets there."""
 
     def any_true(self, flag: bool, step: int | None = None) -> bool:
         """True on every process when ``flag`` is true on at least one (called every step by

@@ -88,7 +88,20 @@ class RollCkptError(Exception):
     Every subclass pickles as itself, whatever its constructor takes: errors cross
     processes (one rank's refusal is raised on every rank, DCP carries a rank's error to
     the coordinator), and each process raises the same type with the same message.
+
+    An error one rank met and every rank raises (:mod:`roll_ckpt.runtime.agreement`) has
+    :attr:`origin_rank` set, and its message begins ``rank N:``.
     """
+
+    origin_rank: int | None = None
+    """The rank the error happened on, when every rank of a job raises it; else ``None``."""
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        rank = self.origin_rank
+        if rank is None or text.startswith(f"rank {rank}:"):
+            return text
+        return f"rank {rank}: {text}"
 
     def __reduce__(self) -> Any:
         return (_rebuild, (type(self), self.args, dict(self.__dict__)))

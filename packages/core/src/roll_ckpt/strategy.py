@@ -24,8 +24,9 @@ from typing import Any, Mapping, MutableMapping
 
 import torch
 
+from .runtime.agreement import first_error
 from .runtime.collector import CollectorPause
-from .contracts import SpaceEstimate, Storage
+from .contracts import SpaceEstimate, Storage, StrategyDefaults
 from .errors import RollCkptError, carried_roll_error
 from .format.layout import basename, parent, parse_step
 from .runtime.rng import capture_rng, restore_rng
@@ -45,7 +46,7 @@ def _is_stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
-class DCPStrategy:
+class DCPStrategy(StrategyDefaults):
     """The :class:`~roll_ckpt.contracts.Strategy` ``dcp``: DCP on the default process group."""
 
     name = "dcp"
@@ -65,7 +66,7 @@ class DCPStrategy:
         """The newest committed checkpoint, which a save takes unchanged files over from (:mod:`roll_ckpt.save.incremental`)."""
         self.rank = self._dist.get_rank() if self._dist else 0
         self.world_size = self._dist.get_world_size() if self._dist else 1
-        self.collective_timeout_s = float(getattr(config.checkpoint_config, "collective_timeout_s", 600.0))
+        self.collective_timeout_s = float(config.checkpoint_config.collective_timeout_s)
         """How long a collective of a save, commit or resume waits for the other ranks (:mod:`roll_ckpt.runtime.timeouts`)."""
         self._group = None
         if self._dist is not None and self.world_size > 1:  # (every rank creates its strategy at the same point)
@@ -106,6 +107,17 @@ class DCPStrategy:
         box = [obj]
         self._dist.broadcast_object_list(box, src=0, group=self.process_group)
         return box[0]
+
+    def agree(self, error: BaseException | None, phase: str, step: int | None = None) -> None:
+        """Raise on every process the error of the lowest rank that has one; return when none
+        has (:mod:`roll_ckpt.runtime.agreement`). Every process calls it at the same point."""
+        with self.bounded(phase, step):
+            found = first_error(self._dist, self.process_group, self.rank, self.world_size, error)
+        if found is None:
+            return
+        if found is error:
+            raise found
+        raise found from None
 
     def any_true(self, flag: bool, step: int | None = None) -> bool:
         """True on every process when ``flag`` is true on one (an all-reduce of one integer).
@@ -226,9 +238,10 @@ class DCPStrategy:
             return None
         planner = ReusingSavePlanner(self._write_items.setdefault(False, {}))
         planner.set_up_planner(sd, None, self.is_coordinator)
-        fast = layouts.prepare(planner, threads, gate)
-        if fast is not None and self.is_coordinator:  # the agreement below orders it before every write
-            writer.fs.mkdir(writer.path)
+        try:
+            fast = layouts.prepare(planner, threads, gate)
+        except Exception:  # a state this rank cannot lay out as before: DCP's full path, on every rank
+            fast = None
         if not layouts.agree(fast, self.process_group):
             layouts.forget()
             return None

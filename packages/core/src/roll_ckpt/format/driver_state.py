@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping, MutableMapping
 
-from ..contracts import SpaceEstimate, Storage
+from ..contracts import SpaceEstimate, Storage, StrategyDefaults
 from .digest import hash_bytes
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError, RollCkptError
 from ..runtime.rng import plain_rng_state, restore_plain_rng_state
@@ -92,7 +92,7 @@ def holds_driver_state(state: Mapping[str, Any]) -> bool:
     return bool(state) and all(isinstance(v, DriverState) for v in state.values())
 
 
-class JSONStrategy:
+class JSONStrategy(StrategyDefaults):
     """One process, driver states only: ``state/state.json``, written and read without pickle.
 
     A :class:`roll_ckpt.contracts.Strategy` that never imports torch.

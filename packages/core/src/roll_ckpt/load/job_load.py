@@ -11,7 +11,7 @@ Instead:
    held off): :func:`job_metadata`;
 2. each data file is checked by one process, the one of its writer's rank modulo the
    world size (at the same world size: the process that wrote it, which reads it next),
-   and the job agrees that every check passed (one all-reduce: :func:`raise_first`)
+   and the job agrees that every check passed (one all-reduce: ``strategy.agree``)
    before any process reads a byte it did not check itself;
 3. each process plans and reads its own part (DCP with ``no_dist``: resharding needs only
    the metadata), and the job agrees again that every process loaded.
@@ -26,12 +26,11 @@ from typing import Any, Mapping, MutableMapping
 from ..runtime.collector import CollectorPause
 from ..runtime.collective import decide
 from ..format.digest import hash_bytes
-from ..errors import CheckpointCorruptError, portable
+from ..errors import CheckpointCorruptError
 from ..format.layout import basename, parent, parse_step, writer_rank
-from ..runtime.torch_compat import all_reduce_ints
 from ..format.unpickle import METADATA_NAME, safe_load_metadata
 
-__all__ = ["load_job", "job_metadata", "assigned_files", "raise_first", "writer_rank"]  # writer_rank: format.layout's, used here
+__all__ = ["load_job", "job_metadata", "assigned_files", "writer_rank"]  # writer_rank: format.layout's, used here
 
 
 def assigned_files(files: Mapping[str, Any], rank: int, world_size: int) -> list[str]:
@@ -63,27 +62,6 @@ def job_metadata(strategy: Any, storage: Any, dcp_path: str, files: Mapping[str,
         return safe_load_metadata(data, path), data
 
 
-def raise_first(strategy: Any, error: BaseException | None) -> None:
-    """Raise on every process the error of the lowest process that has one (one all-reduce
-    of one integer when none has; a broadcast of the error when one has)."""
-    dist = strategy._dist
-    if dist is None or strategy.world_size == 1:
-        if error is not None:
-            raise error
-        return
-    group = strategy.process_group
-    world = strategy.world_size
-    first = all_reduce_ints(dist, [strategy.rank if error is not None else world], dist.ReduceOp.MIN, group)[0]
-    if first == world:
-        return
-    box = [portable(error) if strategy.rank == first else None]  # type: ignore[arg-type]
-    src = dist.get_global_rank(group, first) if group is not None else first
-    dist.broadcast_object_list(box, src=src, group=group)
-    if strategy.rank == first:
-        raise error  # type: ignore[misc]
-    raise box[0]
-
-
 def load_job(strategy: Any, state: MutableMapping[str, Any], reader: Any, storage: Any, dcp_path: str,
              files: Mapping[str, Any] | None, checkpoint: str) -> None:
     """Load a checkpoint of the job into ``state`` (``DCPStrategy.load``): ``.metadata`` read
@@ -96,6 +74,7 @@ def load_job(strategy: Any, state: MutableMapping[str, Any], reader: Any, storag
 
 def _load_job(strategy: Any, state: MutableMapping[str, Any], reader: Any, storage: Any, dcp_path: str,
               files: Mapping[str, Any] | None, checkpoint: str) -> None:
+    step = parse_step(basename(parent(dcp_path)))
     md, md_bytes = job_metadata(strategy, storage, dcp_path, files, checkpoint,
                                 strategy.config.checkpoint_config.pause_gc)
     reader.use_metadata(md)
@@ -110,15 +89,19 @@ def _load_job(strategy: Any, state: MutableMapping[str, Any], reader: Any, stora
             reader.job_checked = True
     except Exception as exc:
         error = exc
-    raise_first(strategy, error)  # every check passed before any process reads
+    strategy.agree(error, "resume: checking the files", step)  # every check passed before any process reads
     try:
         strategy._dcp_load(target, reader, dcp_path, True)
     except BaseException as exc:  # DCP's CheckpointException is a BaseException
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
         error = exc
-    raise_first(strategy, error)
-    strategy._apply(state, target, src)
+    strategy.agree(error, "resume: loading", step)
+    try:
+        strategy._apply(state, target, src)
+    except Exception as exc:  # e.g. a stateful object refusing its value: before the collective below
+        error = exc
+    strategy.agree(error, "resume: handing the values over", step)
     if files is not None and METADATA_NAME in files:
         strategy.adopt_layout(state, md, md_bytes, files[METADATA_NAME].checksum)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, TypeVar
 
-from ..contracts import Strategy
+from ..contracts import Strategy, strategy_member
 from ..errors import RollCkptError, StorageError, StorageFullError, disk_full
 from .timeouts import bounded
 
@@ -56,7 +56,7 @@ def decide(strategy: Strategy, fn: Callable[[], T], *, where: str,
             error = exc
         except Exception as exc:  # every rank must hear of it: none may stay in the broadcast
             error, cause = on_error(exc, where), exc
-    with bounded(strategy.rank, phase, step, float(getattr(strategy, "collective_timeout_s", 0.0))):
+    with bounded(strategy.rank, phase, step, float(strategy_member(strategy, "collective_timeout_s"))):
         result, error = strategy.broadcast((result, error))
     if error is not None:
         raise error from cause

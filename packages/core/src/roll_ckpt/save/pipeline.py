@@ -8,8 +8,9 @@
         stage_state_dict             each tensor captured by its staging policy
     SavePipeline.write_and_commit  caller's thread, or the background thread when async
         strategy.write               DCP's format, every file hashed while written
-        PendingCheckpoint.commit     coordinator: manifest last (rename / create-only)
-        after_commit                 the step of components, retention, replication
+        Committer.commit             coordinator: HF files, manifest last (rename / create-only),
+                                     the step of components, retention, replication
+        strategy.agree               every rank: the commit's outcome
 
 One save is in flight at most: a save issued while an asynchronous one is still writing
 waits for it first (and raises its error, if it failed).
@@ -31,45 +32,24 @@ from collections import Counter
 from typing import Any, Mapping
 
 from ..format import layout
-from ..format.commit import PendingCheckpoint, pending_checkpoint
-from ..format.components import check_part_free, try_complete
+from ..format.commit import pending_checkpoint
+from ..format.components import check_part_free
 from ..runtime.background import lower_priority
 from ..runtime.collector import CollectorPause
-from ..contracts import NetworkCounts, SaveContext, Storage
-from ..format.digest import hash_bytes
+from ..contracts import NetworkCounts, SaveContext, strategy_member
 from ..hf.in_checkpoint import HFPart, saved_state
 from ..errors import RollCkptError, SaveError, StorageError, StorageFullError, carried_roll_error, disk_full
 from ..tiers.job import Job
-from ..format.layout import TRAINER_STATE
 from ..format.leftovers import Leftovers
-from ..format.manifest import FileEntry, Manifest
-from ..runtime.network import check_objects, read_counts, report_save
+from ..runtime.network import read_counts, report_save
 from ..tiers.retention import apply_retention
-from ..format.runs import utc_now
-from ..runtime.units import human_bytes
+from .committer import Committer
 from .staging import stage_state_dict
 from .stats import SaveStats
 
 __all__ = ["SavePipeline", "SaveStats"]
 
 log = logging.getLogger("roll_ckpt")
-
-
-def _increments(strategy: Any) -> Any:
-    """The strategy's record of the newest committed checkpoint (incremental saves), if it keeps one."""
-    return getattr(strategy, "increments", None)
-
-
-def _plugin_versions(job: Job) -> dict[str, str]:
-    from importlib import metadata
-
-    out = {}
-    for dist in ("roll-ckpt-core", "torch", *sorted(set(job.plugins.distributions()))):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            pass
-    return out
 
 
 class SavePipeline:
@@ -87,6 +67,7 @@ class SavePipeline:
         self.leftovers = Leftovers()
         self.hf = HFPart.of(job.config.checkpoint_config, job.config.strategy_config)
         """The Hugging Face files each checkpoint carries (``hf_weights``, ``save_only_model``), or ``None``."""
+        self.committer = Committer(job, self.hf)
 
 
     def save(self, step: int, state: Mapping[str, Any], *, final: bool,
@@ -124,7 +105,7 @@ class SavePipeline:
         job.plugins.hook.roll_ckpt_save(save=ctx)
         with CollectorPause(job.config.checkpoint_config.pause_gc):
             staged = self._stage(strategy.state_dict(state), ctx)
-        trainer_state = self._trainer_state(ctx, {})
+        trainer_state = self.committer.trainer_state(ctx, {})
 
         def write() -> None:
             error: BaseException | None = None
@@ -161,8 +142,12 @@ class SavePipeline:
         if ctx.gate is not None:  # staged in waves within the budget, as the write goes on
             try:
                 ctx.gate.fill()
-            except BaseException:  # the write failed; its error surfaces at the next wait
-                pass
+            except BaseException as exc:  # the write failed, or staging a wave did
+                if exc is not ctx.gate.error:
+                    ctx.gate.abort(exc)  # the writer waits for no wave any more; it fails with this error
+                if not isinstance(exc, Exception):  # Ctrl-C, SystemExit: the caller's
+                    raise
+                # else the write's error surfaces at the next wait (every rank's: the write carries it)
             ctx.blocked_s = time.perf_counter() - t0
             ctx.gate.caller_done.set()
     def _save(self, step: int, state: Mapping[str, Any], *, final: bool, metadata: Mapping[str, Any] | None,
@@ -184,18 +169,22 @@ class SavePipeline:
         ctx = SaveContext(step=step, path=final_path, is_async=job.config.async_save and not final, rank=strategy.rank,
                           world_size=strategy.world_size, strategy=strategy, reuse=self._reuse,
                           budget=sc.max_staging_bytes)
-        job.plugins.hook.roll_ckpt_save(save=ctx)
-        if local:  # (before the space check: every rank makes the tier's group at the same point)
+        if local:  # (every rank makes the tier's group at the same point)
             job.local.bind(strategy, forget_after=step - 1)
-        with CollectorPause(job.config.checkpoint_config.pause_gc):  # (the loop waits for this part)
-            sd = strategy.state_dict(saved_state(state, self.hf, job.config.strategy_config.save_only_model))
-            refusal = self._check_space(sd, ctx, user) if strategy.is_coordinator else None
-            if refusal is not None:  # refused before anything is staged or written
-                self.write_and_commit(sd, ctx, user, t0, refuse=refusal)  # raises it, on every rank
-            staged = self._stage(sd, ctx)
+        try:
+            job.plugins.hook.roll_ckpt_save(save=ctx)
+            with CollectorPause(job.config.checkpoint_config.pause_gc):  # (the loop waits for this part)
+                sd = strategy.state_dict(saved_state(state, self.hf, job.config.strategy_config.save_only_model))
+                refusal = self._check_space(sd, ctx, user) if strategy.is_coordinator else None
+                if refusal is not None:  # refused before anything is staged or written
+                    raise refusal
+                staged = self._stage(sd, ctx)
+        except Exception as exc:  # the other ranks go on to the write's first agreement: meet them there
+            self.write_and_commit({}, ctx, user, t0, refuse=exc)  # raises it, on every rank
+            raise AssertionError("unreachable: write_and_commit raises a refusal") from exc
         also = None
         if local and ctx.gate is None:  # (staged in waves, the state is written once: persistently)
-            trainer_state = self._trainer_state(ctx, user)
+            trainer_state = self.committer.trainer_state(ctx, user)
             also = lambda: job.local.save(staged, step, trainer_state, save=ctx)  # noqa: E731
         module = state.get(self.hf.config.key) if self.hf is not None else None
         self._launch(ctx, t0, lambda: self.write_and_commit(staged, ctx, user, t0, also=also, module=module))
@@ -244,7 +233,7 @@ class SavePipeline:
 
         def retention(k: int) -> list[str]:
             with job.local_lock:
-                return apply_retention(job.storage, job.root, k, protect=self._protected(ctx.path),
+                return apply_retention(job.storage, job.root, k, protect=self.committer.protected(ctx.path),
                                        own_run=job.run_dir)
 
         return self.space.check(estimate, path=job.run_dir or job.root, step=ctx.step, keep=keep,
@@ -253,50 +242,64 @@ class SavePipeline:
 
     def write_and_commit(self, sd: dict[str, Any], ctx: SaveContext, user: dict[str, Any], t0: float,
                          refuse: BaseException | None = None, also: Any = None, module: Any = None) -> SaveStats:
+        """Write the staged ``sd`` and commit it (the coordinator), every rank agreeing twice:
+        before the write (a rank's refusal, or the coordinator's failed begin, ends every
+        rank's save there) and after the commit (no rank reports a step the coordinator did
+        not commit). ``refuse``: this rank's save failed before the write; it is raised on
+        every rank."""
         job = self.job
         strategy, storage = job.strategy, job.storage
         pending = pending_checkpoint(storage, ctx.path, job.token)
+        data_path = storage.join(pending.write_path, strategy.data_dir)
         before = read_counts(storage)
         error: BaseException | None = None
-        begun = False
+        begun = committed = False
         total = taken = 0
         try:
-            if strategy.is_coordinator and refuse is None:
-                self.leftovers.retry()
+            failed: BaseException | None = refuse
+            if failed is None:
                 try:
-                    if job.component:
-                        check_part_free(storage, ctx.path, ctx.step, job.component)
-                    pending.begin()
-                    begun = True
-                except Exception as exc:  # refused like a save that does not fit (below)
-                    refuse = exc
-            # A refused save (no space, a part already there, an unwritable folder) fails in
-            # DCP's planning step, before any data is written, and DCP carries the refusal to
-            # every rank: none is left waiting in a collective for a coordinator that gave up.
-            target = storage if refuse is None else _refusing(storage, refuse)
-            ctx.run_before_write_callbacks()
+                    ctx.run_before_write_callbacks()
+                    if strategy.is_coordinator:
+                        self.leftovers.retry()
+                        if job.component:
+                            check_part_free(storage, ctx.path, ctx.step, job.component)
+                        pending.begin()
+                        begun = True
+                        storage.makedirs(data_path)  # before every rank's first write: the agreement orders it
+                except Exception as exc:
+                    failed = exc
+            strategy_member(strategy, "agree")(self._agreed(ctx, failed), "save: starting", ctx.step)
             if also is not None:  # the local tier's unit of the same staged state, first (never raises)
                 also()
             with job.progress(f"save step {ctx.step}") as progress:
-                digests = strategy.write(sd, target, storage.join(pending.write_path, strategy.data_dir), progress,
-                                         save=ctx)
+                digests = strategy.write(sd, storage, data_path, progress, save=ctx)
+            failed = None
             if strategy.is_coordinator:
-                total, taken = self._commit(pending, ctx, user, digests, module)
+                try:
+                    total, taken = self.committer.commit(pending, ctx, user, digests, module)
+                    committed = True
+                except Exception as exc:
+                    failed = exc
+            strategy_member(strategy, "agree")(self._agreed(ctx, failed), "save: committing", ctx.step)
             self.committed_steps.add(ctx.step)
-            if (increments := _increments(strategy)) is not None:
+            if (increments := strategy_member(strategy, "increments")) is not None:
                 increments.committed(storage, ctx.path, strategy.data_dir)
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             error = exc
-            if (increments := _increments(strategy)) is not None:
+            if (increments := strategy_member(strategy, "increments")) is not None:
                 increments.failed()
             if ctx.gate is not None:
                 ctx.gate.abort(exc)  # the caller may be waiting to stage the next wave
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
-            if begun or strategy.is_coordinator:
+            if not committed and (begun or strategy.is_coordinator):
                 self.leftovers.discard(pending, begun)
             report_save(f"checkpoint-{ctx.step}", strategy.rank, _since(read_counts(storage), before), failed=True)
-            raise self._save_error(ctx, exc) from exc
+            translated = self._save_error(ctx, exc)
+            if translated is exc:
+                raise
+            raise translated from exc
         finally:
             ctx.run_finished_callbacks()
             job.plugins.hook.roll_ckpt_save_finished(save=ctx, error=error)
@@ -311,77 +314,18 @@ class SavePipeline:
         self.last_save = stats
         return stats
 
-    def _commit(self, pending: PendingCheckpoint, ctx: SaveContext, user: dict[str, Any],
-                digests: dict[str, tuple], module: Any = None) -> tuple[int, int]:
-        """Coordinator: the HF files, trainer state, manifest, commit; then the step, retention, replication."""
-        job = self.job
-        storage, strategy = job.storage, job.strategy
-        files = {f"{strategy.data_dir}/{name}": FileEntry(*digest) for name, digest in digests.items()}
-        extra: dict[str, Any] = {"strategy": strategy.name}
-        if job.config.strategy_config.save_only_model:
-            extra["save_only_model"] = self.hf.config.key  # type: ignore[union-attr]
-        if self.hf is not None and module is not None:  # from the dcp/ files just written (hf_in_checkpoint)
-            hf_files, extra["hf"] = self.hf.write(storage, pending.write_path, module,
-                                                  storage.join(pending.write_path, strategy.data_dir))
-            files.update(hf_files)
-        ts = self._trainer_state(ctx, user)
-        with storage.open_write(storage.join(pending.write_path, TRAINER_STATE)) as f:
-            f.write(ts)
-        files[TRAINER_STATE] = FileEntry(*hash_bytes(ts))
-        if not storage.atomic_rename:  # an object store: every upload completed, whole
-            check_objects(storage, pending.write_path, {name: e.size for name, e in files.items()})
-        manifest = Manifest(step=ctx.step, files=files, created=utc_now(), world_size=strategy.world_size,
-                            component=job.component, plugins=_plugin_versions(job), extra=extra)
-        pending.commit(manifest.to_bytes())
-        job.announce(ctx.path, manifest, job.component)
-        step_path = layout.parent(ctx.path) if job.component else ctx.path
-        if self._commit_step(step_path, ctx.step):  # the whole checkpoint, or the last part of the step
-            self._after_commit(step_path, ctx.step)
-        total, taken = sum(e.size for e in files.values()), sum(e.size for e in files.values() if e.taken_over)
-        if taken:
-            log.info("roll-ckpt: %s: %s written, %s taken over unchanged from %s", layout.basename(ctx.path),
-                     human_bytes(total - taken), human_bytes(taken),
-                     ", ".join(sorted({e.taken_over for e in files.values() if e.taken_over})))
-        return total, taken
-
-    def _commit_step(self, step_path: str, step: int) -> bool:
-        """True when the step is committed by this process: always without components;
-        with them, when this part was the last one and this process's create won."""
-        job = self.job
-        if not job.component:
-            return True
-        try:
-            manifest = try_complete(job.storage, step_path, step, job.config.checkpoint_config.components or ())
-        except Exception as exc:  # this part is committed; the step can be committed later
-            log.warning("roll-ckpt: the part of %s is committed, but committing step %d failed (%s: %s); the "
-                        "next resume commits the step once every part is there", job.component, step,
-                        type(exc).__name__, exc)
-            return False
-        if manifest is None:
-            return False
-        job.announce(step_path, manifest)
-        log.info("roll-ckpt: step %d committed (every component's part is in %s)", step, step_path)
-        return True
-
-    def _protected(self, path: str) -> set[str]:
-        """Local checkpoints retention must leave alone: the one just written, the one being replicated."""
-        copying = self.job.backup.copying if self.job.backup is not None else None
-        return {path} | ({copying} if copying else set())
-
-    def _after_commit(self, path: str, step: int) -> None:
-        """Retention and replication for the checkpoint just committed at ``path``."""
-        job = self.job
-        keep = job.config.checkpoint_config.max_ckpt_to_keep
-        if keep:
-            with job.local_lock:
-                removed = apply_retention(job.storage, job.root, keep, protect=self._protected(path),
-                                          own_run=job.run_dir)
-            for removed_path in removed:
-                log.info("roll-ckpt: retention removed %s", removed_path)
-        if job.backup is not None:
-            job.backup.submit(path, step)
+    def _agreed(self, ctx: SaveContext, exc: BaseException | None) -> RollCkptError | None:
+        """What this rank hands to an agreement: its failure as the roll-ckpt error every rank raises."""
+        if exc is None:
+            return None
+        error = self._save_error(ctx, exc)
+        if error is not exc and error.__cause__ is None:
+            error.__cause__ = exc  # (on this rank; the others get the message)
+        return error
 
     def _save_error(self, ctx: SaveContext, exc: BaseException) -> RollCkptError:
+        if isinstance(exc, RollCkptError):  # a refusal, an error agreed on by every rank: as it is
+            return exc
         ours = carried_roll_error(exc, include_self=False)  # e.g. the space refusal, carried by DCP from the coordinator
         if ours is not None:
             return ours
@@ -402,25 +346,8 @@ class SavePipeline:
         if isinstance(cause, OSError) and cause.errno == errno.EROFS:
             return StorageError(f"cannot write {where}: {cause.strerror}; nothing of it was committed "
                                 "and earlier checkpoints are intact; choose a writable checkpoint_config.output_dir")
-        if isinstance(exc, RollCkptError):
-            return exc
         return SaveError(f"saving {where} failed ({type(cause).__name__}: {cause}); nothing of it was "
                          "committed and earlier checkpoints are intact")
-
-    def _trainer_state(self, ctx: SaveContext, user: dict[str, Any]) -> bytes:
-        job = self.job
-        body = {
-            "step": ctx.step,
-            "time": utc_now(),
-            "timestamp": time.time(),
-            "world_size": ctx.world_size,
-            "strategy": job.strategy.name,
-            "exp_name": job.config.exp_name,
-            "component": job.component,
-            "resumed_from": job.resumed_from,
-            "user": user,
-        }
-        return (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
 
     def close(self) -> None:
         """Drain the save in flight (re-raising its error), then stop the writer thread."""
@@ -431,12 +358,6 @@ class SavePipeline:
                 self._executor.shutdown(wait=True)
             self.leftovers.retry()
             self._reuse.clear()
-
-
-def _refusing(storage: Storage, error: BaseException) -> Storage:
-    from ..tiers.space import RefusingStorage
-
-    return RefusingStorage(storage, error)  # type: ignore[return-value]
 
 
 def _since(now: NetworkCounts | None, before: NetworkCounts | None) -> NetworkCounts | None:

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 from .backup import BackupLink
 from ..runtime.collective import decide, storage_error
 from ..config.schema import Config
-from ..contracts import CommitInfo, Storage, Strategy
+from ..contracts import CommitInfo, Storage, Strategy, strategy_member
 from ..errors import RollCkptError
 from ..format.holds import hold, release
 from ..format.manifest import Manifest
@@ -105,7 +105,7 @@ class Job:
             record = max(fitting, key=lambda r: r.priority)
         strategy = record.factory(self.config, self.plugins)
         with bounded(strategy.rank, "the first save or resume: agreeing on a token", None,
-                     float(getattr(strategy, "collective_timeout_s", 0.0))):
+                     float(strategy_member(strategy, "collective_timeout_s"))):
             self.token = strategy.broadcast(uuid.uuid4().hex[:12])
         self.strategy = strategy
         return strategy

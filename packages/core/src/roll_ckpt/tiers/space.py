@@ -21,8 +21,8 @@ remove those checkpoints after the save anyway — and the check is repeated. A 
 still cannot fit is refused with :class:`~roll_ckpt.errors.StorageFullError` before any
 of its data is written, naming both sizes and the ``max_ckpt_to_keep`` that would make
 room. In a job of several processes only the coordinator checks; its refusal reaches the
-others through DCP's own planning step (see :class:`RefusingStorage`), so no collective
-is added and none is left waiting.
+others at the save's first agreement, before any rank writes (``strategy.agree``, in
+:meth:`roll_ckpt.save.pipeline.SavePipeline.write_and_commit`), so none is left waiting.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from ..errors import StorageFullError
 from ..runtime.units import human_bytes
 from ..format.value_slots import slot_slack
 
-__all__ = ["estimate_checkpoint_bytes", "estimate_items", "SpaceGuard", "RefusingStorage", "committed_sizes"]
+__all__ = ["estimate_checkpoint_bytes", "estimate_items", "SpaceGuard", "committed_sizes"]
 
 log = logging.getLogger("roll_ckpt")
 
@@ -211,28 +211,6 @@ def estimate_items(sd: Mapping[str, Any], *, world_size: int = 1) -> SpaceEstima
 
 
 # --------------------------------------------------------------------------- the check
-
-
-class RefusingStorage:
-    """A storage whose every write raises ``error``; everything else is ``inner``'s.
-
-    Handed to the strategy's DCP write on the coordinator when a save does not fit: DCP
-    creates the checkpoint folder in its planning step (``prepare_local_plan``), before any
-    data is written, and its planning collective carries the error to every process — the
-    others get it too instead of waiting for a coordinator that has given up.
-    """
-
-    def __init__(self, inner: Storage, error: BaseException) -> None:
-        self._inner = inner
-        self._error = error
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
-        raise self._error
-
-    makedirs = open_write = write_create = rename_dir = rename_file = take_over = _refuse
 
 
 class SpaceGuard:
