@@ -112,10 +112,10 @@ class DCPStrategy(StrategyDefaults):
         """Raise on every process the error of the lowest rank that has one; return when none
         has (:mod:`roll_ckpt.runtime.agreement`). Every process calls it at the same point."""
         with self.bounded(phase, step):
-            found = first_error(self._dist, self.process_group, self.rank, self.world_size, error)
+            found = first_error(self._dist, self.process_group, self.rank, self.world_size, error, phase)
         if found is None:
             return
-        if found is error:
+        if found is error or found.__cause__ is error:  # this rank's own: its traceback and cause
             raise found
         raise found from None
 

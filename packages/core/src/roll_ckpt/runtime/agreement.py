@@ -10,7 +10,11 @@ timeout stays for a rank that is truly hung.
 
 The error crosses as the exception itself (every :class:`~roll_ckpt.errors.RollCkptError`
 pickles as its own class), tagged with the rank it happened on, so every rank raises the
-same class and the message ``rank N: ...``. It costs one all-reduce of one integer when
+same class and the message ``rank N: ...``. An error from outside roll-ckpt's hierarchy
+(an ``OSError`` of a read, a ``RuntimeError`` of a ``load_state_dict``) crosses as a
+:class:`~roll_ckpt.errors.StorageError` (an ``OSError`` still) or a
+:class:`~roll_ckpt.errors.RollCkptError` naming the phase, its type and message; the rank
+it happened on keeps it as the cause. It costs one all-reduce of one integer when
 no rank failed, and a broadcast of the error when one did.
 """
 
@@ -18,27 +22,32 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import RollCkptError, portable
+from ..errors import RollCkptError, StorageError, portable
 from .torch_compat import all_reduce_ints
 
 __all__ = ["first_error", "from_rank"]
 
 
-def from_rank(error: BaseException, rank: int) -> BaseException:
-    """``error`` marked as raised on ``rank`` (a roll-ckpt error's message then begins ``rank N:``)."""
-    if isinstance(error, RollCkptError) and error.origin_rank is None:
+def from_rank(error: BaseException, rank: int, phase: str) -> RollCkptError:
+    """``error`` as the roll-ckpt error every rank raises, marked as raised on ``rank``."""
+    if not isinstance(error, RollCkptError):
+        cls = StorageError if isinstance(error, OSError) else RollCkptError
+        wrapped = cls(f"{phase} failed: {type(error).__name__}: {error}")
+        wrapped.__cause__ = error
+        error = wrapped
+    if error.origin_rank is None:
         error.origin_rank = rank
     return error
 
 
-def first_error(dist: Any, group: Any, rank: int, world_size: int,
-                error: BaseException | None) -> BaseException | None:
+def first_error(dist: Any, group: Any, rank: int, world_size: int, error: BaseException | None,
+                phase: str) -> BaseException | None:
     """The error of the lowest rank of ``group`` that has one, on every rank; ``None`` when
     none has. ``dist`` is ``torch.distributed`` (``None`` or a world of one: ``error`` itself)."""
-    if error is not None:
-        error = from_rank(portable(error), rank) if world_size > 1 else error
     if dist is None or world_size == 1:
         return error
+    if error is not None:
+        error = from_rank(portable(error), rank, phase)
     first = all_reduce_ints(dist, [rank if error is not None else world_size], dist.ReduceOp.MIN, group)[0]
     if first == world_size:
         return None

@@ -324,9 +324,19 @@ class SavePipeline:
         return error
 
     def _save_error(self, ctx: SaveContext, exc: BaseException) -> RollCkptError:
+        """``exc`` as the roll-ckpt error a failed save raises; one that DCP carried from
+        another rank (its ``CheckpointException``) names the first rank that failed."""
         if isinstance(exc, RollCkptError):  # a refusal, an error agreed on by every rank: as it is
             return exc
-        ours = carried_roll_error(exc, include_self=False)  # e.g. the space refusal, carried by DCP from the coordinator
+        failures = getattr(exc, "failures", None)
+        failed_rank = min(failures) if isinstance(failures, dict) and failures else None
+        error = self._translate(ctx, exc, failures[failed_rank] if failed_rank is not None else None)
+        if failed_rank is not None and error.origin_rank is None and ctx.world_size > 1:
+            error.origin_rank = failed_rank
+        return error
+
+    def _translate(self, ctx: SaveContext, exc: BaseException, first: Any) -> RollCkptError:
+        ours = carried_roll_error(exc, include_self=False)  # e.g. a refusal, carried by DCP from another rank
         if ours is not None:
             return ours
         where = f"checkpoint-{ctx.step} under {self.job.storage.url}"
@@ -336,9 +346,7 @@ class SavePipeline:
                 "checkpoints are intact. Free space or lower checkpoint_config.max_ckpt_to_keep; "
                 "training can go on and the next save will try again")
         cause = exc
-        failures = getattr(exc, "failures", None)
-        if isinstance(failures, dict) and failures:  # DCP's CheckpointException: what a rank hit, not its traceback
-            first = failures[min(failures)]
+        if first is not None:  # DCP's CheckpointException: what the first rank hit, not its traceback
             cause = first[0] if isinstance(first, tuple) and first else first
         if isinstance(cause, PermissionError):
             return StorageError(f"permission denied while writing {where}: {cause}; choose a writable "
