@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         build(leg)
     failed = []
     for leg in chosen:
-        result = run_suite(leg, venv_of(leg) / "bin" / "python", args.workers, extra)
+        result = run_suite(leg, venv_of(leg) / "bin" / "python", args.workers, extra, recording=args.record)
         if not _passed(result):
             failed.append(leg.name)
         if args.record and result["whole_suite"]:

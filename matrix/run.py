@@ -132,8 +132,9 @@ def _counts(junit: Path) -> dict[str, object]:
     return {**counts, "skips": skips, "failures": failures}
 
 
-def run_suite(leg: Leg, exe: Path, workers: int, extra: list[str]) -> dict[str, object]:
-    """The whole suite in the leg's environment; its result (also ``.matrix/<leg>/result.json``)."""
+def run_suite(leg: Leg, exe: Path, workers: int, extra: list[str], recording: bool = False) -> dict[str, object]:
+    """The whole suite in the leg's environment; its result (also ``.matrix/<leg>/result.json``).
+    ``recording``: the run writes ``matrix/results/`` (the test that checks that record skips)."""
     venv = venv_of(leg)
     junit = venv / "junit.xml"
     junit.unlink(missing_ok=True)
@@ -142,6 +143,8 @@ def run_suite(leg: Leg, exe: Path, workers: int, extra: list[str]) -> dict[str, 
     print(f"[{leg.name}] +", " ".join(cmd), flush=True)
     started = time.monotonic()
     env = {**os.environ, "ROLL_CKPT_TEST_LEG": leg.name}
+    if recording:
+        env["ROLL_CKPT_TEST_RECORDING"] = "1"
     env.pop("VIRTUAL_ENV", None)
     proc = subprocess.run(cmd, cwd=ROOT, env=env)
     elapsed = time.monotonic() - started

@@ -50,7 +50,12 @@ def _key(v: str) -> tuple[int, ...]:
 
 
 def test_checked_on_is_the_matrix_that_ran() -> None:
+    import os
+
     from roll_ckpt.runtime import torch_compat, transformers_compat
+
+    if os.environ.get("ROLL_CKPT_TEST_RECORDING"):
+        pytest.skip("this run records the matrix (python -m matrix test --record): the record is checked after it")
 
     results = _passed_results()
     assert {r["leg"] for r in results} == {leg.name for leg in _legs()}, "a leg did not pass, or was not run"
