@@ -174,3 +174,10 @@ def test_incremental_saves_take_each_ranks_frozen_shards_over(tmp_path: Path) ->
     assert all(r["links"][f"checkpoint-{c}/{n[4:]}"] == 3 for c in (1, 2, 3) for n in frozen_files), r["links"]
     assert r["start"] == 3 and r["exact"], r
     assert r["taken_after_resume"] >= r["frozen_bytes"], r
+
+
+def test_a_state_whose_first_module_is_unsharded_is_claimed_by_fsdp2(tmp_path: Path) -> None:
+    """A reference model (unsharded) before the sharded actor: the job is FSDP2's, not dcp's."""
+    torchrun(NPROC, "claimed_by_any_module", str(tmp_path))
+    r = result(tmp_path, "claimed_by_any_module")
+    assert r == {"strategy": "fsdp2", "exact": True}

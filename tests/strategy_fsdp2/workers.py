@@ -392,8 +392,32 @@ def incremental(out: str) -> None:
                                                     if k.startswith(("0.", "3.")))})
 
 
+def claimed_by_any_module(out: str) -> None:
+    """A state whose first module is an unsharded reference model, then the sharded actor:
+    the fsdp2 strategy claims it, and both come back exactly."""
+    reference = training.mlp(16, 2, seed=7).to(DEVICE)
+    model, opt, sched = build()
+    train_step(model, opt, sched, [torch.randn(4, 16)])
+    state = {"reference": reference, "model": model, "optimizer": opt}
+    m = manager(out)
+    name = m.bind(state).name
+    m.save(1, state)
+    m.close()
+    expected_ref = {k: v.clone() for k, v in reference.state_dict().items()}
+    expected = full(model)
+    with torch.no_grad():
+        for p in [*reference.parameters(), *model.parameters()]:
+            p.zero_()
+    m = manager(out, resume_from_checkpoint="latest")
+    m.resume(state)
+    m.close()
+    exact = all(torch.equal(expected_ref[k], v) for k, v in reference.state_dict().items()) and \
+        all(torch.equal(expected[k], v) for k, v in full(model).items())
+    result(out, "claimed_by_any_module", {"strategy": name, "exact": exact})
+
+
 SCENARIOS = {f.__name__: f for f in (resume_exact, race, paths_equal, zero_copy_bytes, collectives,
-                                      reshard_save, reshard_load, incremental)}
+                                      reshard_save, reshard_load, incremental, claimed_by_any_module)}
 
 if __name__ == "__main__":
     if DEVICE == "cuda":

@@ -13,16 +13,15 @@ OFFLOAD_BACKENDS = ("local", "local_dedup")
 
 
 def _holds_dtensors(state: Mapping[str, Any]) -> bool:
+    """True when a module of ``state`` has a DTensor parameter (FSDP2 sharded it)."""
     import sys
 
     torch = sys.modules.get("torch")
     if torch is None:  # no module can hold DTensors yet; a driver-only process never imports torch
         return False
-    for obj in state.values():
-        if isinstance(obj, torch.nn.Module):
-            for p in obj.parameters():
-                return type(p).__name__ == "DTensor"
-    return False
+    # any module of the state: an unsharded one (a reference or reward model) may come first
+    return any(type(p).__name__ == "DTensor" for obj in state.values() if isinstance(obj, torch.nn.Module)
+               for p in obj.parameters())
 
 
 def _factory(config: Any, plugins: Any) -> Any:
