@@ -194,7 +194,7 @@ def test_import_and_entry_points_do_not_import_torch_distributed(py, example_bac
         p = Plugins()
         names = (sorted(p.backends()), sorted(p.strategies()), sorted(p.staging_policies()))
         assert not p.broken, p.broken
-        heavy = [m for m in ("torch.distributed", "torch", "fsspec", "pytest", "roll_ckpt.testing",
+        heavy = [m for m in ("torch.distributed", "torch", "numpy", "fsspec", "pytest", "roll_ckpt.testing",
                              "roll_ckpt.manager", "roll_ckpt_fsdp2.strategy") if m in sys.modules]
         print(names)
         print("HEAVY", heavy)

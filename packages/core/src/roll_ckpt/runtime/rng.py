@@ -12,13 +12,13 @@ from __future__ import annotations
 import random
 from typing import Any
 
-import numpy as np
-
 __all__ = ["plain_rng_state", "restore_plain_rng_state", "capture_rng", "restore_rng"]
 
 
 def plain_rng_state() -> dict[str, list]:
     """``{"python": [version, internal, gauss], "numpy": [kind, keys, pos, has_gauss, cached]}``."""
+    import numpy as np  # (here: ``import roll_ckpt`` does not import NumPy)
+
     version, internal, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     if kind != "MT19937":
@@ -32,6 +32,8 @@ def restore_plain_rng_state(state: dict[str, Any]) -> None:
     random.setstate((version, tuple(internal), gauss))
     saved = state.get("numpy")
     if saved is not None:
+        import numpy as np
+
         kind, keys, pos, has_gauss, cached = saved
         np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
 
