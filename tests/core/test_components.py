@@ -31,6 +31,12 @@ from roll_ckpt.testing import assert_same_state, state_snapshot, tiny_state
 COMPONENTS = ["actor", "pipeline"]
 
 
+def _later_run_name() -> str:
+    """The run name of a later launch (``new_run_name()`` has millisecond resolution)."""
+    time.sleep(0.002)
+    return new_run_name()
+
+
 def _config(root: Any, run: str, **keys: Any) -> Any:
     return config(root, components=COMPONENTS, run_name=run, **keys)
 
@@ -138,7 +144,7 @@ def test_a_step_counts_once_every_part_is_committed_and_each_part_resumes_exactl
     assert saved["state"]["driver"]["values"]["note"] == "ünïcode"
 
     # a new launch: another run folder, each component resumes its own part
-    run2 = new_run_name() + "-1"
+    run2 = _later_run_name()
     actor2, pipe2 = _managers(tmp_path, run2, resume_from_checkpoint="latest")
     fresh = tiny_state(seed=99)
     train_step(fresh, (3, 8))
@@ -165,7 +171,7 @@ def test_latest_skips_a_step_a_component_never_committed(tmp_path: Path) -> None
     assert _steps(tmp_path) == [2, 4]
     ref = layout.latest(layout_storage(tmp_path), str(tmp_path))
     assert ref is not None and ref.step == 4
-    _, pipe2 = _managers(tmp_path, new_run_name() + "-2", resume_from_checkpoint="latest")
+    _, pipe2 = _managers(tmp_path, _later_run_name(), resume_from_checkpoint="latest")
     restored = DriverState()
     assert pipe2.resume({"driver": restored}) == 4 and restored["step"] == 4
     pipe2.close()
@@ -177,7 +183,7 @@ def test_a_step_whose_last_part_died_before_the_step_manifest_is_committed_at_re
     step_dir = tmp_path / run / "checkpoint-3"
     (step_dir / "manifest.json").unlink()  # as if the last part's process died right after its own commit
     assert _steps(tmp_path) == []
-    actor2, _ = _managers(tmp_path, new_run_name() + "-1", resume_from_checkpoint="latest")
+    actor2, _ = _managers(tmp_path, _later_run_name(), resume_from_checkpoint="latest")
     assert actor2.resume(tiny_state(seed=5)) == 3
     assert (step_dir / "manifest.json").is_file()
     actor2.close()
@@ -250,7 +256,7 @@ def test_resume_refuses_the_wrong_kind_of_checkpoint(tmp_path: Path) -> None:
     plain_path = plain.save(1, tiny_state(seed=2))
     plain.close()
 
-    actor2, pipe2 = _managers(tmp_path, new_run_name() + "-1")
+    actor2, pipe2 = _managers(tmp_path, _later_run_name())
     with pytest.raises(RollCkptError, match="saved without components"):
         actor2.resume(tiny_state(seed=2), target=plain_path)
     with pytest.raises(RollCkptError, match="the part of component 'pipeline', not of 'actor'"):
@@ -261,7 +267,7 @@ def test_resume_refuses_the_wrong_kind_of_checkpoint(tmp_path: Path) -> None:
     assert_same_state(state_snapshot(target), state_snapshot(state))
     # a driver state into a tensor state (and back) is refused before anything loads
     with pytest.raises(RollCkptError, match="written by the 'json' strategy"):
-        CheckpointManager(_config(tmp_path, new_run_name() + "-3"), component="pipeline", quiet=True).resume(
+        CheckpointManager(_config(tmp_path, _later_run_name()), component="pipeline", quiet=True).resume(
             tiny_state(seed=1), target=str(step_dir))
     with pytest.raises(CheckpointNotFoundError, match="no driver state for 'other'"):
         pipe2.resume({"other": DriverState()}, target=str(step_dir))
@@ -274,7 +280,7 @@ def test_a_swapped_part_manifest_is_refused(tmp_path: Path) -> None:
     _save_steps(tmp_path, run, [1, 2])
     one, two = tmp_path / run / "checkpoint-1", tmp_path / run / "checkpoint-2"
     (two / "pipeline" / "manifest.json").write_bytes((one / "pipeline" / "manifest.json").read_bytes())
-    _, pipe2 = _managers(tmp_path, new_run_name() + "-1")
+    _, pipe2 = _managers(tmp_path, _later_run_name())
     with pytest.raises(CheckpointCorruptError, match="pipeline/manifest.json.*not the part's manifest the step committed"):
         pipe2.resume({"driver": DriverState()}, target=str(two))
     pipe2.close()
@@ -385,7 +391,7 @@ def test_components_on_memory_storage(memory_url: str) -> None:
     assert [r.step for r in layout.committed(actor.storage, actor.root)] == [2]
     actor.close()
     pipe.close()
-    actor2 = CheckpointManager(_config(memory_url, new_run_name() + "-1", resume_from_checkpoint="latest"),
+    actor2 = CheckpointManager(_config(memory_url, _later_run_name(), resume_from_checkpoint="latest"),
                                component="actor", quiet=True)
     target = tiny_state(seed=8)
     assert actor2.resume(target) == 2
@@ -410,7 +416,7 @@ def test_driver_state_keeps_insertion_order_and_a_driver_never_imports_torch(tmp
     pipe.save(1, {"driver": DriverState(zeta=1, alpha={"b": 1, "a": 2})})
     pipe.close()
     restored = DriverState()
-    _, pipe2 = _managers(tmp_path, new_run_name() + "-1")
+    _, pipe2 = _managers(tmp_path, _later_run_name())
     step_dir = next(tmp_path.glob("*/checkpoint-1"))
     pipe2.resume({"driver": restored}, target=str(step_dir / "pipeline"))
     pipe2.close()
@@ -471,7 +477,7 @@ def test_a_failed_step_commit_keeps_the_part_and_the_next_resume_commits_the_ste
     pipe.close()
     # retention leaves a step whose parts are all there: only its own manifest is missing
     assert _steps(tmp_path) == [20] and (tmp_path / run / "checkpoint-10" / "pipeline" / "manifest.json").is_file()
-    actor2, _ = _managers(tmp_path, new_run_name() + "-1", resume_from_checkpoint="latest")
+    actor2, _ = _managers(tmp_path, _later_run_name(), resume_from_checkpoint="latest")
     assert actor2.resume(tiny_state(seed=2)) == 20
     assert _steps(tmp_path) == [10, 20]
     actor2.close()
@@ -483,7 +489,7 @@ def test_a_damaged_part_of_a_pending_step_does_not_stop_the_resume(tmp_path: Pat
     step20 = tmp_path / run / "checkpoint-20"
     (step20 / "manifest.json").unlink()
     (step20 / "actor" / "manifest.json").write_text("{not json")
-    actor2, _ = _managers(tmp_path, new_run_name() + "-1", resume_from_checkpoint="latest")
+    actor2, _ = _managers(tmp_path, _later_run_name(), resume_from_checkpoint="latest")
     assert actor2.resume(tiny_state(seed=2)) == 10
     assert not (step20 / "manifest.json").exists()
     actor2.close()
@@ -492,7 +498,7 @@ def test_a_damaged_part_of_a_pending_step_does_not_stop_the_resume(tmp_path: Pat
 def test_every_component_of_a_launch_resumes_from_the_step_the_first_one_chose(tmp_path: Path) -> None:
     old = new_run_name()
     _save_steps(tmp_path, old, [10, 20], actor_only=(20,))  # step 20 waits for the pipeline's part
-    run = new_run_name() + "-1"
+    run = _later_run_name()
     actor, pipe = _managers(tmp_path, run, resume_from_checkpoint="latest")
     assert actor.resume(tiny_state(seed=3)) == 10
     # a straggler of the earlier launch commits its part of step 20 now: the step is whole
@@ -526,3 +532,13 @@ def test_driver_state_refuses_subclasses_and_cycles(tmp_path: Path) -> None:
         with pytest.raises(RollCkptError, match=where):
             pipe.save(1, {"driver": bad})
     pipe.close()
+
+
+def test_a_launch_restarted_within_the_second_gets_a_newer_run_name() -> None:
+    from roll_ckpt.format import layout
+
+    first = new_run_name()
+    time.sleep(0.002)
+    second = new_run_name()
+    assert first != second and layout._run_key(second) > layout._run_key(first)
+    assert layout.RUN_RE.match(second)

@@ -411,7 +411,7 @@ def _location(backend: str, name: str, tmp_path: Path, request: pytest.FixtureRe
 
 
 def _next_run_name(after: str) -> str:
-    """A relaunch's run name: ``new_run_name()`` once it is newer than ``after`` (1 s resolution)."""
+    """A relaunch's run name: ``new_run_name()`` once it is newer than ``after`` (1 ms resolution)."""
     deadline = time.monotonic() + 5
     while True:
         name = new_run_name()

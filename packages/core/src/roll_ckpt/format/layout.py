@@ -57,12 +57,15 @@ def run_name(now: datetime, attempt: int = 0) -> str:
 
 
 def new_run_name() -> str:
-    """A run folder name for a job starting now (``YYYYmmdd-HHMMSS``, local time).
+    """A run folder name for a job starting now (``YYYYmmdd-HHMMSS-<ms>``, local time; the
+    milliseconds so that a launch restarted within the second of the one it replaces gets a
+    newer name, not the same one).
 
     Multi-component jobs pick it once per launch, in the driver, and give it to every
     component as ``checkpoint_config.run_name``.
     """
-    return run_name(datetime.now())
+    now = datetime.now()
+    return run_name(now, now.microsecond // 1000)
 
 
 def parse_step(name: str) -> int | None:
