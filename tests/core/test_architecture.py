@@ -95,7 +95,8 @@ def test_no_import_cycle(package: str) -> None:
 BASE = {"roll_ckpt.errors", "roll_ckpt.contracts", "roll_ckpt.hookspecs", "roll_ckpt._version"}
 REGISTRY = "roll_ckpt.plugins"  # from config up: plugins' keys validated, backends opened through it
 LAYERS = ["runtime", "format", "config", "tiers", "load", "hf", "save"]
-ASSEMBLY = {"roll_ckpt", "roll_ckpt.plugins", "roll_ckpt._builtin", "roll_ckpt.strategy", "roll_ckpt.manager"}
+ASSEMBLY = {"roll_ckpt", "roll_ckpt.plugins", "roll_ckpt._builtin", "roll_ckpt.strategy", "roll_ckpt.manager",
+            "roll_ckpt.plugin"}
 ABOVE_ALL = ("cli", "testing")
 
 
@@ -152,6 +153,33 @@ def test_core_never_imports_a_plugin_nor_names_its_config() -> None:
 SEAMS = ("roll_ckpt.runtime.torch_compat", "roll_ckpt.contracts")
 """One module by design (every version-dependent torch API in one place; every contract
 between core and its plugins in one place, as pluggy's hook specs): not held to the cap."""
+
+
+PUBLIC = {"roll_ckpt", "roll_ckpt.plugin"}
+"""What a plugin may import from core: the user API and the plugin author's API."""
+EXAMPLE_BACKEND = REPO / "tests" / "plugins" / "example_backend" / "src"
+
+
+@pytest.mark.parametrize("src", [*PLUGIN_SOURCES, EXAMPLE_BACKEND], ids=lambda p: p.parent.name)
+def test_plugins_import_only_the_public_api_of_core(src: Path) -> None:
+    """The project's own plugins and the example backend build on ``roll_ckpt`` and
+    ``roll_ckpt.plugin`` alone: what a third party's plugin can use is what ours use."""
+    private = []
+    for path in sorted(src.rglob("*.py")):
+        package = path.relative_to(src).parts[0]
+        module = ".".join(path.relative_to(src).with_suffix("").parts)
+        for dep in _imports(module, path):
+            if (dep == "roll_ckpt" or dep.startswith("roll_ckpt.")) and dep not in PUBLIC and \
+                    not dep.startswith(package):
+                private.append(f"{path.relative_to(REPO)}: {dep}")
+    assert not private, "plugins importing core's private modules:\n" + "\n".join(private)
+
+
+def test_the_plugin_api_names_what_it_exports() -> None:
+    import roll_ckpt.plugin as api
+
+    missing = [name for name in api.__all__ if not hasattr(api, name)]
+    assert not missing, f"roll_ckpt.plugin.__all__ names what it does not have: {missing}"
 
 
 def test_core_modules_stay_small() -> None:

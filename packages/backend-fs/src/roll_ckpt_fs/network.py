@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from roll_ckpt import StorageError
-from roll_ckpt.contracts import NetworkCounts
+from roll_ckpt.plugin import NetworkCounts
 
 __all__ = ["RetryPolicy", "FaultCounter", "RetryingReader", "ObjectWriter", "RETRY_KEYS"]
 

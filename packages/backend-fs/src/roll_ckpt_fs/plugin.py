@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from roll_ckpt import BackendRecord, hookimpl
+from roll_ckpt.plugin import BackendRecord, hookimpl
 
 
 def _factory(url: str, storage_options: Mapping[str, Any]) -> Any:
@@ -20,4 +20,5 @@ def roll_ckpt_backends() -> list[BackendRecord]:
         factory=_factory,
         install_hint='pip install "roll-ckpt[fs]"  (s3://: "roll-ckpt[s3]")',
         description="local paths, file://, memory://, s3:// and any fsspec URL",
+        storage_classes=("roll_ckpt_fs.storage:LocalStorage", "roll_ckpt_fs.storage:FsspecStorage"),
     )]

@@ -13,7 +13,7 @@ import time
 from typing import Any, BinaryIO, Mapping
 
 from roll_ckpt import StorageError
-from roll_ckpt.contracts import Entry, NetworkCounts
+from roll_ckpt.plugin import Entry, NetworkCounts
 
 from .direct import open_direct
 from .network import RETRY_KEYS, FaultCounter, ObjectWriter, RetryingReader, RetryPolicy

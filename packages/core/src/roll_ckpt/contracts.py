@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable, Mapping, MutableMapping, Protocol, Sequence, runtime_checkable
 
 __all__ = [
-    "Entry", "NetworkCounts", "Storage", "TakesOver", "Strategy", "StrategyDefaults", "strategy_member", "StagingPolicy", "SaveContext", "CommitInfo", "SpaceEstimate",
+    "Entry", "NetworkCounts", "Storage", "TakesOver", "ListsByPrefix", "CountsNetwork", "AbortableWrite",
+    "STORAGE_CAPABILITIES", "capabilities", "Strategy", "StrategyDefaults", "strategy_member", "StagingPolicy", "StagingGate", "SaveContext", "CommitInfo", "SpaceEstimate",
     "BackendRecord", "StrategyRecord", "StagingPolicyRecord", "ConfigKeyRecord", "CommandRecord",
 ]
 
@@ -155,6 +156,51 @@ class TakesOver(Protocol):
         ``src`` is missing or the store refuses."""
 
 
+@runtime_checkable
+class ListsByPrefix(Protocol):
+    """A :class:`Storage` that lists a folder's files by name prefix without listing the
+    rest (an object store's key-prefix listing). Optional: core lists the folder and
+    filters for a storage without it."""
+
+    def list_prefix(self, path: str, prefix: str) -> list[Entry]:
+        """The files directly in ``path`` whose name starts with ``prefix``."""
+
+
+@runtime_checkable
+class CountsNetwork(Protocol):
+    """A :class:`Storage` that counts the network faults it met and retried. Optional: a
+    storage without it reports none."""
+
+    def network_counts(self) -> NetworkCounts | None:
+        """The faults met so far (counters only grow); ``None`` when it is not networked."""
+
+
+@runtime_checkable
+class AbortableWrite(Protocol):
+    """A file object from :meth:`Storage.open_write` that can be dropped unfinished: after
+    ``abort()`` nothing of it is at its path, not even a short object (an object store's
+    multipart upload is aborted). Optional: otherwise a failed save's cleanup removes the
+    file with its folder."""
+
+    def abort(self) -> None:
+        """Drop what was written; the file object is closed after."""
+
+
+STORAGE_CAPABILITIES: tuple[type, ...] = (TakesOver, ListsByPrefix, CountsNetwork)
+"""The optional features of a :class:`Storage`, each a Protocol checked with ``isinstance``
+(``roll-ckpt plugins`` lists each backend's; :class:`AbortableWrite` is its file objects')."""
+
+
+def capabilities(storage_class: type) -> list[str]:
+    """The names of the optional features :data:`STORAGE_CAPABILITIES` that ``storage_class`` has."""
+    out = []
+    for proto in STORAGE_CAPABILITIES:
+        members = [m for m in vars(proto) if not m.startswith("_")]
+        if all(callable(getattr(storage_class, m, None)) for m in members):
+            out.append(proto.__name__)
+    return out
+
+
 # --------------------------------------------------------------------------- a save in progress
 
 
@@ -168,6 +214,36 @@ class SpaceEstimate:
     items: int
     """Items written (tensors and other values) across all processes."""
     files: int
+
+
+@runtime_checkable
+class StagingGate(Protocol):
+    """What a staging policy that stages in waves within ``SaveContext.budget`` sets as
+    ``SaveContext.gate`` (core's regular copy does, :class:`roll_ckpt.save.regular_copy.WaveGate`):
+    the caller fills the waves while the writer writes what is staged."""
+
+    error: BaseException | None
+    """The write's error once it failed (the caller stops filling)."""
+    caller_done: threading.Event
+    """Set once the caller recorded its blocked time (the writer waits for it)."""
+
+    def fill(self) -> None:
+        """The caller: stage every wave, each once the writer freed the memory it reuses."""
+
+    def abort(self, error: BaseException) -> None:
+        """The write (or a wave's staging) failed: neither side waits for the other any more."""
+
+    def order(self, names: Sequence[str]) -> list[int]:
+        """The writer: indices of ``names`` in the order to write them."""
+
+    def expect(self, names: Sequence[str]) -> None:
+        """The writer: the tensors this process's plan writes (the others count as written)."""
+
+    def before(self, name: str) -> None:
+        """The writer, before it writes ``name``: waits until its wave is staged."""
+
+    def after(self, name: str) -> None:
+        """The writer, after it wrote ``name``: frees its wave's memory once the wave is written."""
 
 
 @dataclass
@@ -194,7 +270,7 @@ class SaveContext:
     buffers...); owned by the manager, emptied when it closes."""
     budget: int = 0
     """Bytes regular staging may hold (``strategy_config.max_staging_bytes``); 0: no bound."""
-    gate: Any = None
+    gate: StagingGate | None = None
     """Set by a policy that stages in waves (within ``budget``): the writer asks it the
     order to write in and waits for each tensor to be staged; the caller fills it after
     the write has started (``roll_ckpt.save.regular_copy.WaveGate``)."""
@@ -390,6 +466,9 @@ class BackendRecord:
     install_hint: str = ""
     """What to ``pip install`` when this backend is missing (shown in errors)."""
     description: str = ""
+    storage_classes: tuple[str, ...] = ()
+    """``"module:Class"`` of each storage class the factory may return, imported only by
+    ``roll-ckpt plugins`` to list their optional features (:func:`capabilities`)."""
     distribution: str = ""
     """Filled in by the plugin manager: the distribution that registered the record."""
 

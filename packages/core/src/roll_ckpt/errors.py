@@ -10,11 +10,7 @@ from __future__ import annotations
 import errno
 from typing import Any
 
-__all__ = [
-    "carried",
-    "portable",
-    "carried_roll_error",
-    "disk_full",
+__all__ = [  # the hierarchy; carried, portable, carried_roll_error and disk_full are core's helpers
     "RollCkptError",
     "ConfigError",
     "PluginError",
@@ -28,6 +24,7 @@ __all__ = [
     "SaveError",
     "BackupError",
     "CollectiveTimeoutError",
+    "TorchCompatError",
 ]
 
 
@@ -179,6 +176,11 @@ class CollectiveTimeoutError(RollCkptError):
     """A collective of a save, commit or resume did not complete within
     ``checkpoint_config.collective_timeout_s``: another rank is stopped, hung or cut off.
     The message names this rank, the phase and the step; nothing was half-committed."""
+
+
+class TorchCompatError(RollCkptError):
+    """A torch API roll-ckpt relies on is missing from the installed torch (the message
+    names the API, this torch and the releases the suite ran on)."""
 
 
 class BackupError(RollCkptError):

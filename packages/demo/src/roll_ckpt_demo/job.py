@@ -121,8 +121,7 @@ def train(args: Any) -> int:
 
     from roll_ckpt import CheckpointManager
 
-    from roll_ckpt.format import layout
-    from roll_ckpt.runtime.units import human_bytes
+    from roll_ckpt.plugin import committed_checkpoints, human_bytes, latest_checkpoint
 
     cfg = build_config(args)
     p = params(cfg)
@@ -243,7 +242,7 @@ def train(args: Any) -> int:
                 manager.wait()  # a real crash would lose the save in flight; the demo keeps it deterministic
                 report_commits()
                 manager.close()
-                latest = layout.latest(manager.storage, manager.root)
+                latest = latest_checkpoint(manager.storage, manager.root)
                 say("", f"*** stopped abruptly after step {step} (simulated crash): no final save ***")
                 _say_resume(say, args, cfg, latest)
                 return 0
@@ -264,7 +263,7 @@ def train(args: Any) -> int:
         elapsed = time.perf_counter() - t_loop
         say("", f"done: steps {start + 1}-{cfg.max_steps} in {elapsed:.1f}s; "
             f"{counters['episodes']} episodes, mean reward {counters['rewarded'] / max(counters['episodes'], 1):.4f}")
-        refs = layout.committed(manager.storage, manager.root)
+        refs = committed_checkpoints(manager.storage, manager.root)
         say(f"committed checkpoints under {cc.output_dir}:")
         for ref in refs:
             say(f"  step {ref.step:4d}  {ref.path}")
@@ -342,7 +341,7 @@ def _init_distributed() -> tuple[Any, int, int, Any]:
 def _shard(policy: Any, world: int, device: Any) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from roll_ckpt.runtime.torch_compat import fsdp2_options
+    from roll_ckpt.plugin import fsdp2_options
 
     mesh = init_device_mesh(device.type, (world,))
     for module in (policy.body[0], policy.body[3], policy.policy_head, policy.value_head):

@@ -88,7 +88,7 @@ def run(args: Any) -> int:
     if distributed_child():
         args.nproc = int(os.environ["WORLD_SIZE"])
         return train(args)
-    from roll_ckpt.plugins import get_plugins
+    from roll_ckpt.plugin import get_plugins
 
     cfg = build_config(args)
     params(cfg)  # fail on a bad config before anything is deleted or launched
@@ -102,14 +102,13 @@ def run(args: Any) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m roll_ckpt_demo ARGS`` is ``roll-ckpt demo ARGS``."""
-    from roll_ckpt.cli import main as cli_main
+    from roll_ckpt.plugin import cli_main
 
     return cli_main(["demo", *(sys.argv[1:] if argv is None else argv)])
 
 
 def _remove_previous(cfg: Any) -> None:
-    from roll_ckpt.tiers.job import open_storage
-    from roll_ckpt.plugins import get_plugins
+    from roll_ckpt.plugin import get_plugins, open_storage
 
     cc = cfg.checkpoint_config
     storage = open_storage(get_plugins(), cc.type, cc.output_dir, cc.storage_options)

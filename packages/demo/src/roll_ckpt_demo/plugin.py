@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from roll_ckpt import CommandRecord, hookimpl
+from roll_ckpt.plugin import CommandRecord, hookimpl
 
 from .launch import add_demo_arguments, run
 

@@ -47,7 +47,8 @@ def build_config(args: Any) -> Any:
     """The resolved :class:`~roll_ckpt.config.schema.Config`, with the command-line overrides applied."""
     from pathlib import Path
 
-    from roll_ckpt.config.schema import load_config, read_yaml
+    from roll_ckpt import load_config
+    from roll_ckpt.plugin import read_yaml
 
     raw = read_yaml(Path(args.config)) if args.config else copy.deepcopy(DEFAULT_CONFIG)
     if args.output:

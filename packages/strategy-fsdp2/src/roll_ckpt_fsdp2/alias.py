@@ -6,6 +6,6 @@ writer would clone them; the alias has offset 0 and a storage of exactly its own
 yet the same memory.
 """
 
-from roll_ckpt.runtime.memory import exact_alias
+from roll_ckpt.plugin import exact_alias
 
 __all__ = ["exact_alias"]

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from roll_ckpt.runtime.torch_compat import collective, local_tensor, rewrap_dtensor, set_local_tensor
+from roll_ckpt.plugin import collective, local_tensor, rewrap_dtensor, set_local_tensor
 
 from .alias import exact_alias
 

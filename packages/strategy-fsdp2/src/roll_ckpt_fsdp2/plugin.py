@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from roll_ckpt import ConfigError, ConfigKeyRecord, StagingPolicyRecord, StrategyRecord, hookimpl
+from roll_ckpt.plugin import ConfigError, ConfigKeyRecord, StagingPolicyRecord, StrategyRecord, hookimpl
 
 from .policies import LocalDedup, ZeroCopy
 

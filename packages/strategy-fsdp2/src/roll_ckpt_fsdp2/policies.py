@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from roll_ckpt import SaveContext
+from roll_ckpt.plugin import SaveContext
 
 __all__ = ["ZeroCopy", "LocalDedup"]
 
@@ -66,7 +66,7 @@ class LocalDedup:
     def stage(self, items: Sequence[tuple[str, Any]], save: SaveContext) -> list[Any]:
         import torch
 
-        from roll_ckpt.runtime.torch_compat import rewrap_dtensor
+        from roll_ckpt.plugin import rewrap_dtensor
 
         store = save.strategy.store
         buffers = save.reuse.setdefault(self.name, {})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from roll_ckpt.strategy import DCPStrategy
+from roll_ckpt.plugin import DCPStrategy
 
 from .offload import OffloadStore
 

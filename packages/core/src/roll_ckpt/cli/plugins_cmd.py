@@ -11,7 +11,7 @@ from ._common import say, format_table
 def cmd_plugins(args: argparse.Namespace) -> int:
     from importlib import metadata
 
-    from ..contracts import CommandRecord, StrategyRecord
+    from ..contracts import BackendRecord, CommandRecord, StrategyRecord
     from ..errors import PluginError
     from ..plugins import get_plugins
 
@@ -45,6 +45,8 @@ def cmd_plugins(args: argparse.Namespace) -> int:
             text = rec.help if isinstance(rec, CommandRecord) else rec.description
             if isinstance(rec, StrategyRecord):
                 text = f"priority {rec.priority}; {text}"
+            if isinstance(rec, BackendRecord) and rec.storage_classes:
+                text = f"{text}; optional features: {_features(rec)}"
             rows.append([name, version(rec.distribution), text])
         say(*("  " + ln for ln in (format_table(["NAME", "DISTRIBUTION", "DESCRIPTION"], rows) if rows else [])))
     broken = list(plugins.broken)
@@ -53,6 +55,24 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         say(*("  " + ln for ln in format_table(["ENTRY POINT", "DISTRIBUTION", "ERROR"],
                                            [[b.name, version(b.distribution), b.error] for b in broken])))
     return status
+
+
+def _features(rec: Any) -> str:
+    """Each storage class of a backend record and the optional features it has (``contracts.capabilities``)."""
+    import importlib
+
+    from ..contracts import capabilities
+
+    parts = []
+    for path in rec.storage_classes:
+        module, _, name = path.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except Exception as exc:  # a listing, not a load: say what is wrong and go on
+            parts.append(f"{name} (cannot import {path}: {type(exc).__name__})")
+            continue
+        parts.append(f"{name} ({', '.join(capabilities(cls)) or 'none'})")
+    return "; ".join(parts)
 
 
 def _in_staging_order(plugins: Any) -> Callable[[], dict[str, Any]]:

@@ -15,7 +15,7 @@ from typing import Any, Callable, Generator
 
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 
-from ..contracts import Storage
+from ..contracts import AbortableWrite, Storage
 from .digest import FileHasher, Hasher
 
 __all__ = ["StorageFileSystem"]
@@ -32,6 +32,11 @@ class _HashingStream(io.RawIOBase):
         self._hasher = FileHasher()
         self._on_close = on_close
         self._on_bytes = on_bytes
+
+    @property
+    def inner(self) -> Any:
+        """The backend's file object written through."""
+        return self._inner
 
     def writable(self) -> bool:
         return True
@@ -125,10 +130,9 @@ class StorageFileSystem(FileSystemBase):
                 # Kept for the writer: a failure in one of its threads must fail the save.
                 with self._lock:
                     self.errors.append(exc)
-                abort = getattr(stream._inner, "abort", None)
-                if abort is not None:  # an object store: no short object from a failed write
+                if isinstance(stream.inner, AbortableWrite):  # an object store: no short object from a failed write
                     try:
-                        abort()
+                        stream.inner.abort()
                     except Exception:  # the folder is removed by the save's cleanup anyway
                         pass
                 raise

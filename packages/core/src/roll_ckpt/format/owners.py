@@ -15,7 +15,7 @@ import os
 import socket
 import time
 
-from ..contracts import Storage
+from ..contracts import ListsByPrefix, Storage
 from .layout import TMP_PREFIX, basename, parent, parse_step, run_folders
 from .manifest import MANIFEST_NAME
 
@@ -91,8 +91,7 @@ def markers_named(storage: Storage, folder: str, name: str) -> list[tuple[object
     that list by prefix (``list_prefix``, optional: object stores) list only those; the others
     list the folder."""
     prefix = f"{MARKER_PREFIX}{name}-"
-    lister = getattr(storage, "list_prefix", None)
-    entries = lister(folder, prefix) if lister is not None else \
+    entries = storage.list_prefix(folder, prefix) if isinstance(storage, ListsByPrefix) else \
         [e for e in storage.list(folder) if e.name.startswith(prefix)]
     return read_markers(storage, entries)
 

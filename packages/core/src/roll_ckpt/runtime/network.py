@@ -16,7 +16,7 @@ import logging
 import posixpath
 from typing import Mapping
 
-from ..contracts import NetworkCounts, Storage
+from ..contracts import CountsNetwork, NetworkCounts, Storage
 from ..errors import SaveError
 
 __all__ = ["read_counts", "report_save", "check_objects"]
@@ -26,8 +26,7 @@ log = logging.getLogger("roll_ckpt")
 
 def read_counts(storage: Storage) -> NetworkCounts | None:
     """The backend's fault counts now (``None``: it keeps none, e.g. a local disk)."""
-    counts = getattr(storage, "network_counts", None)
-    return counts() if callable(counts) else None
+    return storage.network_counts() if isinstance(storage, CountsNetwork) else None
 
 
 def report_save(what: str, rank: int, counts: NetworkCounts | None, *, failed: bool = False) -> None:

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import RollCkptError
+from ..errors import TorchCompatError
 
 __all__ = ["TorchCompatError", "fsdp2_options", "gloo_averages", "local_tensor", "set_local_tensor", "rewrap_dtensor", "save_tensor_without_crc",
            "serializes_plainly", "create_write_items",
@@ -31,10 +31,6 @@ __all__ = ["TorchCompatError", "fsdp2_options", "gloo_averages", "local_tensor",
 CHECKED_ON = ("2.6", "2.8", "2.10", "2.11", "2.13", "2.14")
 """torch releases the whole suite ran on: the legs of ``make test-matrix`` (``matrix/results/``;
 ``tests/compat/test_seams.py`` keeps them equal)."""
-
-
-class TorchCompatError(RollCkptError):
-    """A private torch API roll-ckpt relies on is missing from the installed torch."""
 
 
 def _missing(api: str, exc: BaseException) -> TorchCompatError:

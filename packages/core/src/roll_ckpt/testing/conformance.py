@@ -209,6 +209,29 @@ class BackendConformance(ManagerChecks):
         assert read_file(storage, storage.join(d, "dst")) == data
         assert {e.name: e.size for e in storage.list(d)} == {"dst": len(data)}
 
+    def test_optional_features_do_what_their_protocols_say(self, storage: Storage) -> None:
+        """Each optional feature the backend has (``contracts.STORAGE_CAPABILITIES``, checked
+        with ``isinstance`` as core checks it) behaves as its protocol says."""
+        from ..contracts import AbortableWrite, CountsNetwork, ListsByPrefix, NetworkCounts
+
+        d = storage.join(storage.root, "features")
+        storage.makedirs(d)
+        for name in ("a-1", "a-2", "b-1"):
+            write_file(storage, storage.join(d, name), name.encode())
+        if isinstance(storage, ListsByPrefix):
+            assert sorted(e.name for e in storage.list_prefix(d, "a-")) == ["a-1", "a-2"]
+            assert storage.list_prefix(d, "zzz") == []
+        if isinstance(storage, CountsNetwork):
+            counts = storage.network_counts()
+            assert counts is None or isinstance(counts, NetworkCounts)
+        f = storage.open_write(storage.join(d, "dropped"))
+        f.write(b"x" * 1000)
+        if isinstance(f, AbortableWrite):
+            f.abort()
+            assert not storage.exists(storage.join(d, "dropped"))
+        else:
+            f.close()
+
     def test_free_bytes(self, storage: Storage) -> None:
         storage.makedirs(storage.root)
         free = storage.free_bytes(storage.root)

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from roll_ckpt import BackendRecord, hookimpl
+from roll_ckpt.plugin import BackendRecord, hookimpl
 
 
 def _factory(url: str, options: Mapping[str, Any]) -> Any:

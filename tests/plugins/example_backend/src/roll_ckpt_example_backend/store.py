@@ -4,7 +4,7 @@ import os
 import shutil
 from typing import BinaryIO
 
-from roll_ckpt import Entry
+from roll_ckpt.plugin import Entry
 
 
 class DirStore:

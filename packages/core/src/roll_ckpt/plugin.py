@@ -1,0 +1,92 @@
+"""The API for plugin authors: what a backend, strategy, staging policy or command builds on.
+
+roll-ckpt's own plugins (``roll_ckpt_fs``, ``roll_ckpt_fsdp2``, ``roll_ckpt_demo``) import
+nothing else from core (``tests/core/test_architecture.py`` holds them to it), and neither
+should a third party's: every other module of ``roll_ckpt`` is private and may change.
+
+* **Hooks**: :data:`hookimpl` marks a plugin's implementation of a hook of
+  :mod:`roll_ckpt.hookspecs` (where every hook is documented); the records the registration
+  hooks return (:class:`BackendRecord`, :class:`StrategyRecord`, :class:`StagingPolicyRecord`,
+  :class:`ConfigKeyRecord`, :class:`CommandRecord`).
+* **Storage**: the :class:`Storage` protocol (with :class:`Entry`), its optional features as
+  protocols checked with ``isinstance`` (:data:`STORAGE_CAPABILITIES`: :class:`TakesOver`,
+  :class:`ListsByPrefix`, :class:`CountsNetwork`; a write's :class:`AbortableWrite`), and
+  :class:`NetworkCounts`. ``roll_ckpt.testing.BackendConformance`` is the suite a backend passes.
+* **Strategies**: the :class:`Strategy` protocol, :class:`StrategyDefaults` (the one default
+  of each optional member), :class:`SpaceEstimate`, and :class:`DCPStrategy`, the base class
+  a strategy on DCP subclasses (imported on first use: it imports torch).
+* **Staging**: :class:`StagingPolicy`, :class:`SaveContext` and :class:`StagingGate`.
+* **Errors**: the whole hierarchy, from :class:`RollCkptError` down.
+* **torch across releases** (imported on first use): the accessors of
+  ``roll_ckpt.runtime.torch_compat`` a plugin needs (:func:`local_tensor`,
+  :func:`set_local_tensor`, :func:`rewrap_dtensor`, :func:`collective`, :func:`fsdp2_options`)
+  and :func:`exact_alias`; each works on every torch of the supported range.
+* **Helpers for commands**: :func:`get_plugins`, :func:`open_storage`, :func:`read_yaml`,
+  :func:`committed_checkpoints`, :func:`latest_checkpoint`, :func:`human_bytes`,
+  :func:`cli_main`.
+
+Importing this module does not import torch nor any plugin.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .config.schema import read_yaml
+from .contracts import (STORAGE_CAPABILITIES, AbortableWrite, BackendRecord, CommandRecord, CommitInfo,
+                        ConfigKeyRecord, CountsNetwork, Entry, ListsByPrefix, NetworkCounts, SaveContext,
+                        SpaceEstimate, StagingGate, StagingPolicy, StagingPolicyRecord, Storage, Strategy,
+                        StrategyDefaults, StrategyRecord, TakesOver, capabilities, strategy_member)
+from .errors import (BackupError, CheckpointCorruptError, CheckpointNotFoundError, CollectiveTimeoutError,
+                     ConfigError, PartlyLoadedError, PluginError, RollCkptError, SaveError, StorageError,
+                     StorageFullError, TorchCompatError, UnknownPluginError, UnsafeCheckpointError)
+from .format.layout import committed as committed_checkpoints
+from .format.layout import latest as latest_checkpoint
+from .hookspecs import hookimpl, hookspec
+from .plugins import get_plugins
+from .runtime.units import human_bytes
+
+__all__ = [
+    # hooks and records
+    "hookimpl", "hookspec", "BackendRecord", "StrategyRecord", "StagingPolicyRecord", "ConfigKeyRecord",
+    "CommandRecord", "CommitInfo",
+    # storage
+    "Storage", "Entry", "NetworkCounts", "TakesOver", "ListsByPrefix", "CountsNetwork", "AbortableWrite",
+    "STORAGE_CAPABILITIES", "capabilities",
+    # strategies
+    "Strategy", "StrategyDefaults", "strategy_member", "SpaceEstimate", "DCPStrategy",
+    # staging
+    "StagingPolicy", "SaveContext", "StagingGate",
+    # errors
+    "RollCkptError", "ConfigError", "PluginError", "UnknownPluginError", "StorageError", "StorageFullError",
+    "CheckpointNotFoundError", "CheckpointCorruptError", "PartlyLoadedError", "UnsafeCheckpointError",
+    "SaveError", "BackupError", "CollectiveTimeoutError", "TorchCompatError",
+    # torch across releases
+    "local_tensor", "set_local_tensor", "rewrap_dtensor", "collective", "fsdp2_options", "exact_alias",
+    # helpers for commands
+    "get_plugins", "open_storage", "read_yaml", "committed_checkpoints", "latest_checkpoint", "human_bytes",
+    "cli_main",
+]
+
+_LAZY = {
+    "DCPStrategy": "roll_ckpt.strategy",
+    "local_tensor": "roll_ckpt.runtime.torch_compat",
+    "set_local_tensor": "roll_ckpt.runtime.torch_compat",
+    "rewrap_dtensor": "roll_ckpt.runtime.torch_compat",
+    "collective": "roll_ckpt.runtime.torch_compat",
+    "fsdp2_options": "roll_ckpt.runtime.torch_compat",
+    "exact_alias": "roll_ckpt.runtime.memory",
+    "open_storage": "roll_ckpt.tiers.job",
+    "cli_main": "roll_ckpt.cli",
+}
+"""Names whose modules import torch (or much else): imported when first asked for."""
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'roll_ckpt.plugin' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), "main" if name == "cli_main" else name)
+    globals()[name] = value
+    return value
