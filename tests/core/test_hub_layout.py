@@ -107,6 +107,10 @@ def test_an_architecture_that_cannot_be_converted_is_named(tmp_path: Path) -> No
     class FusedQKVLlamaForCausalLM(LlamaForCausalLM):
         pass
 
+    if not hasattr(cm, "USER_REGISTERED_MAPPINGS"):
+        pytest.skip("this transformers (5.2) looks conversion rules up by model_type only: a rule for one "
+                    "architecture cannot be registered without changing every Llama")
+
     cm.register_checkpoint_conversion_mapping("FusedQKVLlamaForCausalLM", [WeightConverter(
         source_patterns=["self_attn.qkv_proj.weight"],
         target_patterns=["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"],

@@ -329,6 +329,8 @@ class DCPStrategy(StrategyDefaults):
                 target[key] = get_model_state_dict(obj)
             elif isinstance(obj, torch.optim.Optimizer):
                 target[key] = get_optimizer_state_dict(state[owners[key]], obj)
+        for key in owners:
+            _without_hyperparameters_not_saved(target[key], key, md)
         top, ranks = top_keys(md, PER_RANK)
         src = self._source_rank(ranks)
         target[PER_RANK] = {src: placeholders(md, (PER_RANK, src))}
@@ -407,6 +409,17 @@ class DCPStrategy(StrategyDefaults):
 
     def close(self) -> None:
         self._state_dicts.clear()
+
+
+def _without_hyperparameters_not_saved(osd: dict[str, Any], key: str, md: Any) -> None:
+    """Drop from an optimizer's target the hyperparameters its checkpoint does not hold: ones
+    a later torch added (AdamW's ``decoupled_weight_decay`` from 2.7 on, absent from a torch 2.6
+    checkpoint). The optimizer's ``load_state_dict`` gives each its default then, as it does
+    for any state dict an older torch wrote."""
+    saved = md.state_dict_metadata
+    for i, group in enumerate(osd.get("param_groups", [])):
+        for name in [n for n in group if n != "params" and f"{key}.param_groups.{i}.{n}" not in saved]:
+            del group[name]
 
 
 def _local_bytes(node: Any) -> int:
