@@ -55,8 +55,8 @@ def _target(phase: str) -> tuple[Any, str]:
         "write": (DigestingWriter, "write_files"),
         "commit": (PendingCheckpoint, "commit"),
         "checks": (SafeReader, "check_files"),
-        "load": (DCPStrategy, "_dcp_load"),
-        "apply": (DCPStrategy, "_apply"),
+        "load": (DCPStrategy, "read_into"),
+        "apply": (DCPStrategy, "hand_over"),
     }[phase]
 
 

@@ -55,8 +55,8 @@ def main(out: str, phase: str) -> None:
             if phase == "load" and rank == 1:
                 from roll_ckpt.strategy import DCPStrategy
 
-                real = DCPStrategy._dcp_load
-                DCPStrategy._dcp_load = lambda self, *a, **k: (stop(), real(self, *a, **k))[1]  # type: ignore
+                real = DCPStrategy.read_into
+                DCPStrategy.read_into = lambda self, *a, **k: (stop(), real(self, *a, **k))[1]  # type: ignore
             t0 = time.monotonic()
             m.resume(state)
         else:

@@ -64,7 +64,7 @@ class CheckpointManager:
         self.component = component
         self.plugins = plugins
         self.quiet = quiet
-        self._job = Job(config, component, storage, plugins, quiet=quiet, manager=self)
+        self._job = Job(config, component, storage, plugins, quiet=quiet)
         if cc.backup is not None:
             replica = open_storage(plugins, cc.backup.type, cc.backup.output_dir, cc.backup.storage_options)
             self._job.backup = BackupLink(lambda: self._job.storage, replica, cc.backup, lock=self._job.local_lock,
@@ -220,7 +220,7 @@ class CheckpointManager:
     @property
     def failed_saves(self) -> int:
         """Periodic saves that failed and were let go (``checkpoint_config.on_save_error: warn``)."""
-        return self._saves.failed_saves
+        return self._saves.errors.failed_saves
 
     @property
     def network(self) -> NetworkCounts:
@@ -349,6 +349,7 @@ class CheckpointManager:
         if self._closed:
             return
         self._closed = True
+        self._job.open = False
         self._watch.uninstall()
         try:
             self._saves.close()

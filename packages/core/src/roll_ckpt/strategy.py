@@ -304,9 +304,9 @@ class DCPStrategy(StrategyDefaults):
         if files:
             reader.start_checks(sorted(n for n in files if n.startswith(f"__{self.rank}_") and n.endswith(".distcp")))
         md = reader.read_metadata()
-        target, src = self._targets(state, md, dcp_path)
-        self._dcp_load(target, reader, dcp_path, True)
-        self._apply(state, target, src)
+        target, src = self.load_targets(state, md, dcp_path)
+        self.read_into(target, reader, dcp_path, True)
+        self.hand_over(state, target, src)
 
     def adopt_layout(self, state: Mapping[str, Any], md: Any, md_bytes: bytes, checksum: str) -> None:
         """Start the next save from a resumed checkpoint's layout (its ``.metadata``)."""
@@ -317,9 +317,9 @@ class DCPStrategy(StrategyDefaults):
         planner.set_up_planner(sd, None, self.is_coordinator)
         self.layouts.adopt(md, md_bytes, checksum, planner, self.writer_threads(_local_bytes(sd)), self.process_group)
 
-    def _targets(self, state: Mapping[str, Any], md: Any, dcp_path: str) -> tuple[dict[str, Any], str]:
-        """The state dict to load into (live tensors, placeholders for per-process values),
-        and the rank whose per-process values this process takes."""
+    def load_targets(self, state: Mapping[str, Any], md: Any, dcp_path: str) -> tuple[dict[str, Any], str]:
+        """A load's first step (then :meth:`read_into`, :meth:`hand_over`; ``load/job_load.py``):
+        the state dict to load into, and the rank whose per-process values this process takes."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         owners = self._pairs(state)
@@ -340,8 +340,8 @@ class DCPStrategy(StrategyDefaults):
                                 f"{', '.join(missing)}; it holds {', '.join(sorted(top))}")
         return target, src
 
-    def _apply(self, state: MutableMapping[str, Any], target: dict[str, Any], src: str) -> None:
-        """Hand the loaded values to the modules, optimizers and objects of ``state``."""
+    def hand_over(self, state: MutableMapping[str, Any], target: dict[str, Any], src: str) -> None:
+        """A load's last step: hand the loaded values to the modules, optimizers and objects of ``state``."""
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
         owners = self._pairs(state)
@@ -379,7 +379,8 @@ class DCPStrategy(StrategyDefaults):
             return {"process_group": None, "no_dist": True}
         return {"process_group": self.process_group, "no_dist": False}
 
-    def _dcp_load(self, target: dict[str, Any], reader: Any, dcp_path: str, alone: bool) -> None:
+    def read_into(self, target: dict[str, Any], reader: Any, dcp_path: str, alone: bool) -> None:
+        """A load's second step: ``dcp_path`` read into ``target`` (``alone``: without collectives)."""
         from .format.unpickle import SafeLoadPlanner
 
         reader.reset(dcp_path)

@@ -83,7 +83,7 @@ def _load_job(strategy: Any, state: MutableMapping[str, Any], reader: Any, stora
         mine = assigned_files(files, strategy.rank, strategy.world_size) if files else []
         if mine:
             reader.start_checks(mine)  # the disk works while the target is built
-        target, src = strategy._targets(state, md, dcp_path)
+        target, src = strategy.load_targets(state, md, dcp_path)
         if files:
             reader.check_files(mine)
             reader.job_checked = True
@@ -91,14 +91,14 @@ def _load_job(strategy: Any, state: MutableMapping[str, Any], reader: Any, stora
         error = exc
     strategy.agree(error, "resume: checking the files", step)  # every check passed before any process reads
     try:
-        strategy._dcp_load(target, reader, dcp_path, True)
+        strategy.read_into(target, reader, dcp_path, True)
     except BaseException as exc:  # DCP's CheckpointException is a BaseException
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
         error = exc
     strategy.agree(error, "resume: loading", step)
     try:
-        strategy._apply(state, target, src)
+        strategy.hand_over(state, target, src)
     except Exception as exc:  # e.g. a stateful object refusing its value: before the collective below
         error = exc
     strategy.agree(error, "resume: handing the values over", step)

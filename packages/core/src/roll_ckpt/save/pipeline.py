@@ -3,14 +3,21 @@
 ::
 
     SavePipeline.save            caller's thread
-        strategy.state_dict          the live state dict
-        check_space                  coordinator: does it fit? (refusals reach every rank)
+        strategy.state_dict          the live state dict (without the HF module's weights
+                                     when only the HF files are kept)
+        _check_space                 coordinator: does it fit?
         stage_state_dict             each tensor captured by its staging policy
+        refuse                       a rank that failed so far meets the others at their
+                                     first agreement, which raises its error everywhere
     SavePipeline.write_and_commit  caller's thread, or the background thread when async
+        _begin                       coordinator: owner marker, data folder; every rank agrees
+        StagedSave.local_unit        the fast tier's unit of the same staged state, if due
         strategy.write               DCP's format, every file hashed while written
         Committer.commit             coordinator: HF files, manifest last (rename / create-only),
                                      the step of components, retention, replication
-        strategy.agree               every rank: the commit's outcome
+        _agree                       every rank: the commit's outcome
+      _failing_cleanly             around both: a failure removes what was written and
+                                     becomes one roll-ckpt error (save/failures.py)
 
 One save is in flight at most: a save issued while an asynchronous one is still writing
 waits for it first (and raises its error, if it failed).
@@ -24,30 +31,32 @@ it is committed and the next save tries again. Final saves always raise.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import errno
+import contextlib
 import json
 import logging
 import time
 from collections import Counter
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping, NoReturn
 
 from ..format import layout
-from ..format.commit import pending_checkpoint
+from ..format.commit import PendingCheckpoint, pending_checkpoint
 from ..format.components import check_part_free
 from ..runtime.background import lower_priority
 from ..runtime.collector import CollectorPause
 from ..contracts import NetworkCounts, SaveContext, strategy_member
 from ..hf.in_checkpoint import HFPart, saved_state
-from ..errors import RollCkptError, SaveError, StorageError, StorageFullError, carried_roll_error, disk_full
+from ..errors import RollCkptError, SaveError
 from ..tiers.job import Job
 from ..format.leftovers import Leftovers
 from ..runtime.network import read_counts, report_save
 from ..tiers.retention import apply_retention
 from .committer import Committer
+from .failures import WarnMode, agreed_failure, save_error
 from .staging import stage_state_dict
 from .stats import SaveStats
 
-__all__ = ["SavePipeline", "SaveStats"]
+__all__ = ["SavePipeline", "SaveStats", "StagedSave"]
 
 log = logging.getLogger("roll_ckpt")
 
@@ -55,8 +64,7 @@ log = logging.getLogger("roll_ckpt")
 class SavePipeline:
     def __init__(self, job: Job) -> None:
         self.job = job
-        self.tolerant = job.config.checkpoint_config.on_save_error == "warn"
-        self.failed_saves = 0
+        self.errors = WarnMode(job.config.checkpoint_config.on_save_error)
         self.last_save: SaveStats | None = None
         self.committed_steps: set[int] = set()
         self.space: Any = None
@@ -81,16 +89,12 @@ class SavePipeline:
         self.wait()
         try:
             return self._save(step, state, final=final, metadata=metadata, local=local)
-        except (StorageError, SaveError) as exc:
-            if final or not self.tolerant:
+        except RollCkptError as exc:
+            if not self.errors.absorbs(exc, final):
                 raise
-            self._tolerate(step, exc)
+            self.errors.tolerate(step, exc)
             return None
-    def _tolerate(self, step: int | None, exc: BaseException) -> None:
-        self.failed_saves += 1
-        what = f"checkpoint-{step}" if step is not None else "the background save"
-        log.warning("roll-ckpt: saving %s failed: %s -- training goes on and the next save tries again "
-                    "(checkpoint_config.on_save_error: warn; %d failed save(s) so far)", what, exc, self.failed_saves)
+
     def save_local(self, step: int, state: Mapping[str, Any]) -> None:
         """A checkpoint of the fast recovery tier alone (no persistent save at ``step``): the
         same staging, the unit written (and replicated) by the writer; never raises a storage error."""
@@ -180,14 +184,14 @@ class SavePipeline:
                     raise refusal
                 staged = self._stage(sd, ctx)
         except Exception as exc:  # the other ranks go on to the write's first agreement: meet them there
-            self.write_and_commit({}, ctx, user, t0, refuse=exc)  # raises it, on every rank
-            raise AssertionError("unreachable: write_and_commit raises a refusal") from exc
-        also = None
+            self.refuse(ctx, exc)
+        save = StagedSave(staged, ctx, user, t0)
         if local and ctx.gate is None:  # (staged in waves, the state is written once: persistently)
             trainer_state = self.committer.trainer_state(ctx, user)
-            also = lambda: job.local.save(staged, step, trainer_state, save=ctx)  # noqa: E731
-        module = state.get(self.hf.config.key) if self.hf is not None else None
-        self._launch(ctx, t0, lambda: self.write_and_commit(staged, ctx, user, t0, also=also, module=module))
+            save.local_unit = lambda: job.local.save(staged, step, trainer_state, save=ctx)
+        if self.hf is not None:
+            save.hf_module = state.get(self.hf.config.key)
+        self._launch(ctx, t0, lambda: self.write_and_commit(save))
         return final_path
 
     @property
@@ -202,18 +206,16 @@ class SavePipeline:
             return None
         try:
             stats = fut.result()
-        except (StorageError, SaveError) as exc:
-            if not self.tolerant:
+        except RollCkptError as exc:
+            if not self.errors.absorbs(exc):
                 raise
-            self._tolerate(None, exc)
+            self.errors.tolerate(None, exc)
             return None
-        except RollCkptError:
-            raise
-        except BaseException as exc:
+        except Exception as exc:
             error = SaveError(f"the background save failed: {type(exc).__name__}: {exc}")
-            if not self.tolerant:
+            if not self.errors.absorbs(error):
                 raise error from exc
-            self._tolerate(None, error)
+            self.errors.tolerate(None, error)
             return None
         if stats is not None:  # (None: a save of the local tier alone)
             self.last_save = stats
@@ -240,51 +242,90 @@ class SavePipeline:
                                 retention=retention, sizes=lambda: committed_sizes(job.storage, job.root, job.run_dir))
 
 
-    def write_and_commit(self, sd: dict[str, Any], ctx: SaveContext, user: dict[str, Any], t0: float,
-                         refuse: BaseException | None = None, also: Any = None, module: Any = None) -> SaveStats:
-        """Write the staged ``sd`` and commit it (the coordinator), every rank agreeing twice:
+    def write_and_commit(self, save: StagedSave) -> SaveStats:
+        """Write the staged state and commit it (the coordinator), every rank agreeing twice:
         before the write (a rank's refusal, or the coordinator's failed begin, ends every
         rank's save there) and after the commit (no rank reports a step the coordinator did
-        not commit). ``refuse``: this rank's save failed before the write; it is raised on
-        every rank."""
-        job = self.job
+        not commit)."""
+        job, ctx = self.job, save.ctx
         strategy, storage = job.strategy, job.storage
-        pending = pending_checkpoint(storage, ctx.path, job.token)
-        data_path = storage.join(pending.write_path, strategy.data_dir)
-        before = read_counts(storage)
-        error: BaseException | None = None
-        begun = committed = False
-        total = taken = 0
-        try:
-            failed: BaseException | None = refuse
-            if failed is None:
-                try:
-                    ctx.run_before_write_callbacks()
-                    if strategy.is_coordinator:
-                        self.leftovers.retry()
-                        if job.component:
-                            check_part_free(storage, ctx.path, ctx.step, job.component)
-                        pending.begin()
-                        begun = True
-                        storage.makedirs(data_path)  # before every rank's first write: the agreement orders it
-                except Exception as exc:
-                    failed = exc
-            strategy_member(strategy, "agree")(self._agreed(ctx, failed), "save: starting", ctx.step)
-            if also is not None:  # the local tier's unit of the same staged state, first (never raises)
-                also()
+        attempt = self._attempt(ctx)
+        with self._failing_cleanly(ctx, attempt):
+            self._begin(ctx, attempt)
+            if save.local_unit is not None:  # the local tier's unit of the same staged state, first (never raises)
+                save.local_unit()
             with job.progress(f"save step {ctx.step}") as progress:
-                digests = strategy.write(sd, storage, data_path, progress, save=ctx)
+                digests = strategy.write(save.sd, storage, attempt.data_path, progress, save=ctx)
             failed = None
             if strategy.is_coordinator:
                 try:
-                    total, taken = self.committer.commit(pending, ctx, user, digests, module)
-                    committed = True
+                    attempt.total, attempt.taken = self.committer.commit(attempt.pending, ctx, save.user, digests,
+                                                                         save.hf_module)
+                    attempt.committed = True
                 except Exception as exc:
                     failed = exc
-            strategy_member(strategy, "agree")(self._agreed(ctx, failed), "save: committing", ctx.step)
+            self._agree(ctx, failed, "save: committing")
             self.committed_steps.add(ctx.step)
             if (increments := strategy_member(strategy, "increments")) is not None:
                 increments.committed(storage, ctx.path, strategy.data_dir)
+        if ctx.gate is not None:  # the caller records how long it was blocked once the last wave is in
+            ctx.gate.caller_done.wait(60)
+        stats = SaveStats(step=ctx.step, path=ctx.path, is_async=ctx.is_async,
+                          blocked_s=ctx.blocked_s if ctx.is_async else time.perf_counter() - save.t0,
+                          total_s=time.perf_counter() - save.t0, bytes=attempt.total, bytes_copied=ctx.bytes_copied,
+                          policies=dict(Counter(ctx.staging.values())),
+                          network=_since(read_counts(storage), attempt.counts), bytes_taken_over=attempt.taken)
+        report_save(f"checkpoint-{ctx.step}", strategy.rank, stats.network)
+        self.last_save = stats
+        return stats
+
+    def refuse(self, ctx: SaveContext, exc: BaseException) -> NoReturn:
+        """This rank's save failed before its write (a refusal, a state dict that cannot be
+        built): the other ranks are on their way to the write's first agreement, so meet them
+        there with ``exc``, which every rank then raises."""
+        with self._failing_cleanly(ctx, attempt := self._attempt(ctx)):
+            self._agree(ctx, exc, "save: starting")
+        raise AssertionError("unreachable: the agreement raises the refusal") from exc
+
+    def _attempt(self, ctx: SaveContext) -> "_Attempt":
+        job = self.job
+        pending = pending_checkpoint(job.storage, ctx.path, job.token)
+        return _Attempt(pending, job.storage.join(pending.write_path, job.strategy.data_dir), read_counts(job.storage))
+
+    def _begin(self, ctx: SaveContext, attempt: "_Attempt") -> None:
+        """Coordinator: claim the checkpoint's folder (its owner marker) and make the data
+        folder, before any rank writes; every rank agrees that it worked."""
+        job = self.job
+        failed: BaseException | None = None
+        try:
+            ctx.run_before_write_callbacks()
+            if job.strategy.is_coordinator:
+                self.leftovers.retry()
+                if job.component:
+                    check_part_free(job.storage, ctx.path, ctx.step, job.component)
+                attempt.pending.begin()
+                attempt.begun = True
+                job.storage.makedirs(attempt.data_path)
+        except Exception as exc:
+            failed = exc
+        self._agree(ctx, failed, "save: starting")
+
+    def _agree(self, ctx: SaveContext, failed: BaseException | None, phase: str) -> None:
+        """Every rank: raise the failure of any rank (the first), or go on together."""
+        job = self.job
+        error = agreed_failure(failed, ctx.step, job.storage.url, ctx.world_size)
+        strategy_member(job.strategy, "agree")(error, phase, ctx.step)
+
+    @contextlib.contextmanager
+    def _failing_cleanly(self, ctx: SaveContext, attempt: "_Attempt") -> Iterator[None]:
+        """A save's failure, wherever it happens: nothing of it left (the coordinator removes
+        what it wrote), the caller's next wave not waited for, the error raised as a roll-ckpt
+        one; the callbacks and ``roll_ckpt_save_finished`` told in every case."""
+        job = self.job
+        strategy = job.strategy
+        error: BaseException | None = None
+        try:
+            yield
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             error = exc
             if (increments := strategy_member(strategy, "increments")) is not None:
@@ -293,69 +334,17 @@ class SavePipeline:
                 ctx.gate.abort(exc)  # the caller may be waiting to stage the next wave
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
-            if not committed and (begun or strategy.is_coordinator):
-                self.leftovers.discard(pending, begun)
-            report_save(f"checkpoint-{ctx.step}", strategy.rank, _since(read_counts(storage), before), failed=True)
-            translated = self._save_error(ctx, exc)
+            if not attempt.committed and (attempt.begun or strategy.is_coordinator):
+                self.leftovers.discard(attempt.pending, attempt.begun)
+            report_save(f"checkpoint-{ctx.step}", strategy.rank, _since(read_counts(job.storage), attempt.counts),
+                        failed=True)
+            translated = save_error(exc, ctx.step, job.storage.url, ctx.world_size)
             if translated is exc:
                 raise
             raise translated from exc
         finally:
             ctx.run_finished_callbacks()
             job.plugins.hook.roll_ckpt_save_finished(save=ctx, error=error)
-        if ctx.gate is not None:  # the caller records how long it was blocked once the last wave is in
-            ctx.gate.caller_done.wait(60)
-        stats = SaveStats(step=ctx.step, path=ctx.path, is_async=ctx.is_async,
-                          blocked_s=ctx.blocked_s if ctx.is_async else time.perf_counter() - t0,
-                          total_s=time.perf_counter() - t0, bytes=total, bytes_copied=ctx.bytes_copied,
-                          policies=dict(Counter(ctx.staging.values())),
-                          network=_since(read_counts(storage), before), bytes_taken_over=taken)
-        report_save(f"checkpoint-{ctx.step}", strategy.rank, stats.network)
-        self.last_save = stats
-        return stats
-
-    def _agreed(self, ctx: SaveContext, exc: BaseException | None) -> RollCkptError | None:
-        """What this rank hands to an agreement: its failure as the roll-ckpt error every rank raises."""
-        if exc is None:
-            return None
-        error = self._save_error(ctx, exc)
-        if error is not exc and error.__cause__ is None:
-            error.__cause__ = exc  # (on this rank; the others get the message)
-        return error
-
-    def _save_error(self, ctx: SaveContext, exc: BaseException) -> RollCkptError:
-        """``exc`` as the roll-ckpt error a failed save raises; one that DCP carried from
-        another rank (its ``CheckpointException``) names the first rank that failed."""
-        if isinstance(exc, RollCkptError):  # a refusal, an error agreed on by every rank: as it is
-            return exc
-        failures = getattr(exc, "failures", None)
-        failed_rank = min(failures) if isinstance(failures, dict) and failures else None
-        error = self._translate(ctx, exc, failures[failed_rank] if failed_rank is not None else None)
-        if failed_rank is not None and error.origin_rank is None and ctx.world_size > 1:
-            error.origin_rank = failed_rank
-        return error
-
-    def _translate(self, ctx: SaveContext, exc: BaseException, first: Any) -> RollCkptError:
-        ours = carried_roll_error(exc, include_self=False)  # e.g. a refusal, carried by DCP from another rank
-        if ours is not None:
-            return ours
-        where = f"checkpoint-{ctx.step} under {self.job.storage.url}"
-        if disk_full(exc):
-            return StorageFullError(
-                f"no space left while writing {where}; nothing of it was committed and earlier "
-                "checkpoints are intact. Free space or lower checkpoint_config.max_ckpt_to_keep; "
-                "training can go on and the next save will try again")
-        cause = exc
-        if first is not None:  # DCP's CheckpointException: what the first rank hit, not its traceback
-            cause = first[0] if isinstance(first, tuple) and first else first
-        if isinstance(cause, PermissionError):
-            return StorageError(f"permission denied while writing {where}: {cause}; choose a writable "
-                                "checkpoint_config.output_dir")
-        if isinstance(cause, OSError) and cause.errno == errno.EROFS:
-            return StorageError(f"cannot write {where}: {cause.strerror}; nothing of it was committed "
-                                "and earlier checkpoints are intact; choose a writable checkpoint_config.output_dir")
-        return SaveError(f"saving {where} failed ({type(cause).__name__}: {cause}); nothing of it was "
-                         "committed and earlier checkpoints are intact")
 
     def close(self) -> None:
         """Drain the save in flight (re-raising its error), then stop the writer thread."""
@@ -366,6 +355,39 @@ class SavePipeline:
                 self._executor.shutdown(wait=True)
             self.leftovers.retry()
             self._reuse.clear()
+
+
+@dataclass
+class StagedSave:
+    """One save, staged: what its write and its commit need."""
+
+    sd: dict[str, Any]
+    """The staged state dict."""
+    ctx: SaveContext
+    user: dict[str, Any]
+    """The caller's ``metadata`` for the manifest."""
+    t0: float
+    """When the save began (``time.perf_counter``)."""
+    local_unit: Callable[[], None] | None = None
+    """Writes the fast recovery tier's unit of the same staged state (before the persistent write)."""
+    hf_module: Any = None
+    """The module whose Hugging Face files the commit writes (``hf_weights``), or ``None``."""
+
+
+@dataclass
+class _Attempt:
+    """How far one save got: what its failure has to undo."""
+
+    pending: PendingCheckpoint
+    data_path: str
+    """Where the strategy writes (its ``data_dir`` in the folder being written)."""
+    counts: NetworkCounts | None
+    """The storage's network counts before the save."""
+    begun: bool = False
+    committed: bool = False
+    total: int = 0
+    taken: int = 0
+
 
 
 def _since(now: NetworkCounts | None, before: NetworkCounts | None) -> NetworkCounts | None:

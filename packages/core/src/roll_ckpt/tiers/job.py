@@ -51,8 +51,9 @@ class Job:
     """Held by retention and ``backup.keep_local`` while they remove local checkpoints."""
     local: Any = None
     """The fast recovery tier (``checkpoint_config.local``; a ``LocalTier``), or ``None``."""
-    manager: Any = None
-    """The manager (retention of other managers in this process asks whether it is open)."""
+    open: bool = True
+    """False once its manager closes: until then retention by other managers of this process
+    leaves this job's run folder alone."""
     held: str | None = None
     """Coordinator: the hold on the checkpoint this launch resumed from (:mod:`roll_ckpt.format.holds`)."""
 
@@ -122,7 +123,7 @@ class Job:
                       phase="save: claiming the run folder")
         self.run_dir = self.storage.join(self.root, name) if name else self.root
         if name:
-            note_open_run(self.run_dir, self.manager)  # retention by other managers leaves it alone
+            note_open_run(self.run_dir, self)  # retention by other managers leaves it alone
         return self.run_dir
 
     def progress(self, desc: str, total: int | None = None) -> Progress:

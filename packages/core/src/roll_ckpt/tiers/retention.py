@@ -22,18 +22,19 @@ from ..format.owners import MARKER_PREFIX, is_mine, live_writers, owner_gone, wr
 __all__ = ["plan_retention", "remove_checkpoint", "apply_retention", "note_open_run"]
 
 _open_runs: dict[str, "weakref.ref[Any]"] = {}
-"""Run folders of this process's managers: a run of this process is live while its manager is open."""
+"""Run folders of this process's jobs: a run of this process is live while its job is open."""
 
 
-def note_open_run(path: str, manager: Any) -> None:
-    """Record that ``manager`` (open until its ``_closed`` is true) writes the run folder ``path``."""
-    _open_runs[path.rstrip("/")] = weakref.ref(manager)
+def note_open_run(path: str, job: Any) -> None:
+    """Record that ``job`` (a :class:`~roll_ckpt.tiers.job.Job`, live while its ``open`` is
+    true and it exists) writes the run folder ``path``."""
+    _open_runs[path.rstrip("/")] = weakref.ref(job)
 
 
 def _open_in_this_process(path: str) -> bool:
     ref = _open_runs.get(path.rstrip("/"))
-    manager = ref() if ref is not None else None
-    return manager is not None and not getattr(manager, "_closed", False)
+    job = ref() if ref is not None else None
+    return job is not None and bool(job.open)
 
 
 def plan_retention(refs: list[CheckpointRef], keep: int, protect: set[str] = frozenset()) -> list[CheckpointRef]:
