@@ -69,12 +69,13 @@ test-reliability: venv
 # Benchmark: stall, memory and throughput against DCP, torch.save and the disk, in one run
 # (--quick: <= 3 min on 2 cores; BENCH_ARGS=--full for larger states). Writes
 # bench/results/latest.{json,md,png}; bench-check exits non-zero when a target fails.
+# The package bench/ (python -m bench.<name> for the others: scale, recovery, soak, ...).
 BENCH_ARGS ?= --quick
 bench: venv
-	$(PY) bench/run.py $(BENCH_ARGS)
+	$(PY) -m bench $(BENCH_ARGS)
 
 bench-check: venv
-	$(PY) bench/run.py --check $(BENCH_ARGS)
+	$(PY) -m bench --check $(BENCH_ARGS)
 
 # The documentation site (mkdocs.yml, docs/) into site/, warnings as errors. Its configuration,
 # command-line and API references are generated from the code at build time (docs/_hooks/).

@@ -1,7 +1,7 @@
 """T15: the Hugging Face files inside a checkpoint (checkpoint_config.hf_weights), against
 the same save without them and against ROLL's way.
 
-    python bench/hf_weights.py [--layers N] [--hidden H] [--reps R] [--out DIR]
+    python -m bench.hf_weights [--layers N] [--hidden H] [--reps R] [--out DIR]
 
 One process, a transformers ``LlamaForCausalLM`` with AdamW (state: model + 2 moments),
 saved asynchronously by one manager per case kept for the whole run (as a training job
@@ -32,10 +32,8 @@ import tempfile
 import time
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-from common import median  # noqa: E402
+from .common import median
+from .launch import RESULTS
 
 
 def build(layers: int, hidden: int) -> tuple[Any, Any]:
@@ -96,11 +94,11 @@ def roll_case(root: str, model: Any, opt: Any, step: int) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     import torch
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.hf_weights", description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--out", default=RESULTS)
     p.add_argument("--dir", default=None, help="where the checkpoints are written (default: a temporary folder)")
     args = p.parse_args(argv)
     model, opt = build(args.layers, args.hidden)

@@ -1,7 +1,7 @@
 """T16/T17: incremental saves (checkpoint_config.incremental) on a LoRA-shaped state and on
 a full fine-tune, against the same saves writing every file ("today") and against DCP.
 
-    python bench/incremental.py [--hidden H] [--layers L] [--rank R] [--reps N] [--out DIR]
+    python -m bench.incremental [--hidden H] [--layers L] [--rank R] [--reps N] [--out DIR]
 
 One process, synchronous saves to a local disk (the bench folder), one manager per case kept
 for the run, the cases in rotating order, medians of ``reps`` saves after a warm-up save each:
@@ -32,10 +32,8 @@ import tempfile
 import time
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-from common import median  # noqa: E402
+from .common import median
+from .launch import RESULTS
 
 T16_LIMIT = 1.1
 T17_LIMIT = 1.03
@@ -159,12 +157,12 @@ def run_state(kind: str, args: argparse.Namespace, scratch: str) -> dict[str, An
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.incremental", description=__doc__.splitlines()[0])
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--reps", type=int, default=9)
-    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--out", default=RESULTS)
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     scratch = tempfile.mkdtemp(prefix=".scratch-incremental-", dir=args.out)

@@ -1,4 +1,4 @@
-"""T6: the training loop's time lost per async save (run inside ``worker.py``).
+"""T6: the training loop's time lost per async save (run inside :mod:`bench.worker`).
 
 The loop is CPU-bound on purpose and runs on the CPU even with ``--device cuda``.
 
@@ -27,8 +27,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from roll_ckpt.runtime.torch_compat import TorchCompatError, fsdp2_options, process_mode
 
-from common import cpu_all, state_size
 from roll_ckpt import CheckpointManager, load_config
+
+from .common import cpu_all, state_size
 
 METHODS = ["dcp_thread", "dcp_process", "rc_regular", "rc_zc", "rc_zc_nice0"]
 NEEDS = {"dcp_process": process_mode}

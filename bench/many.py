@@ -1,4 +1,4 @@
-"""T7: blocked time of an async save against the number of tensors (run inside ``worker.py``).
+"""T7: blocked time of an async save against the number of tensors (run inside :mod:`bench.worker`).
 
 A transformer-shaped state on FSDP2 + AdamW: blocks of LayerNorm(64) + Linear(64, 64)
 (each block its own FSDP unit: 4 parameters, 16 tensors with AdamW's exp_avg, exp_avg_sq
@@ -24,8 +24,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from roll_ckpt.runtime.torch_compat import TorchCompatError, caching_save_planner, fsdp2_options
 
-from common import state_size
 from roll_ckpt import CheckpointManager, load_config
+
+from .common import state_size
 
 METHODS = ["dcp_async", "dcp_async_plancache", "rc_async", "rc_async_zc_all"]
 NEEDS = {"dcp_async_plancache": caching_save_planner}

@@ -1,6 +1,6 @@
 """Recovery benchmark of the fast recovery tier (``checkpoint_config.local``), in one run.
 
-``python bench/recovery.py [--width 1024] [--depth 4] [--out DIR]`` prints one JSON object.
+``python -m bench.recovery [--width 1024] [--depth 4] [--out DIR]`` prints one JSON object.
 
 A 2-rank FSDP2 job (gloo, CPU; each rank its own simulated node) trains with persistent
 async saves every ``--save-steps`` steps and local saves every step. At ``--die-at`` the
@@ -16,7 +16,7 @@ delay to notice the failure and relaunch is not included), the step resumed and 
 lost. Reported for the first run: what local and persistent saves blocked the loop and cost
 in total, and the bytes the tier holds per node (tmpfs: memory).
 
-This file is also the job's worker (run by torchrun with ``--worker``).
+This module is also the job's worker (run by torchrun as ``-m bench.recovery --worker ...``).
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from .launch import ROOT, child_env, torchrun
 
 
 def median(xs: list[float]) -> float:
@@ -118,13 +120,12 @@ def worker(out: str, local: str, steps: int, die_at: int, use_local: bool, width
     dist.destroy_process_group()
 
 
-def _launch(script: Path, out: Path, local: Path, steps: int, die_at: int, use_local: bool, a: argparse.Namespace,
+def _launch(out: Path, local: Path, steps: int, die_at: int, use_local: bool, a: argparse.Namespace,
             wait: bool = True) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-           "--worker", str(out), str(local), str(steps), str(die_at), str(int(use_local)), str(a.width), str(a.depth),
-           str(a.save_steps)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "ROLL_CKPT_QUIET": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    cmd = torchrun(2, "recovery", "--worker", str(out), str(local), str(steps), str(die_at), str(int(use_local)),
+                   str(a.width), str(a.depth), str(a.save_steps))
+    env = child_env(OMP_NUM_THREADS="1", ROLL_CKPT_QUIET="1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
                             start_new_session=True)
     if wait:
         output, _ = proc.communicate(timeout=300)
@@ -136,7 +137,7 @@ def _launch(script: Path, out: Path, local: Path, steps: int, die_at: int, use_l
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.recovery", description=__doc__.split("\n")[0])
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--depth", type=int, default=4)
     p.add_argument("--save-steps", type=int, default=5)
@@ -150,13 +151,13 @@ def main() -> None:
         out, local, steps, die_at, use_local, width, depth, save_steps = a.worker
         worker(out, local, int(steps), int(die_at), use_local == "1", int(width), int(depth), int(save_steps))
         return
-    script = Path(__file__).resolve()
-    work = Path(a.out or tempfile.mkdtemp(prefix="roll-ckpt-recovery-"))
-    local = Path(tempfile.mkdtemp(prefix="roll-ckpt-recovery-", dir=a.local_root))
+    # absolute: the job runs from the repository root
+    work = Path(a.out or tempfile.mkdtemp(prefix="roll-ckpt-recovery-")).resolve()
+    local = Path(tempfile.mkdtemp(prefix="roll-ckpt-recovery-", dir=a.local_root)).resolve()
     try:
         first = work / "first"
         first.mkdir(parents=True)
-        proc = _launch(script, first, local / "first", a.die_at + 5, a.die_at, True, a, wait=False)
+        proc = _launch(first, local / "first", a.die_at + 5, a.die_at, True, a, wait=False)
         deadline = time.monotonic() + 240
         while not (first / "killed_at").exists() and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.1)
@@ -176,7 +177,7 @@ def main() -> None:
                 run_dir, run_local = work / f"{name}-{i}", local / f"{name}-{i}"
                 shutil.copytree(first / "persist", run_dir / "persist")
                 shutil.copytree(local / "first", run_local)
-                _launch(script, run_dir, run_local, a.die_at + 2, 0, use_local, a)
+                _launch(run_dir, run_local, a.die_at + 2, 0, use_local, a)
                 runs[name].append(json.loads((run_dir / "result.json").read_text()))
                 shutil.rmtree(run_local, ignore_errors=True)
         for name, rs in runs.items():

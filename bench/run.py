@@ -1,14 +1,14 @@
 """roll-ckpt benchmark: stall, memory and throughput against DCP, torch.save and the disk.
 
-    python bench/run.py [--smoke|--quick|--full] [--check] [--device cpu|cuda] [--out DIR]
+    python -m bench [--smoke|--quick|--full] [--check] [--device cpu|cuda] [--out DIR]   (or python -m bench.run)
 
 Everything is measured in one run, side by side: the machine's limits (durable write,
 uncached read, memcpy) are cases of the same alternation as the checkpoint cases. Each
 case runs ``reps`` times on the same FSDP2 + AdamW state, in alternating order; the
 report shows medians. Two more groups run on 1 rank: ``loop`` (T6: the CPU seconds per GB
 of each async save alone, children included, and a CPU-bound training loop's time lost per
-async save, ``loop.py``) and ``many`` (T7: blocked time against the number of tensors,
-``many.py``). The group ``scale`` runs ``scale.py`` (T12-T14: DCP's and roll-ckpt's
+async save, :mod:`bench.loop`) and ``many`` (T7: blocked time against the number of tensors,
+:mod:`bench.many`). The group ``scale`` runs :mod:`bench.scale` (T12-T14: DCP's and roll-ckpt's
 coordination simulated for N ranks, and real gloo jobs counting storage operations), which
 writes DIR/scale.{json,md,png}. Writes DIR/latest.json, DIR/latest.md, DIR/latest.png and
 DIR/tensors.png (default DIR: bench/results). ``--check`` exits 1 when a target fails.
@@ -28,14 +28,11 @@ import tempfile
 import time
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-
-from common import median  # noqa: E402
+from .common import median
+from .launch import RESULTS, ROOT, child_env, module, torchrun
+from .scale_limits import OPS_LIMIT, T12_LIMIT, T13_LIMIT
 
 MB = 1 << 20
-SCALE_OPS_LIMIT = 40  # = scale.OPS_LIMIT (T14's constant), without importing scale here
 
 # The cases of each group; the limits run inside the alternation of the "target" group.
 LIMITS = ["limit_write", "limit_write2", "limit_write_direct", "limit_read", "limit_read2", "limit_memcpy", "limit_memcpy_fresh"]
@@ -115,12 +112,11 @@ def run_worker(nproc: int, spec: dict[str, Any], workdir: str, timeout: float) -
     out_path = os.path.join(workdir, f"result-{nproc}.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           os.path.join(HERE, "worker.py"), spec_path, out_path]
-    env = dict(os.environ, ROLL_CKPT_QUIET="1", PYTHONWARNINGS="ignore")
+    cmd = torchrun(nproc, "worker", spec_path, out_path)
+    env = child_env(ROLL_CKPT_QUIET="1", PYTHONWARNINGS="ignore")
     log_path = os.path.join(workdir, f"worker-{nproc}.log")
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.PIPE, text=True, env=env)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
         tail: list[str] = []
         assert proc.stderr is not None
         deadline = time.monotonic() + timeout
@@ -142,24 +138,24 @@ def run_worker(nproc: int, spec: dict[str, Any], workdir: str, timeout: float) -
 
 
 def run_scale(mode: str, out: str, no_plot: bool = False, timeout: float = 1800) -> dict[str, Any]:
-    """The group ``scale``: ``bench/scale.py`` in a process of its own, writing
+    """The group ``scale``: :mod:`bench.scale` in a process of its own, writing
     OUT/scale.{json,md,png}; its targets (T12-T14) and where it wrote them. The smoke run
     skips its real jobs (``tests/bench/test_scale_smoke.py`` runs them)."""
     path = os.path.join(out, "scale.json")
-    cmd = [sys.executable, os.path.join(HERE, "scale.py"), f"--{mode}", "--out", path]
+    cmd = module("scale", f"--{mode}", "--out", path)
     if mode == "smoke":
         cmd.append("--no-jobs")
     if no_plot:
         cmd.append("--no-plot")
-    print(f"[bench] {mode}: scale ({' '.join(cmd[2:])})", flush=True)
+    print(f"[bench] {mode}: scale ({' '.join(cmd[1:])})", flush=True)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                              env=dict(os.environ, PYTHONWARNINGS="ignore"))
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                              env=child_env(PYTHONWARNINGS="ignore"))
     except subprocess.TimeoutExpired:
-        return {"error": f"bench/scale.py timed out after {timeout:.0f} s"}
+        return {"error": f"bench.scale timed out after {timeout:.0f} s"}
     if proc.returncode != 0 or not os.path.exists(path):
         sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
-        return {"error": f"bench/scale.py failed (exit {proc.returncode})"}
+        return {"error": f"bench.scale failed (exit {proc.returncode})"}
     for line in proc.stdout.splitlines():
         if line.startswith("[scale"):
             print(line, flush=True)
@@ -504,12 +500,12 @@ def targets(rows: list[dict[str, Any]], limits: dict[str, Any], extra: dict[str,
     out["T11"]["pass"] = bool(out["T11"]["pass"] and out["T11"]["regular"] is not None
                               and out["T11"]["regular"] <= 1.0)
 
-    # T12-T14: from bench/scale.py (the group "scale": simulated N ranks, real gloo jobs)
+    # T12-T14: from bench.scale (the group "scale": simulated N ranks, real gloo jobs)
     sc = (extra.get("scale") or {}).get("targets") or {}
-    missing = {"T12": (0.02, "coordinator CPU per unchanged save at 1,024 simulated ranks, roll-ckpt / DCP plan "
+    missing = {"T12": (T12_LIMIT, "coordinator CPU per unchanged save at 1,024 simulated ranks, roll-ckpt / DCP plan "
                              "caching; and per-rank bytes sent <= 1 KiB plus its files' checksums"),
-               "T13": (2.0, "bytes read for .metadata on a resume of 1,024 simulated ranks / its size"),
-               "T14": (SCALE_OPS_LIMIT, "storage operations per rank per save, the same for every N and number "
+               "T13": (T13_LIMIT, "bytes read for .metadata on a resume of 1,024 simulated ranks / its size"),
+               "T14": (OPS_LIMIT, "storage operations per rank per save, the same for every N and number "
                                         "of checkpoints kept")}
     for k, (limit, what) in missing.items():
         t = sc.get(k)
@@ -521,23 +517,26 @@ def targets(rows: list[dict[str, Any]], limits: dict[str, Any], extra: dict[str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_const", dest="mode", const="quick", help="(default) ~4-5 min on 2 cores, 4 repetitions")
     size.add_argument("--full", action="store_const", dest="mode", const="full", help="larger states (2.2 GB), 6 repetitions, the sweep up to 10,000 tensors")
     size.add_argument("--smoke", action="store_const", dest="mode", const="smoke", help="a few MB, 1 repetition")
     p.add_argument("--check", action="store_true", help="exit 1 when a target fails")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--out", default=RESULTS)
     p.add_argument("--scratch", default=None, help="where checkpoints are written (default: next to --out)")
     p.add_argument("--reps", type=int, default=None)
     p.add_argument("--ranks", default=None, help="world sizes to run (default 2,1)")
     p.add_argument("--groups", default="small,target,many,loop,transformer,scale",
                    help="groups to run (small, target: state groups; many: T7's sweep; loop: T6's save CPU and "
                         "training loop; transformer: T10/T11, a Hugging Face Llama on FSDP2; scale: T12-T14, "
-                        "bench/scale.py's simulated ranks and real jobs)")
+                        "bench.scale's simulated ranks and real jobs)")
     p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)
+    args.out = os.path.abspath(args.out)  # the workers run from the repository root
+    if args.scratch:
+        args.scratch = os.path.abspath(args.scratch)
     mode = args.mode or "quick"
     cfg = MODES[mode]
     reps = args.reps or cfg["reps"]
@@ -648,7 +647,7 @@ def main(argv: list[str] | None = None) -> int:
         "unavailable": unavailable,  # case -> why this torch cannot run it (an older release)
         "all_pass": all(t["pass"] for t in tg.values()) and not invariants,
     }
-    from report import markdown, plot, plot_tensors
+    from .report import markdown, plot, plot_tensors
 
     with open(os.path.join(args.out, "latest.json"), "w") as f:
         json.dump(result, f, indent=1)

@@ -1,6 +1,6 @@
 """Scale: what a save and a resume cost the coordinator and the collectives as the job grows.
 
-    python bench/scale.py [--quick|--full|--smoke] [--out bench/results/scale.json] [--no-jobs]
+    python -m bench.scale [--quick|--full|--smoke] [--out bench/results/scale.json] [--no-jobs]
 
 One process simulates N ranks (N = 8, 64, 256, 1,024, 4,096; ``--quick``: up to 1,024 with
 P = 300 only) of an FSDP2 Llama-shaped state of P parameters (embeddings, q/k/v/o,
@@ -23,7 +23,7 @@ roll-ckpt's save of an unchanged structure (``roll_ckpt.save.fixed_layout`` when
 else modelled by its message shapes: see :class:`RollCkptFastPath`).
 
 Each (N, P) cell runs in a process of its own (memory and the collector's heap are the
-cell's alone); this process gathers the cells, runs the real jobs of ``scale_jobs.py``
+cell's alone); this process gathers the cells, runs the real jobs of :mod:`bench.scale_jobs`
 (storage operations and collective bytes of real ``CheckpointManager`` saves on gloo) and
 writes ``scale.json``, ``scale.md`` and ``scale.png`` beside ``--out``.
 """
@@ -42,12 +42,10 @@ import sys
 import time
 from typing import Any, Callable, Iterable
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
+from .launch import RESULTS, ROOT, child_env, module
+from .scale_limits import OPS_LIMIT, T12_LIMIT, T12_OVERHEAD_LIMIT, T13_LIMIT
 
 MB = 1 << 20
-KIB = 1 << 10
 
 # Llama-2-7B's shapes (the simulation writes no data: shapes decide chunk offsets, item
 # counts and the files' chunk checksums, one per 8 MiB).
@@ -465,7 +463,8 @@ def cell(n: int, p: int, methods: list[str], unpickle_reps: int = 1, md_estimate
     from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
     from torch.distributed.checkpoint.planner import SavePlan
 
-    from roll_ckpt.runtime.torch_compat import caching_save_planner, compare_save_plans
+    from roll_ckpt.runtime.torch_compat import (caching_save_planner, cached_local_plan, compare_save_plans,
+                                                forget_cached_plans, set_plan_cache_key)
 
     st = State(p, n)
     out: dict[str, Any] = {"ranks": n, "params": p, "methods": {}}
@@ -484,7 +483,7 @@ def cell(n: int, p: int, methods: list[str], unpickle_reps: int = 1, md_estimate
     out["items_per_rank"] = items_per_rank
     if "dcp" in methods or "dcp_cached" in methods:
         planner = caching_save_planner()
-        planner._cached_plans_key = f"scale-{n}-{p}"
+        set_plan_cache_key(planner, f"scale-{n}-{p}")
         for save in ("dcp", "dcp_cached"):
             co = Coordinator()
             sent = {"local_plans": 0, "global_plans": 0, "write_results": 0, "metadata_bcast": 0}
@@ -498,7 +497,7 @@ def cell(n: int, p: int, methods: list[str], unpickle_reps: int = 1, md_estimate
                 stream = _produced(lambda r: dumps(st.local_plan(r)), n)
             else:  # every rank finds its plan unchanged and sends an empty one
                 plan = st.local_plan(0)
-                cached = SavePlanner_cached(planner)
+                cached = cached_local_plan(planner, 0)  # what create_local_plan compares its new plan to
                 co.run("compare_local_plan", lambda: compare_save_plans(plan, cached))
                 empty = SavePlan([], usable=False)
                 co.run("pickle_own", lambda: dumps(empty))
@@ -577,11 +576,7 @@ def cell(n: int, p: int, methods: list[str], unpickle_reps: int = 1, md_estimate
             del metadata
             stamp(f"{save}:finish")
         del first_plan0, wr_raw
-        from torch.distributed.checkpoint.planner import SavePlanner
-
-        for d in (SavePlanner._cached_all_plans, SavePlanner._cached_global_plan, SavePlanner._cached_metadata,
-                  SavePlanner._cached_final_save_plan, SavePlanner._cached_save_plan):
-            d.pop(planner._cached_plans_key, None)
+        forget_cached_plans(planner)
 
     stamp("dcp_cleanup")
     if "dcp_nocoord" in methods:
@@ -743,13 +738,6 @@ def _produced(make: Callable[[int], bytes], n: int) -> Iterable[bytes]:
             proc.join()
 
 
-def SavePlanner_cached(planner: Any) -> Any:  # noqa: N802
-    """Rank 0's cached local plan (what ``create_local_plan`` compares its new plan to)."""
-    from torch.distributed.checkpoint.planner import SavePlanner
-
-    return SavePlanner._cached_all_plans[planner._cached_plans_key][0]
-
-
 def _max_rss_gib() -> float:
     import resource
 
@@ -762,14 +750,13 @@ def _max_rss_gib() -> float:
 def run_cell(n: int, p: int, methods: list[str], timeout: float, reps: int,
              md_estimate: int | None = None) -> dict[str, Any]:
     """One cell in a process of its own; its JSON on stdout's last line."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--cell", f"{n},{p}", "--methods", ",".join(methods),
-           "--unpickle-reps", str(reps)]
+    cmd = module("scale", "--cell", f"{n},{p}", "--methods", ",".join(methods), "--unpickle-reps", str(reps))
     if md_estimate:
         cmd += ["--md-estimate", str(md_estimate)]
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                              env=child_env(PYTHONWARNINGS="ignore"))
     except subprocess.TimeoutExpired:
         return {"ranks": n, "params": p, "error": f"timed out after {timeout:.0f} s", "methods": {}, "resume": {}}
     if proc.returncode != 0:
@@ -795,17 +782,17 @@ def targets(cells: list[dict[str, Any]], jobs: dict[str, Any] | None) -> dict[st
     rc, cached = ms.get("rc") or {}, ms.get("dcp_cached") or {}
     v12 = rc["coordinator_cpu_s"] / cached["coordinator_cpu_s"] if rc and cached.get("coordinator_cpu_s") else None
     over = rc.get("per_rank_overhead_max")
-    t12 = entry(v12, 0.02, True, "coordinator CPU per save of an unchanged structure, roll-ckpt / DCP with plan "
+    t12 = entry(v12, T12_LIMIT, True, "coordinator CPU per save of an unchanged structure, roll-ckpt / DCP with plan "
                 "caching (simulated ranks); and each rank's bytes sent per save, less its files' checksums, <= 1 KiB",
                 ranks=ref and ref["ranks"], params=ref and ref["params"], rc_cpu_s=rc.get("coordinator_cpu_s"),
                 dcp_cached_cpu_s=cached.get("coordinator_cpu_s"), per_rank_overhead=over,
                 per_rank_sent=rc.get("per_rank_sent"), source=rc.get("source"))
-    t12["pass"] = bool(t12["pass"] and over is not None and over <= KIB)
+    t12["pass"] = bool(t12["pass"] and over is not None and over <= T12_OVERHEAD_LIMIT)
     out["T12"] = t12
     res = (ref or {}).get("resume", {})
     size = res.get("metadata_bytes")
     read = (res.get("read_all_ranks") or {}).get("rc")
-    out["T13"] = entry(read / size if read is not None and size else None, 2.0, True,
+    out["T13"] = entry(read / size if read is not None and size else None, T13_LIMIT, True,
                        "bytes read from storage for .metadata on a resume (all ranks) / its size",
                        ranks=ref and ref["ranks"], metadata_bytes=size,
                        dcp=((res.get("read_all_ranks") or {}).get("dcp") or 0) / size if size else None,
@@ -820,17 +807,13 @@ def targets(cells: list[dict[str, Any]], jobs: dict[str, Any] | None) -> dict[st
     return out
 
 
-OPS_LIMIT = 40
-"""T14's constant: storage operations per rank per save (see ``scale_jobs.py``)."""
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__.splitlines()[0])
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_const", dest="mode", const="quick")
     size.add_argument("--full", action="store_const", dest="mode", const="full")
     size.add_argument("--smoke", action="store_const", dest="mode", const="smoke")
-    p.add_argument("--out", default=os.path.join(HERE, "results", "scale.json"))
+    p.add_argument("--out", default=os.path.join(RESULTS, "scale.json"))
     p.add_argument("--cell", default=None, help=argparse.SUPPRESS)
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--unpickle-reps", type=int, default=None)
@@ -840,13 +823,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cells", default=None, help="N:P pairs (overrides the mode's), e.g. 4096:300,64:800")
     p.add_argument("--max-gib", type=float, default=DEFAULT_MAX_GIB,
                    help="skip the DCP paths of a cell whose coordinator memory estimate passes this")
-    p.add_argument("--no-jobs", action="store_true", help="skip the real gloo jobs (scale_jobs.py)")
+    p.add_argument("--no-jobs", action="store_true", help="skip the real gloo jobs (bench.scale_jobs)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--cell-timeout", type=float, default=1800)
     p.add_argument("--reuse", default=None, help="take the cells of this earlier scale.json instead of running them "
                                                  "(cells given by --cells are run and replace theirs)")
     p.add_argument("--jobs-json", default=None,
-                   help="comma-separated results of scale_jobs.py --json (or scale.json files) to report instead of "
+                   help="comma-separated results of bench.scale_jobs --json (or scale.json files) to report instead of "
                         "running the jobs; their jobs are merged")
     args = p.parse_args(argv)
     if args.cell:
@@ -910,7 +893,7 @@ def main(argv: list[str] | None = None) -> int:
     cells.sort(key=lambda c: (c["params"], c["ranks"]))
     jobs = None
     if args.jobs_json:
-        import scale_jobs
+        from . import scale_jobs
 
         merged: list[dict[str, Any]] = []
         s3 = None
@@ -924,7 +907,7 @@ def main(argv: list[str] | None = None) -> int:
         jobs = {"jobs": merged, "summary": scale_jobs.summarise(merged, OPS_LIMIT), "s3": s3,
                 "config": {"from": args.jobs_json}}
     elif not args.no_jobs:
-        import scale_jobs
+        from . import scale_jobs
 
         jobs = scale_jobs.run_all(cfg["jobs"], os.path.dirname(os.path.abspath(args.out)))
     result = {
@@ -942,7 +925,7 @@ def main(argv: list[str] | None = None) -> int:
     base = os.path.splitext(os.path.abspath(args.out))[0]
     with open(base + ".json", "w") as f:
         json.dump(result, f, indent=1)
-    from report import scale_markdown, scale_plot
+    from .report import scale_markdown, scale_plot
 
     md = scale_markdown(result)
     with open(base + ".md", "w") as f:

@@ -1,13 +1,13 @@
-"""Real jobs for ``scale.py``: storage operations and collective bytes per rank, per save and per resume.
+"""Real jobs for :mod:`bench.scale`: storage operations and collective bytes per rank, per save and per resume.
 
-    python bench/scale_jobs.py [--worlds 1,2,4,8,16] [--out DIR]           (the driver)
-    python -m torch.distributed.run --standalone --nproc_per_node N bench/scale_jobs.py worker SPEC OUT
+    python -m bench.scale_jobs [--worlds 1,2,4,8,16] [--out DIR]           (the driver)
+    python -m torch.distributed.run --standalone --nproc_per_node N -m bench.scale_jobs worker SPEC OUT
 
 Each job is ``torchrun --standalone`` on N CPU processes (gloo), a tiny FSDP2 model
 (``init_device_mesh("cpu", (N,))``, a few Linear + LayerNorm layers, AdamW, a LambdaLR
 scheduler), and real :class:`~roll_ckpt.CheckpointManager` saves. Every rank's storage is a
-:class:`opcount.CountingStorage` and every collective goes through
-:class:`opcount.CollectiveBytes`. Per configuration (``max_ckpt_to_keep`` K, with E earlier
+:class:`bench.opcount.CountingStorage` and every collective goes through
+:class:`bench.opcount.CollectiveBytes`. Per configuration (``max_ckpt_to_keep`` K, with E earlier
 checkpoints already in the folder) the job saves S times (the first save of a manager takes
 the full path, the later ones are saves of an unchanged structure), then a fresh manager
 resumes the newest checkpoint into a fresh model and checks every parameter, optimizer
@@ -32,9 +32,8 @@ import tempfile
 import time
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
+from .launch import RESULTS, ROOT, child_env, torchrun, use_test_helpers
+from .scale_limits import OPS_LIMIT
 
 WIDTH, DEPTH = 48, 3
 
@@ -133,7 +132,7 @@ def _manager(out: str, keep: int, resume: str | None = None) -> Any:
 def worker(spec_path: str, out_path: str) -> None:
     import torch.distributed as dist
 
-    from opcount import CollectiveBytes, CountingStorage, categorise
+    from .opcount import CollectiveBytes, CountingStorage, categorise
 
     with open(spec_path) as f:
         spec = json.load(f)
@@ -255,15 +254,13 @@ def _launch(nproc: int, spec: dict[str, Any], workdir: str, timeout: float) -> d
     out_path = os.path.join(workdir, f"result-{tag}.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           os.path.abspath(__file__), "worker", spec_path, out_path]
-    env = dict(os.environ, ROLL_CKPT_QUIET="1", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p))
+    cmd = torchrun(nproc, "scale_jobs", "worker", spec_path, out_path)
+    env = child_env(ROLL_CKPT_QUIET="1", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     log_path = os.path.join(workdir, f"job-{tag}.log")
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True)
+                                cwd=ROOT, start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -369,8 +366,7 @@ def summarise(jobs: list[dict[str, Any]], limit: int) -> dict[str, Any]:
 def run_all(cfg: dict[str, Any], outdir: str, timeout: float | None = None) -> dict[str, Any]:
     """Every job of ``cfg`` (``worlds``, ``keeps`` [(K, E)...], ``saves``, ``reshard`` (N, M));
     scratch under ``outdir``, removed at the end."""
-    from scale import OPS_LIMIT
-
+    outdir = os.path.abspath(outdir)  # the jobs run from the repository root
     os.makedirs(outdir, exist_ok=True)
     scratch = tempfile.mkdtemp(prefix=".scale-jobs-", dir=outdir)
     jobs: list[dict[str, Any]] = []
@@ -422,9 +418,9 @@ def run_s3(scratch: str, saves: int = 3) -> dict[str, Any]:
     """One process, saves and a resume over S3 (SeaweedFS from the tests' helper), counting
     HTTP requests by kind. Returns ``{"error": ...}`` when no server can be started."""
     os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
-    sys.path.insert(0, os.path.join(ROOT, "tests", "backend_fs"))
+    use_test_helpers()
     try:
-        import s3server  # the tests' throwaway SeaweedFS server
+        from backend_fs import s3server  # the tests' throwaway SeaweedFS server
     except ImportError as exc:
         return {"error": f"no S3 server helper: {exc}"}
     from pathlib import Path
@@ -439,7 +435,7 @@ def run_s3(scratch: str, saves: int = 3) -> dict[str, Any]:
 def _s3_job(server: Any, saves: int) -> dict[str, Any]:
     import torch
 
-    from opcount import CountingStorage, S3Requests, categorise
+    from .opcount import CountingStorage, S3Requests, categorise
     from roll_ckpt import CheckpointManager, load_config
 
     torch.manual_seed(0)
@@ -487,13 +483,13 @@ def main(argv: list[str] | None = None) -> int:
         worker(argv[1], argv[2])
         sys.stdout.flush()
         os._exit(0)  # see tests/helpers/launch.exit_worker: skip interpreter exit after gloo
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.scale_jobs", description=__doc__.splitlines()[0])
     p.add_argument("--worlds", default="1,2,4")
     p.add_argument("--saves", type=int, default=3)
     p.add_argument("--reshard", default="4,2")
     p.add_argument("--keeps", default="0:0,2:0,1:10", help="K:E pairs (max_ckpt_to_keep : earlier checkpoints)")
     p.add_argument("--s3", action="store_true")
-    p.add_argument("--out", default=os.path.join(HERE, "results"), help="where the jobs' scratch folder goes")
+    p.add_argument("--out", default=RESULTS, help="where the jobs' scratch folder goes")
     p.add_argument("--json", default=None, help="write every job's result and the summary here")
     args = p.parse_args(argv)
     cfg = {"worlds": [int(x) for x in args.worlds.split(",")], "saves": args.saves,

@@ -1,6 +1,6 @@
 """Soak: a job saving every step to a real S3 server (SeaweedFS) through random network faults.
 
-``python bench/soak.py [--saves 200] [--seed 1] [--out bench/results/soak.json]`` starts
+``python -m bench.soak [--saves 200] [--seed 1] [--out bench/results/soak.json]`` starts
 ``weed mini`` and the tests' fault-injecting proxy (``tests/backend_fs/faultproxy.py``),
 then saves ``--saves`` steps synchronously with ``on_save_error: warn`` while the proxy
 resets uploads and downloads part-way, answers 503 SlowDown and 500, slows answers and
@@ -27,8 +27,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))
+from .launch import RESULTS, use_test_helpers
 
 RATES = {"reset_upload": 0.05, "reset_download": 0.05, "503": 0.05, "500": 0.03, "slow": 0.04, "hang": 0.01}
 """Share of requests that get each fault."""
@@ -39,6 +38,7 @@ requests cost seconds, not tens of seconds, over 200 saves."""
 
 
 def _run(s3: Any, proxy: Any, url: str, saves: int, options: dict[str, Any]) -> tuple[dict[int, str], dict[int, Any], Any, float]:
+    use_test_helpers()
     from helpers.training import config, drift
     from roll_ckpt import CheckpointManager
     from roll_ckpt.testing import state_snapshot, tiny_state
@@ -63,6 +63,7 @@ def _run(s3: Any, proxy: Any, url: str, saves: int, options: dict[str, Any]) -> 
 
 def soak(s3: Any, proxy: Any, *, saves: int, seed: int, options: dict[str, Any] | None = None,
          rates: dict[str, float] | None = None) -> dict[str, Any]:
+    use_test_helpers()
     from helpers.training import config
     from roll_ckpt import CheckpointManager
     from roll_ckpt.format import layout
@@ -127,11 +128,12 @@ def soak(s3: Any, proxy: Any, *, saves: int, seed: int, options: dict[str, Any] 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
     parser.add_argument("--saves", type=int, default=200)
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=HERE / "results" / "soak.json")
+    parser.add_argument("--out", type=Path, default=Path(RESULTS) / "soak.json")
     args = parser.parse_args()
+    use_test_helpers()
     from backend_fs import s3server
     from backend_fs.faultproxy import fault_proxy
 

@@ -1,4 +1,4 @@
-"""T10/T11: the user's shape -- a Hugging Face Llama on FSDP2 + AdamW (run inside ``worker.py``).
+"""T10/T11: the user's shape -- a Hugging Face Llama on FSDP2 + AdamW (run inside :mod:`bench.worker`).
 
 A real ``transformers.LlamaForCausalLM`` (small widths, many layers: thousands of small and
 large tensors per rank, as a transformer has them) with each decoder layer its own FSDP2
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from loop import Loop, log
+from .loop import Loop, log
 
 METHODS = ["dcp_save", "rc_sync", "dcp_thread", "rc_regular", "rc_zc"]
 SYNC = {"dcp_save", "rc_sync"}

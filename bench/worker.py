@@ -1,6 +1,6 @@
-"""One benchmark run on N ranks (FSDP2 on gloo, or NCCL on GPUs), started by ``run.py``:
+"""One benchmark run on N ranks (FSDP2 on gloo, or NCCL on GPUs), started by :mod:`bench.run`:
 
-    python -m torch.distributed.run --standalone --nproc_per_node N bench/worker.py SPEC.json OUT.json
+    python -m torch.distributed.run --standalone --nproc_per_node N -m bench.worker SPEC.json OUT.json
 
 SPEC lists groups (a state size and the cases to run on it). Every case of a group runs
 on the same FSDP2 model + AdamW state, ``reps`` times, the order reversed on every other
@@ -28,11 +28,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from roll_ckpt.runtime.torch_compat import TorchCompatError, default_stager, fsdp2_options, gloo_averages
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import PeakRSS, drop_cache, io_read_bytes, state_size, tree_bytes, tree_files  # noqa: E402
+from roll_ckpt import CheckpointManager, load_config
+from roll_ckpt.format import digest as _digest
 
-from roll_ckpt import CheckpointManager, load_config  # noqa: E402
-from roll_ckpt.format import digest as _digest  # noqa: E402
+from .common import PeakRSS, drop_cache, io_read_bytes, state_size, tree_bytes, tree_files
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 warnings.filterwarnings("ignore", message=".*Detected an existing checkpoint.*")
@@ -473,7 +472,7 @@ class _Limit(Case):
     def limits(self) -> Any:
         g = self.g
         if getattr(g, "_limits", None) is None:
-            from limits import Limits
+            from .limits import Limits
 
             g._limits = Limits(os.path.join(g.dir, "limits"), g.load_bytes) if g.rank == 0 else None
         return g._limits
@@ -704,15 +703,15 @@ def main() -> None:
         for gspec in spec["groups"]:
             kind = gspec.get("kind", "state")
             if kind == "loop":
-                import loop
+                from . import loop
 
                 loop.run_group(gspec, spec["scratch"], out)
             elif kind == "transformer":
-                import transformer
+                from . import transformer
 
                 transformer.run_group(gspec, spec["scratch"], out)
             elif kind == "many":
-                import many
+                from . import many
 
                 many.run_group({"device": DEVICE, **gspec}, spec["scratch"], out)
             else:

@@ -20,7 +20,7 @@ NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
 export ROLL_CKPT_TEST_DEVICE=cuda ROLL_CKPT_TEST_NPROC=$(( NGPU >= 2 ? 2 : 1 ))
 status=0
 timeout 200 $PY -m pytest -q -p no:cacheprovider tests/strategy_fsdp2 2>&1 | tee "$OUT/tests.log" || status=1
-if [ -f bench/run.py ]; then
-  timeout 150 $PY bench/run.py --quick --device cuda --out "$OUT" 2>&1 | tee "$OUT/bench.log" || status=1
+if [ -f bench/__main__.py ]; then
+  timeout 150 $PY -m bench --quick --device cuda --out "$OUT" 2>&1 | tee "$OUT/bench.log" || status=1
 fi
 exit $status

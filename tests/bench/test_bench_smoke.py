@@ -8,13 +8,14 @@ on an idle machine can judge.
 from __future__ import annotations
 
 import json
-import sys
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers.launch import REPO, run_python
+from bench import run
+from helpers.launch import REPO, TESTS, run_python
 
 pytestmark = pytest.mark.timeout(300)  # shared 2-core machines: the smoke run took 200 s under load 13
 
@@ -36,9 +37,11 @@ def _lacking() -> dict[str, str]:
 
 
 def test_smoke_run_writes_the_report(tmp_path: Path) -> None:
+    """``python -m bench`` from another folder (the package on ``PYTHONPATH``, ``--out``
+    relative to that folder): its torchrun workers and its scale run find the package too."""
     out = tmp_path / "results"
-    proc = run_python([str(REPO / "bench" / "run.py"), "--smoke", "--out", str(out)], env={"OMP_NUM_THREADS": "1"},
-                      timeout=290, cwd=REPO, warm=True)
+    proc = run_python(["-m", "bench", "--smoke", "--out", "results"], timeout=290, cwd=tmp_path, warm=True,
+                      env={"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), str(TESTS)])})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     res = json.loads((out / "latest.json").read_text())
 
@@ -83,7 +86,7 @@ def test_smoke_run_writes_the_report(tmp_path: Path) -> None:
         assert r["durable_s"] > 0 and r["without_s"] > 0 and r["lost_s"] is not None, name
         assert r["cpu_s_per_gb"] is not None and r["cpu_s_per_gb"] > 0, name  # T6: the save path's CPU
     assert set(res["targets"]["T6"]["cpu_s_per_gb"]) == set(loop)
-    # T12-T14 come from bench/scale.py (its smoke run: simulated ranks, no real jobs)
+    # T12-T14 come from bench.scale (its smoke run: simulated ranks, no real jobs)
     assert (out / "scale.json").exists() and (out / "scale.md").exists()
     if "scale:dcp" not in lacking:  # both compare with DCP's simulated protocol
         assert res["targets"]["T13"]["value"] is not None and res["targets"]["T12"]["value"] is not None
@@ -119,11 +122,6 @@ def test_smoke_run_writes_the_report(tmp_path: Path) -> None:
 
 def test_check_flag_reports_failures_in_the_exit_status(tmp_path: Path) -> None:
     """``--check`` turns a failed target into exit status 1 (judged on a saved result)."""
-    sys.path.insert(0, str(REPO / "bench"))
-    try:
-        import run
-    finally:
-        sys.path.pop(0)
     rows = [{"group": "target", "case": c, "kind": k, "blocked_s": b, "gbps": g, "extra_rss_frac": f,
              "hash_frac": h, "state_bytes": 1 << 29}
             for c, k, b, g, f, h in [("rc_async_zc_all", "save", 0.5, 1.0, 0.5, 0.0),
@@ -140,11 +138,6 @@ def test_check_flag_reports_failures_in_the_exit_status(tmp_path: Path) -> None:
 def test_targets_six_to_nine_from_saved_figures() -> None:
     """T6–T9 are ratios of figures measured in the same run (T6: the save path's CPU per GB; T7: the
     median of at least 3 runs)."""
-    sys.path.insert(0, str(REPO / "bench"))
-    try:
-        import run
-    finally:
-        sys.path.pop(0)
 
     def row(group: str, case: str, blocked: float, rss: float) -> dict:
         return {"group": group, "case": case, "kind": "save", "blocked_s": blocked, "durable_s": 1.0, "bytes": 1,
@@ -195,11 +188,6 @@ def test_targets_six_to_nine_from_saved_figures() -> None:
 
 def test_targets_ten_and_eleven_from_saved_figures() -> None:
     """T10: sync save time against dcp.save's; T11: the loop's loss against DCP's, with regular <= 1x."""
-    sys.path.insert(0, str(REPO / "bench"))
-    try:
-        import run
-    finally:
-        sys.path.pop(0)
     tr = {"tensors": 2000, "methods": {
         "dcp_save": {"durable_s": 2.0, "lost_s": 2.0, "us_per_tensor": 1000.0},
         "rc_sync": {"durable_s": 0.4, "lost_s": 0.4, "us_per_tensor": 200.0},
@@ -217,11 +205,6 @@ def test_targets_ten_and_eleven_from_saved_figures() -> None:
 def test_t4_is_the_share_of_the_disks_read_bandwidth() -> None:
     """T4: roll-ckpt's resume GB/s / the uncached read GB/s with as many readers as ranks (>= 0.9);
     dcp.load's figures beside it."""
-    sys.path.insert(0, str(REPO / "bench"))
-    try:
-        import run
-    finally:
-        sys.path.pop(0)
 
     def load(case: str, gbps: float) -> dict:
         return {"group": "target", "case": case, "kind": "load", "gbps": gbps, "ranks": 2, "blocked_s": 1.0}

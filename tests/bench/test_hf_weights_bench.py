@@ -1,4 +1,4 @@
-"""bench/hf_weights.py runs end to end on a small model and reports the three cases."""
+"""``python -m bench.hf_weights`` runs end to end on a small model and reports the three cases."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def test_hf_weights_bench_reports_every_case(tmp_path) -> None:
-    proc = run_python([str(REPO / "bench" / "hf_weights.py"), "--layers", "2", "--hidden", "128", "--reps", "1",
+    proc = run_python(["-m", "bench.hf_weights", "--layers", "2", "--hidden", "128", "--reps", "1",
                        "--out", str(tmp_path)], env={"OMP_NUM_THREADS": "1"}, timeout=230, cwd=REPO, warm=True)
     assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-5000:]  # 1: the target missed (noise)
     report = json.loads((tmp_path / "hf_weights.json").read_text())

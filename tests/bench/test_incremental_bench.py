@@ -1,4 +1,4 @@
-"""bench/incremental.py runs end to end on a small state and reports both states' cases."""
+"""``python -m bench.incremental`` runs end to end on a small state and reports both states' cases."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def test_incremental_bench_reports_both_states(tmp_path) -> None:
-    proc = run_python([str(REPO / "bench" / "incremental.py"), "--hidden", "128", "--layers", "4", "--rank", "4",
+    proc = run_python(["-m", "bench.incremental", "--hidden", "128", "--layers", "4", "--rank", "4",
                        "--reps", "1", "--out", str(tmp_path)], env={"OMP_NUM_THREADS": "1"}, timeout=230, cwd=REPO, warm=True)
     assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-5000:]  # 1: a target missed (noise)
     report = json.loads((tmp_path / "incremental.json").read_text())

@@ -1,4 +1,4 @@
-"""bench/recovery.py runs end to end on a small model and reports both tiers."""
+"""``python -m bench.recovery`` runs end to end on a small model and reports both tiers."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def test_recovery_bench_reports_both_tiers() -> None:
-    proc = run_python([str(REPO / "bench" / "recovery.py"), "--width", "128", "--depth", "2", "--repeat", "1"],
+    proc = run_python(["-m", "bench.recovery", "--width", "128", "--depth", "2", "--repeat", "1"],
                       env={"OMP_NUM_THREADS": "1"}, timeout=230, cwd=REPO, warm=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     report = json.loads(proc.stdout)

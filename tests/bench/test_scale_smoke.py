@@ -1,4 +1,4 @@
-"""``bench/scale.py`` runs end to end on tiny N and writes what it promises; its counters count.
+"""``python -m bench.scale`` runs end to end on tiny N and writes what it promises; its counters count.
 
 The simulation's figures are checked for their shape and for what must hold whatever the
 machine: DCP's coordinator moves more bytes the more ranks there are, plan caching empties
@@ -9,28 +9,19 @@ resume reads ``.metadata`` N times with ``dcp.load`` and once with roll-ckpt's c
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from bench import opcount, scale
 from helpers.launch import REPO, run_python
 
 pytestmark = pytest.mark.timeout(240)
 
 
-def _bench_module(name: str) -> Any:
-    sys.path.insert(0, str(REPO / "bench"))
-    try:
-        return __import__(name)
-    finally:
-        sys.path.pop(0)
-
-
 def test_scale_smoke_writes_the_report(tmp_path: Path) -> None:
     out = tmp_path / "results" / "scale.json"
-    proc = run_python([str(REPO / "bench" / "scale.py"), "--smoke", "--no-jobs", "--out", str(out)],
+    proc = run_python(["-m", "bench.scale", "--smoke", "--no-jobs", "--out", str(out)],
                       env={"OMP_NUM_THREADS": "1"}, timeout=150, cwd=REPO, warm=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     res = json.loads(out.read_text())
@@ -40,7 +31,6 @@ def test_scale_smoke_writes_the_report(tmp_path: Path) -> None:
         assert isinstance(t["pass"], bool), name
     cells = sorted(res["cells"], key=lambda c: c["ranks"])
     assert [c["ranks"] for c in cells] == [8, 16] and not any(c.get("error") for c in cells)
-    scale = _bench_module("scale")
     assert res["unavailable"] == scale._unavailable()  # what this torch lacks, asked of the seam
     dcp = "dcp" not in res["unavailable"]  # DCP's protocol, simulated with its plan caching (torch 2.8-2.14)
     nocoord = "dcp_nocoord" not in res["unavailable"]  # use_collectives=False (torch 2.10-2.14)
@@ -74,10 +64,9 @@ def test_scale_smoke_writes_the_report(tmp_path: Path) -> None:
 def test_counting_storage_counts_a_save(tmp_path: Path) -> None:
     """One process, no process group: every Storage call of a save and a resume is counted."""
     code = f"""
-import json, sys
-sys.path.insert(0, {str(REPO / 'bench')!r})
+import json
 import torch
-from opcount import CountingStorage, categorise
+from bench.opcount import CountingStorage, categorise
 from roll_ckpt import CheckpointManager, load_config
 torch.manual_seed(0)
 model = torch.nn.Linear(8, 8)
@@ -101,7 +90,7 @@ with rs.phase("resume"):
 out["resume"] = categorise(rs.of("resume")); out["step"] = step
 print(json.dumps(out))
 """
-    proc = run_python(code, timeout=120, warm=True)
+    proc = run_python(code, timeout=120, cwd=REPO, warm=True)  # the package from the repository root
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert res["step"] == 3
@@ -113,7 +102,6 @@ print(json.dumps(out))
 
 
 def test_collective_bytes_and_categories() -> None:
-    opcount = _bench_module("opcount")
     assert opcount.categorise({"open_write": 2, "rename_dir": 1, "list": 1, "entries_listed": 5}) == {
         "files_created": 2, "renames": 1, "listings": 1, "syncs": 2, "total": 4}
 
@@ -140,7 +128,6 @@ def test_collective_bytes_and_categories() -> None:
 
 
 def test_scale_targets_from_saved_figures() -> None:
-    scale = _bench_module("scale")
     cell = {"ranks": 1024, "params": 300,
             "methods": {"dcp_cached": {"coordinator_cpu_s": 24.0},
                         "rc": {"coordinator_cpu_s": 0.2, "per_rank_overhead_max": 400, "per_rank_sent": 9000,
@@ -161,7 +148,7 @@ def test_scale_targets_from_saved_figures() -> None:
 @pytest.mark.timeout(300)
 def test_real_jobs_count_and_resume_exactly(tmp_path: Path) -> None:
     """A 2-process gloo job saves twice and resumes bit-exact; a 1-process job reshards it."""
-    proc = run_python([str(REPO / "bench" / "scale_jobs.py"), "--worlds", "2", "--keeps", "2:1", "--saves", "2",
+    proc = run_python(["-m", "bench.scale_jobs", "--worlds", "2", "--keeps", "2:1", "--saves", "2",
                        "--reshard", "2,1", "--out", str(tmp_path)], timeout=280, cwd=REPO, warm=True)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     summary = json.loads(proc.stdout[proc.stdout.index("{"):proc.stdout.rindex("}") + 1])

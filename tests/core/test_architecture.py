@@ -1,5 +1,6 @@
 """The layout shows the architecture: contracts in one module, core knows nothing of its
-plugins, no import cycle, private torch APIs in one compat module, small modules."""
+plugins, no import cycle (the benchmark package included), private torch APIs in one compat
+module (the benchmark too goes through it), small modules."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ REPO = Path(__file__).resolve().parents[2]
 CORE = REPO / "packages" / "core" / "src" / "roll_ckpt"
 PLUGIN_SOURCES = [REPO / "packages" / d / "src" for d in ("backend-fs", "strategy-fsdp2", "demo")]
 PLUGIN_PACKAGES = ("roll_ckpt_fs", "roll_ckpt_fsdp2", "roll_ckpt_demo")
+BENCH = REPO / "bench"
 MAX_LINES = 450
 
 
@@ -78,10 +80,12 @@ def _first_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-@pytest.mark.parametrize("package", ["roll_ckpt", *PLUGIN_PACKAGES])
+@pytest.mark.parametrize("package", ["roll_ckpt", *PLUGIN_PACKAGES, "bench"])
 def test_no_import_cycle(package: str) -> None:
     if package == "roll_ckpt":
         modules = CORE_MODULES
+    elif package == "bench":
+        modules = _modules(BENCH, "bench")
     else:
         src = next(s for s in PLUGIN_SOURCES if (s / package).is_dir())
         modules = _modules(src / package, package)
@@ -189,9 +193,17 @@ def test_core_modules_stay_small() -> None:
 
 
 def _private_torch_uses(path: Path) -> list[str]:
-    """``from torch... import _x``, ``import torch._x``, ``torch._C``/``serialization._x``, ``._local_tensor``."""
+    """``from torch... import _x``, ``import torch._x``, ``torch._C``/``serialization._x``, ``._local_tensor``,
+    and ``X._y`` for any ``X`` the file imports from torch (``SavePlanner._cached_all_plans``)."""
+    tree = ast.parse(path.read_text())
+    from_torch = {"torch", "ser", "serialization"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch"):
+            from_torch.update(a.asname or a.name for a in node.names)
+        elif isinstance(node, ast.Import):
+            from_torch.update(a.asname or a.name.split(".")[0] for a in node.names if a.name.startswith("torch"))
     found = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch"):
             if any(part.startswith("_") for part in node.module.split(".")) or \
                     any(a.name.startswith("_") for a in node.names):
@@ -202,13 +214,16 @@ def _private_torch_uses(path: Path) -> list[str]:
         elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
             base = node.value
             name = base.id if isinstance(base, ast.Name) else base.attr if isinstance(base, ast.Attribute) else ""
-            if name in ("torch", "ser", "serialization") or node.attr == "_local_tensor":
-                found.append(f"line {node.lineno}: .{node.attr}")
+            if name in from_torch or node.attr == "_local_tensor":
+                found.append(f"line {node.lineno}: {name}.{node.attr}")
     return found
 
 
 def test_private_torch_apis_live_in_the_compat_module_only() -> None:
+    """In core, the plugins and the benchmark (``bench/``): every private torch API through ``torch_compat``."""
     sources = list(CORE_MODULES.values()) + [p for src in PLUGIN_SOURCES for p in src.rglob("*.py")]
+    sources += sorted(BENCH.rglob("*.py"))
+    assert len(sources) > len(CORE_MODULES) + 20, "the benchmark's modules are scanned too"
     offenders = {str(p.relative_to(REPO)): uses for p in sources
                  if p.name != "torch_compat.py" and (uses := _private_torch_uses(p))}
     assert not offenders, offenders

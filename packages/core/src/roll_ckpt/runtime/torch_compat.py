@@ -26,7 +26,8 @@ __all__ = ["TorchCompatError", "fsdp2_options", "gloo_averages", "local_tensor",
            "weights_only_load", "file_reader", "storage_info", "transform_descriptors", "dcp_format_version", "set_element", "get_element",
            "dcp_save", "dcp_load", "load_state_dict_no_dist", "module_tensor_ids", "empty_state_dict_load_planner", "planner_set_value", "storage_prefix",
            "narrow_tensor_by_index", "local_chunk", "collective", "all_reduce_ints", "CHECKED_ON",
-           "default_stager", "process_mode", "caching_save_planner", "without_collectives", "compare_save_plans", "storage_prefix_record"]
+           "default_stager", "process_mode", "caching_save_planner", "without_collectives", "compare_save_plans", "storage_prefix_record",
+           "set_plan_cache_key", "cached_local_plan", "forget_cached_plans"]
 
 CHECKED_ON = ("2.6", "2.8", "2.10", "2.11", "2.13", "2.14")
 """torch releases the whole suite ran on: the legs of ``make test-matrix`` (``matrix/results/``;
@@ -467,6 +468,44 @@ def compare_save_plans(plan: Any, cached: Any) -> bool:
     except ImportError as exc:
         raise _absent("planner_helpers._compare_save_plans", "2.8", exc) from None
     return _compare_save_plans(plan, cached)
+
+
+_PLAN_CACHES = ("_cached_save_plan", "_cached_final_save_plan", "_cached_all_plans", "_cached_global_plan",
+                "_cached_metadata")
+"""``SavePlanner``'s class-level plan caches (dicts keyed by a planner's ``_cached_plans_key``)."""
+
+
+def set_plan_cache_key(planner: Any, key: str) -> None:
+    """Files a caching planner's plans under ``key`` in DCP's plan caches
+    (``DefaultSavePlanner._cached_plans_key``; by default the class's name, so every planner
+    of a class shares one entry): torch 2.8-2.14; torch 2.6 caches no plans."""
+    if not hasattr(planner, "_cached_plans_key"):
+        raise _absent("DefaultSavePlanner._cached_plans_key", "2.8", AttributeError("no _cached_plans_key"))
+    planner._cached_plans_key = key
+
+
+def cached_local_plan(planner: Any, rank: int = 0) -> Any:
+    """Rank ``rank``'s local plan as the coordinator cached it for ``planner``'s key after a
+    global plan (``SavePlanner._cached_all_plans``; what a later save compares its new plan
+    to): torch 2.8-2.14; torch 2.6 caches no plans."""
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    try:
+        return SavePlanner._cached_all_plans[planner._cached_plans_key][rank]
+    except AttributeError as exc:
+        raise _absent("SavePlanner._cached_all_plans", "2.8", exc) from None
+
+
+def forget_cached_plans(planner: Any) -> None:
+    """Drops what ``planner``'s saves left in DCP's plan caches (``SavePlanner._cached_save_plan``,
+    ``_cached_final_save_plan``, ``_cached_all_plans``, ``_cached_global_plan``,
+    ``_cached_metadata``: class attributes, kept for the life of the process): torch
+    2.8-2.14; nothing to drop on torch 2.6."""
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    key = getattr(planner, "_cached_plans_key", None)
+    for name in _PLAN_CACHES:
+        getattr(SavePlanner, name, {}).pop(key, None)
 
 
 def storage_prefix_record(prefix: str) -> Any:
