@@ -1,10 +1,11 @@
-"""MkDocs hook (``hooks:`` in mkdocs.yml): adds the generated pages and the benchmark's
-results to the site at build time, so none of them is a copy that could drift.
+"""MkDocs hook (``hooks:`` in mkdocs.yml): adds the generated pages to the site at build
+time, so none of them is a copy that could drift.
 
 * ``reference/configuration.md``, ``reference/cli.md``, ``reference/api.md``: generated
-  from the config definitions, the command-line parser and ``__all__`` (``render.py``);
-* ``bench/results/*.png`` and ``*.md``: the files ``make bench`` writes, taken from the
-  repository's ``bench/results`` as they are.
+  from the config definitions, the command-line parser and ``__all__`` (``render.py``).
+
+The benchmark's results are not added here: ``bench/results/`` is build output (not in
+git); the summaries the pages show are kept in ``docs/benchmark/`` as ordinary files.
 """
 
 from __future__ import annotations
@@ -19,9 +20,6 @@ import render  # noqa: E402
 
 from mkdocs.structure.files import File, Files  # noqa: E402
 
-REPO = HERE.parents[1]
-RESULTS = REPO / "bench" / "results"
-
 GENERATED = {
     "reference/configuration.md": render.configuration_page,
     "reference/cli.md": render.cli_page,
@@ -32,6 +30,4 @@ GENERATED = {
 def on_files(files: Files, config) -> Files:
     for uri, make in GENERATED.items():
         files.append(File.generated(config, uri, content=make()))
-    for path in sorted(RESULTS.glob("*.png")) + sorted(RESULTS.glob("*.md")):
-        files.append(File.generated(config, f"bench/results/{path.name}", abs_src_path=str(path)))
     return files

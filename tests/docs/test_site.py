@@ -271,12 +271,22 @@ def test_the_api_reference_documents_every_public_name(site: Path) -> None:
 
 
 def test_the_benchmark_page_shows_the_plots_that_exist(site: Path) -> None:
-    plots = sorted(p.name for p in (REPO / "bench" / "results").glob("*.png"))
+    """The plots kept in docs/benchmark/ (bench/results/ is build output) are on the page."""
+    plots = sorted(p.name for p in (REPO / "docs" / "benchmark").glob("*.png"))
     assert plots
     page = page_text(site, "benchmark")
+    shown = {(site / "benchmark" / src).resolve() for src in re.findall(r'<img[^>]* src="([^"]+)"', page)}
     for name in plots:
-        assert (site / "bench" / "results" / name).is_file()
-        assert f"bench/results/{name}" in page, f"the benchmark page does not show {name}"
+        assert (site / "benchmark" / name).is_file()
+        assert (site / "benchmark" / name).resolve() in shown, f"the benchmark page does not show {name}"
+
+
+def test_no_page_links_into_the_benchmarks_build_output() -> None:
+    """bench/results/ is ignored by git: what a page or the README shows of it is in docs/benchmark/."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+    linked = [f"{p.relative_to(REPO)}: {t}" for p in pages
+              for t in re.findall(r"\]\(([^)]+)\)", p.read_text()) if "bench/results" in t]
+    assert not linked, linked
 
 
 def test_a_broken_link_fails_the_strict_build(tmp_path: Path) -> None:
@@ -285,8 +295,7 @@ def test_a_broken_link_fails_the_strict_build(tmp_path: Path) -> None:
     copy.mkdir()
     shutil.copy(REPO / "mkdocs.yml", copy / "mkdocs.yml")
     shutil.copytree(REPO / "docs", copy / "docs")
-    for name in ("packages", "bench"):
-        (copy / name).symlink_to(REPO / name)
+    (copy / "packages").symlink_to(REPO / "packages")
     with open(copy / "docs" / "status.md", "a") as f:
         f.write("\nSee [nothing](no-such-page.md).\n")
     done = build(copy / "mkdocs.yml", tmp_path / "site")
