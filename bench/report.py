@@ -87,6 +87,10 @@ def markdown(res: dict[str, Any]) -> str:
         if k == "T8":
             extra = "; blocked by budget: " + ", ".join(
                 f"{c.replace('rc_budget_', '')} {_ms(v)}" for c, v in (t.get("blocked_s") or {}).items())
+        if k == "import":
+            extra = (f"; {t['error']}" if t.get("error") else
+                     f"; import roll_ckpt: {_f(t.get('ms'), '{:.0f}')} ms, no numpy, no torch.distributed "
+                     f"(torch itself {'imported' if t.get('torch') else 'not imported'})")
         if k == "T9":
             extra = (f"; {_ms(t.get('ours_s'))} vs {_ms(t.get('dcp_s'))}, extra RSS "
                      f"{_f(t.get('extra_rss_frac'), '{:.2f}')}× (<= 1.1; dcp {_f(t.get('dcp_extra_rss_frac'), '{:.2f}')}×); "

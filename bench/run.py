@@ -11,7 +11,9 @@ async save, :mod:`bench.loop`) and ``many`` (T7: blocked time against the number
 :mod:`bench.many`). The group ``scale`` runs :mod:`bench.scale` (T12-T14: DCP's and roll-ckpt's
 coordination simulated for N ranks, and real gloo jobs counting storage operations), which
 writes DIR/scale.{json,md,png}. Writes DIR/latest.json, DIR/latest.md, DIR/latest.png and
-DIR/tensors.png (default DIR: bench/results). ``--check`` exits 1 when a target fails.
+DIR/tensors.png (default DIR: bench/results). Every run also times ``import roll_ckpt`` in fresh
+interpreters (:mod:`bench.importcost`: the row ``import``, which also fails when that import
+brings in numpy or torch.distributed). ``--check`` exits 1 when a target fails.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import tempfile
 import time
 from typing import Any
 
+from . import importcost
 from .common import median
 from .launch import RESULTS, ROOT, child_env, module, torchrun
 from .scale_limits import OPS_LIMIT, T12_LIMIT, T13_LIMIT
@@ -510,6 +513,9 @@ def targets(rows: list[dict[str, Any]], limits: dict[str, Any], extra: dict[str,
     for k, (limit, what) in missing.items():
         t = sc.get(k)
         out[k] = dict(t) if t else entry(None, limit, True, f"{what} (not run: the group scale)")
+
+    # import roll_ckpt in a fresh interpreter: its time, and neither numpy nor torch.distributed
+    out["import"] = importcost.target(extra.get("import"))
     return out
 
 
@@ -554,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
     limits: dict[str, Any] = {}
     invariants: list[str] = []
     unavailable: dict[str, str] = {}
-    extra: dict[str, Any] = {"hash": hash_cost(), "skipped": []}
+    extra: dict[str, Any] = {"hash": hash_cost(), "import": importcost.measure(), "skipped": []}
     if mode == "full":
         ok, why = cgroup_memory()
         if not ok:

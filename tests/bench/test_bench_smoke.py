@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import run
+from bench import importcost, run
 from helpers.launch import REPO, TESTS, run_python
 
 pytestmark = pytest.mark.timeout(300)  # shared 2-core machines: the smoke run took 200 s under load 13
@@ -45,7 +45,7 @@ def test_smoke_run_writes_the_report(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     res = json.loads((out / "latest.json").read_text())
 
-    assert set(res["targets"]) == {f"T{i}" for i in range(1, 15)}
+    assert set(res["targets"]) == {f"T{i}" for i in range(1, 15)} | {"import"}
     for name, t in res["targets"].items():
         assert {"value", "limit", "pass"} <= set(t), name
         assert isinstance(t["pass"], bool) and isinstance(t["limit"], (int, float)), name
@@ -115,6 +115,9 @@ def test_smoke_run_writes_the_report(tmp_path: Path) -> None:
     assert "| T1 |" in md and "rc_async_zc_all" in md and "Machine:" in md
     assert "## T6" in md and "## T7" in md and "| T9 |" in md and "Hash cost" in md
     assert "## T10/T11" in md and "| T11 |" in md
+    imp = res["targets"]["import"]  # a fresh interpreter each time, though this run was forked warm
+    assert imp["pass"] and imp["torch"] is False and len(imp["runs_s"]) == res["import"]["runs"], imp
+    assert "| import |" in md and "no numpy, no torch.distributed" in md
     assert (out / "latest.png").stat().st_size > 10_000
     assert (out / "tensors.png").stat().st_size > 10_000
     assert not list(out.glob(".scratch-*")), "the scratch checkpoints are removed"
@@ -215,3 +218,19 @@ def test_t4_is_the_share_of_the_disks_read_bandwidth() -> None:
     assert tg["T4"]["dcp_vs_disk_read"] == pytest.approx(0.8) and tg["T4"]["vs_dcp"] == pytest.approx(0.95 / 0.8)
     rows[0]["gbps"] = 0.85
     assert not run.targets(rows, {"disk_read_gbps": 2.0, "disk_read2_gbps": 1.0})["T4"]["pass"]
+
+
+def test_import_time_is_measured_in_a_fresh_interpreter_and_fails_on_a_heavy_import(monkeypatch) -> None:
+    """The row ``import``: ``import roll_ckpt`` timed in new interpreters; numpy or
+    torch.distributed in ``sys.modules`` after it fails the row, whatever the time."""
+    got = importcost.measure(runs=2)
+    assert got["error"] is None and len(got["runs_s"]) == 2 and got["median_s"] > 0, got
+    row = run.targets([], {}, {"import": got})["import"]
+    assert row["pass"] and row["value"] == got["median_s"] and row["limit"] == importcost.LIMIT_S
+    assert not run.targets([], {})["import"]["pass"]  # not measured: no pass
+
+    monkeypatch.setattr(importcost, "CODE", "import numpy\n" + importcost.CODE)
+    heavy = importcost.measure(runs=1)
+    assert "numpy" in heavy["error"] and heavy["median_s"] is None, heavy
+    row = importcost.target(heavy)
+    assert not row["pass"] and row["value"] is None and "numpy" in row["error"]
