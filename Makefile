@@ -63,8 +63,9 @@ test-matrix:
 # of a resume as well as of a save (tests/reliability/test_hangs.py). Replay a failure with
 # ROLL_CKPT_CRASH_SEED=<seed printed by the test>.
 RELIABILITY_KILLS ?= 50
+RELIABILITY_SOAK_SAVES ?= 40
 test-reliability: venv
-	ROLL_CKPT_KILLS=$(RELIABILITY_KILLS) $(PY) -m pytest -q -n $(TEST_WORKERS) $(TEST_DIST) tests/reliability $(PYTEST_ARGS)
+	ROLL_CKPT_KILLS=$(RELIABILITY_KILLS) ROLL_CKPT_SOAK_SAVES=$(RELIABILITY_SOAK_SAVES) $(PY) -m pytest -q -n $(TEST_WORKERS) $(TEST_DIST) tests/reliability tests/backend_fs/test_network_faults.py $(PYTEST_ARGS)
 
 # Benchmark: stall, memory and throughput against DCP, torch.save and the disk, in one run
 # (--quick: <= 3 min on 2 cores; BENCH_ARGS=--full for larger states). Writes

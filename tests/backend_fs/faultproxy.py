@@ -12,7 +12,16 @@ and relays the answer, and for the requests chosen injects one fault:
 * ``503`` — ``503 SlowDown`` (S3's throttling answer), the server never sees the request;
 * ``500`` — ``500 InternalError``;
 * ``slow`` — the answer trickles (``slow_bytes_per_s``);
-* ``hang`` — the request is read and never answered (until the client gives up).
+* ``hang`` — the request is read and never answered: the connection is held open,
+  silent, for ``hang_s`` or until the proxy stops, whatever the client does;
+* ``stall_body`` — the answer's headers and half its body reach the client, then
+  silence on an open connection (a server that stalls mid-download);
+* ``stall_upload`` — a quarter of the request body is read, then nothing more: the
+  connection stays open and the client's writes fill the socket's buffers and block
+  (a server that stalls mid-upload).
+
+A held connection is closed only when ``hang_s`` has passed or the proxy stops, so a client
+that waits for it waits without bound unless its own timeouts end the wait.
 
 Faults are chosen by :meth:`FaultProxy.inject` (the next ``count`` requests matching a
 method and a path part) or at random (:meth:`FaultProxy.randomly`, seeded rates).
@@ -31,7 +40,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
-KINDS = ("reset_upload", "reset_download", "503", "500", "slow", "hang")
+KINDS = ("reset_upload", "reset_download", "503", "500", "slow", "hang", "stall_body", "stall_upload")
 
 _ERROR_BODY = ('<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
                "<Message>{message}</Message><RequestId>proxy</RequestId></Error>")
@@ -52,7 +61,7 @@ class FaultProxy:
     upstream: tuple[str, int]
     port: int = 0
     slow_bytes_per_s: int = 256 << 10
-    hang_s: float = 60.0
+    hang_s: float = 600.0
     requests: int = 0
     injected: dict[str, int] = field(default_factory=dict)
     _rules: list[_Rule] = field(default_factory=list)
@@ -78,6 +87,10 @@ class FaultProxy:
             self._rates = dict(rates)
             self._rng = random.Random(seed)
 
+    def _hold(self) -> None:
+        """Keep this connection open and silent (``hang_s``, or until the proxy stops)."""
+        self._stopping.wait(self.hang_s)
+
     def clear(self) -> None:
         with self._lock:
             self._rules.clear()
@@ -101,8 +114,8 @@ class FaultProxy:
                         kind = k
                         break
                     x -= rate
-            if kind == "reset_upload" and not has_body:
-                kind = "reset_download"
+            if kind in ("reset_upload", "stall_upload") and not has_body:
+                kind = "reset_download" if kind == "reset_upload" else "hang"
             if kind is not None:
                 self.injected[kind] = self.injected.get(kind, 0) + 1
             return kind
@@ -128,8 +141,8 @@ def _read_exact(sock: socket.socket, buf: bytearray, n: int) -> bytes:
     return out
 
 
-def _read_message(sock: socket.socket, buf: bytearray, *, response_to: str | None = None) -> tuple[bytes, bytes, dict]:
-    """One HTTP message from ``sock``: (head, body as sent, lower-cased headers)."""
+def _read_head(sock: socket.socket, buf: bytearray) -> tuple[bytes, dict]:
+    """The head of one HTTP message from ``sock``: (head, lower-cased headers)."""
     end = _read_until(sock, buf, b"\r\n\r\n")
     head = bytes(buf[:end + 4])
     del buf[:end + 4]
@@ -143,8 +156,17 @@ def _read_message(sock: socket.socket, buf: bytearray, *, response_to: str | Non
     if headers.get("expect", "").lower() == "100-continue":  # answer it here; the server never sees it
         sock.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
         head = "\r\n".join(line for line in lines if not line.lower().startswith("expect:")).encode("latin-1")
-    if response_to == "HEAD" or (response_to and lines[0].split(" ")[1] in ("204", "304")):
-        return head, b"", headers
+    return head, headers
+
+
+def _has_body(headers: dict) -> bool:
+    return int(headers.get("content-length", "0")) > 0 or "chunked" in headers.get("transfer-encoding", "").lower()
+
+
+def _read_body(sock: socket.socket, buf: bytearray, headers: dict, *, response_to: str | None = None) -> bytes:
+    """The body of the message whose head was ``headers``, as sent."""
+    if response_to == "HEAD" or (response_to and headers[":start"].split(" ")[1] in ("204", "304")):
+        return b""
     if "chunked" in headers.get("transfer-encoding", "").lower():
         body = bytearray()
         while True:
@@ -159,9 +181,14 @@ def _read_message(sock: socket.socket, buf: bytearray, *, response_to: str | Non
                         break
                 break
             body += _read_exact(sock, buf, size + 2)
-        return head, bytes(body), headers
-    n = int(headers.get("content-length", "0"))
-    return head, _read_exact(sock, buf, n), headers
+        return bytes(body)
+    return _read_exact(sock, buf, int(headers.get("content-length", "0")))
+
+
+def _read_message(sock: socket.socket, buf: bytearray, *, response_to: str | None = None) -> tuple[bytes, bytes, dict]:
+    """One HTTP message from ``sock``: (head, body as sent, lower-cased headers)."""
+    head, headers = _read_head(sock, buf)
+    return head, _read_body(sock, buf, headers, response_to=response_to), headers
 
 
 def _reset(sock: socket.socket) -> None:
@@ -182,11 +209,17 @@ class _Handler(socketserver.BaseRequestHandler):
         try:
             while not proxy._stopping.is_set():
                 try:
-                    head, body, headers = _read_message(client, cbuf)
+                    head, headers = _read_head(client, cbuf)
+                    method, path = headers[":start"].split(" ")[:2]
+                    kind = proxy._choose(method, path, _has_body(headers))
+                    if kind == "stall_upload":  # a part of the body, then nothing read any more
+                        want = int(headers.get("content-length", "0")) // 4
+                        _read_exact(client, cbuf, want)
+                        proxy._hold()
+                        return
+                    body = _read_body(client, cbuf, headers)
                 except (ConnectionError, OSError):
                     return
-                method, path = headers[":start"].split(" ")[:2]
-                kind = proxy._choose(method, path, bool(body))
                 if kind in _ERRORS:
                     status, reason, code, message = _ERRORS[kind]
                     err = _ERROR_BODY.format(code=code, message=message).encode()
@@ -194,7 +227,7 @@ class _Handler(socketserver.BaseRequestHandler):
                                    f"Content-Length: {len(err)}\r\nConnection: keep-alive\r\n\r\n".encode() + err)
                     continue
                 if kind == "hang":
-                    proxy._stopping.wait(proxy.hang_s)
+                    proxy._hold()
                     return
                 if up is None:
                     up = socket.create_connection(proxy.upstream, timeout=60)
@@ -208,6 +241,10 @@ class _Handler(socketserver.BaseRequestHandler):
                 if kind == "reset_download":
                     client.sendall(rhead + rbody[:len(rbody) // 2])
                     _reset(client)
+                    return
+                if kind == "stall_body":  # the headers and half the body, then silence, the connection open
+                    client.sendall(rhead + rbody[:len(rbody) // 2])
+                    proxy._hold()
                     return
                 if kind == "slow":
                     client.sendall(rhead)

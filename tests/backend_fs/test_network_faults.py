@@ -4,6 +4,7 @@ proxy (:mod:`faultproxy`): retried, bounded, counted, and never a damaged checkp
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -182,16 +183,86 @@ def test_resume_over_a_link_that_keeps_failing_names_the_object(
     assert_same_state(state_snapshot(fresh), untouched)
 
 
-def test_short_soak_with_random_faults(s3: s3server.SeaweedServer, proxy: FaultProxy) -> None:
-    """A short version of ``bench/soak.py``: saves every step through random faults; every
-    committed checkpoint verifies and the newest resumes exactly; no checkpoint is lost."""
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "bench"))
-    from soak import soak
+SOAK_SAVES = int(os.environ.get("ROLL_CKPT_SOAK_SAVES", "12"))
+"""Saves of the soak below: 12 in ``make test``, 40 in ``make test-reliability``."""
 
-    result = soak(s3, proxy, saves=12, seed=23, options=FAST)
-    assert result["lost"] == 0 and result["committed"] + result["failed"] == 12, result
-    assert result["committed"] >= 6 and result["injected"], result
+
+@pytest.mark.timeout(120 + 30 * SOAK_SAVES)
+def test_soak_with_random_faults(s3: s3server.SeaweedServer, proxy: FaultProxy) -> None:
+    """``bench.soak`` in the suite: a job saves every step through random faults (resets,
+    503, 500, slow answers, requests never answered); every committed checkpoint verifies,
+    the newest resumes exactly, no checkpoint is lost, and the job takes no longer than a
+    fault-free pass plus what each injected fault may cost (one attempt: connect + read
+    timeout + the longest backoff): no request waits without bound."""
+    from bench.soak import soak
+
+    result = soak(s3, proxy, saves=SOAK_SAVES, seed=23, options=FAST)
+    assert result["lost"] == 0 and result["committed"] + result["failed"] == SOAK_SAVES, result
+    assert result["committed"] >= SOAK_SAVES // 2 and result["injected"], result
     assert not result["leftover_folders"] and not result["leftover_uploads"], result
+    per_fault = FAST["connect_timeout"] + FAST["read_timeout"] + FAST["retry_backoff_max"]
+    bound = result["wall_without_faults_s"] + per_fault * sum(result["injected"].values()) + 30
+    assert result["wall_s"] <= bound, (result["wall_s"], bound, result)
+
+
+# The server goes silent with the connection held open (the proxy lets go only when it
+# stops, 600 s): a client without a bound of its own would wait for ever.
+SILENT = [("hang", "PUT", ".distcp", "save"),            # accepts the upload, never answers
+          ("hang", "PUT", ".inflight-", "save"),         # the owner marker of PendingCheckpoint.begin
+          ("stall_upload", "PUT", "partNumber", "save"),  # stops reading a part mid-upload
+          ("stall_body", "GET", ".distcp", "resume")]     # headers and half the body, then silence
+
+
+@pytest.mark.parametrize("kind,method,path,phase", SILENT, ids=[f"{k}-{p.strip('.-')}" for k, _, p, _ in SILENT])
+def test_a_silent_server_costs_an_attempt_and_never_more_than_the_worst_case(
+        s3: s3server.SeaweedServer, proxy: FaultProxy, kind: str, method: str, path: str, phase: str) -> None:
+    """One silent attempt costs ``read_timeout`` and is retried; a request that meets it on
+    every attempt fails (nothing committed, the state untouched) within
+    ``RetryPolicy.worst_case_s``, the bound the faults page states."""
+    import torch
+    from roll_ckpt_fs.network import RetryPolicy
+
+    opts = _options(s3, proxy, max_attempts=2, default_block_size=5 << 20)  # 5 MiB parts: S3's smallest
+    policy = RetryPolicy.pop_from(dict(opts), "test")
+    one_attempt = policy.connect_timeout + policy.read_timeout + policy.retry_backoff_max + 3  # 3 s: the save itself
+    url = _url(s3)
+    state = tiny_state(seed=9)
+    state["big"] = {"w": torch.randn(3 << 20)}  # 12 MiB: a multipart upload
+    with CheckpointManager.from_config(config(url, storage_options=opts, on_save_error="warn"), quiet=True) as m:
+        assert m.save(1, state) is not None
+        saved = state_snapshot(state)
+        if phase == "save":
+            proxy.inject(kind, method=method, path=path, count=1)
+            t0 = time.monotonic()
+            assert m.save(2, state) is not None
+            took = time.monotonic() - t0
+            assert took < one_attempt and m.last_save.network.kinds.get("read timeout"), (took, m.last_save)
+            proxy.inject(kind, method=method, path=path, count=policy.max_attempts)
+            t0 = time.monotonic()
+            assert m.save(3, state) is None and m.failed_saves == 1
+            took = time.monotonic() - t0
+            assert took <= policy.worst_case_s + 3, (took, policy.worst_case_s)
+            assert [r.step for r in layout.committed(m.storage, m.storage.root)] == [1, 2]
+            return
+    resume = config(url, storage_options=opts, resume_from_checkpoint="latest")
+    proxy.inject(kind, method=method, path=path, count=1)
+    fresh = tiny_state(seed=10)
+    fresh["big"] = {"w": torch.zeros(3 << 20)}
+    t0 = time.monotonic()
+    with CheckpointManager.from_config(resume, quiet=True) as m2:
+        assert m2.resume(fresh) == 1
+    assert time.monotonic() - t0 < one_attempt + 3
+    assert_same_state(state_snapshot(fresh), saved)
+    proxy.inject(kind, method=method, path=path, count=policy.max_attempts)
+    other = tiny_state(seed=11)
+    other["big"] = {"w": torch.zeros(3 << 20)}
+    untouched = state_snapshot(other)
+    t0 = time.monotonic()
+    with CheckpointManager.from_config(resume, quiet=True) as m3:
+        with pytest.raises(RollCkptError, match=r"\.distcp"):
+            m3.resume(other)
+    assert time.monotonic() - t0 <= policy.worst_case_s + 3
+    assert_same_state(state_snapshot(other), untouched)
 
 
 def test_retry_settings_are_checked(s3: s3server.SeaweedServer) -> None:

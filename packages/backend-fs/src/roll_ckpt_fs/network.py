@@ -17,6 +17,10 @@ key                    default  meaning
 ``retry_backoff_max``  5        the longest wait between two attempts
 =====================  =======  ==========================================================
 
+An upload the server stops reading fails its attempt after ``read_timeout`` too
+(:mod:`roll_ckpt_fs.upload_watch`; aiohttp alone would wait for ever). So whatever a server
+does, one request ends within :attr:`RetryPolicy.worst_case_s` (78.75 s with the defaults).
+
 Retried: a connection refused, reset or closed part-way (upload or download), a connect
 or read timeout, and answers 500, 502, 503 (``SlowDown``), 504 and 429. Anything else (403,
 404, 412...) fails at once. A request is retried by botocore (it re-sends the whole
@@ -78,6 +82,17 @@ class RetryPolicy:
             values[key] = int(value) if integer else float(value)
         return cls(**values)
 
+    @property
+    def worst_case_s(self) -> float:
+        """The longest one request can take against a server that goes silent, whatever it
+        does (accepts and never answers, answers headers and stalls the body, stops reading
+        an upload): each attempt ends ``connect_timeout`` + ``read_timeout`` after it began at
+        the latest, and the waits between attempts are at most the backoffs. A server that
+        keeps sending a byte now and then, each within ``read_timeout``, is not silent: that
+        request takes as long as its bytes take."""
+        waits = sum(min(self.retry_backoff_max, self.retry_backoff * 2 ** (k - 1)) for k in range(1, self.max_attempts))
+        return self.max_attempts * (self.connect_timeout + self.read_timeout) + waits
+
     def delay(self, retry: int) -> float:
         """Seconds to wait before retry number ``retry`` (1 for the first)."""
         full = min(self.retry_backoff_max, self.retry_backoff * (2 ** (retry - 1)))
@@ -91,6 +106,10 @@ class RetryPolicy:
         config.setdefault("read_timeout", self.read_timeout)
         # botocore's own retries off: FaultCounter.needs_retry decides (and counts)
         config.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
+        from .upload_watch import WatchedSession  # imports aiobotocore: s3:// only
+
+        # aiohttp times out reads only: an upload the server stops taking would wait for ever
+        config.setdefault("http_session_cls", WatchedSession)
         out["config_kwargs"] = config
         return out
 
