@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._version import __version__
 from .config.schema import BackupConfig, CheckpointConfig, Config, InitialLoadConfig, PreemptionConfig, StrategyConfig, load_config
 from .errors import (BackupError, CheckpointCorruptError, CheckpointNotFoundError, ConfigError, PartlyLoadedError,
                      PluginError, RollCkptError, SaveError, StorageError, StorageFullError, UnknownPluginError,
@@ -70,6 +69,10 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":  # from the installed metadata (importlib.metadata costs ~10 ms: only when asked)
+        from importlib.metadata import version
+
+        return version("roll-ckpt-core")
     # The manager and the export pull in torch; keep `import roll_ckpt` light for entry points and the CLI.
     if name in ("CheckpointManager", "SaveStats"):
         from . import manager

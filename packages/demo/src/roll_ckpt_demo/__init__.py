@@ -1,5 +1,7 @@
 """roll-ckpt's demo job, as the ``roll-ckpt demo`` command (see :mod:`roll_ckpt_demo.launch`)."""
 
-__version__ = "0.1.0"
+from importlib.metadata import version
 
 __all__ = ["__version__"]
+
+__version__ = version("roll-ckpt-demo")  # the one place: [tool.bumpversion] in the root pyproject.toml
