@@ -31,7 +31,7 @@ Importing this module does not import torch nor any plugin.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .config.schema import read_yaml
 from .contracts import (STORAGE_CAPABILITIES, AbortableWrite, BackendRecord, CommandRecord, CommitInfo,
@@ -46,6 +46,13 @@ from .format.layout import latest as latest_checkpoint
 from .hookspecs import hookimpl, hookspec
 from .plugins import get_plugins
 from .runtime.units import human_bytes
+
+if TYPE_CHECKING:  # for type checkers and the API reference; at run time _LAZY below imports them
+    from .cli import main as cli_main
+    from .runtime.memory import exact_alias
+    from .runtime.torch_compat import collective, fsdp2_options, local_tensor, rewrap_dtensor, set_local_tensor
+    from .strategy import DCPStrategy
+    from .tiers.job import open_storage
 
 __all__ = [
     # hooks and records
