@@ -263,3 +263,28 @@ def test_the_writer_patches_nothing_in_torch() -> None:
     save_tensor_without_crc(torch.arange(4.0), buf := io.BytesIO())
     assert ser.get_crc32_options is before and ser.get_crc32_options() is True
     assert torch.equal(torch.load(io.BytesIO(buf.getvalue()), weights_only=True), torch.arange(4.0))
+
+
+def _swallows_everything(handler: ast.ExceptHandler) -> bool:
+    """An ``except BaseException`` (or bare ``except``) that neither raises nor keeps the exception."""
+    caught = handler.type
+    names = {"<bare>"} if caught is None else {e.id for e in (caught.elts if isinstance(caught, ast.Tuple) else [caught])
+                                                 if isinstance(e, ast.Name)}
+    if not names & {"BaseException", "<bare>"}:
+        return False
+    body = [n for stmt in handler.body for n in ast.walk(stmt)]
+    raises = any(isinstance(n, ast.Raise) for n in body)
+    kept = handler.name is not None and any(isinstance(n, ast.Name) and n.id == handler.name for n in body)
+    return not raises and not kept
+
+
+def test_no_handler_swallows_a_ctrl_c() -> None:
+    """DCP raises ``CheckpointException``, a ``BaseException``, so handlers must catch that
+    wide; each one raises again or keeps the exception for the caller to raise. If it passes
+    instead, a Ctrl-C or a ``SystemExit`` in that window is lost."""
+    found = []
+    for path in [*CORE.rglob("*.py"), *(p for src in PLUGIN_SOURCES for p in src.rglob("*.py")), *BENCH.rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ExceptHandler) and _swallows_everything(node):
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert found == []

@@ -109,7 +109,7 @@ class StreamedFile:
             fut = self._pieces.pop(k)
             try:
                 view = fut.result()
-            except BaseException:
+            except Exception:  # that piece's failure is raised where it is read; a Ctrl-C is not caught
                 continue
             self._free.append(memoryview(view.obj))
 
@@ -153,7 +153,7 @@ class StreamedFile:
             if not fut.cancelled():
                 try:
                     fut.result()
-                except BaseException:
+                except Exception:  # closing: a read that failed is of no use now; a Ctrl-C still goes up
                     pass
         self._pieces.clear()
         self._free.clear()
