@@ -15,7 +15,7 @@ PACKAGES := -e packages/core -e packages/backend-fs -e packages/strategy-fsdp2 -
             -e ".[all,dev]"
 SOURCES := pyproject.toml packages/*/pyproject.toml matrix/legs.py
 
-.PHONY: venv demo test test-leg leg-venv test-matrix test-reliability bench bench-check docs wheels clean
+.PHONY: venv demo test test-leg leg-venv test-matrix test-reliability bench bench-check bench-leg docs wheels clean
 
 venv: $(STAMP)
 
@@ -77,6 +77,12 @@ bench: venv
 
 bench-check: venv
 	$(PY) -m bench --check $(BENCH_ARGS)
+
+# The same benchmark in one leg's venv (LEG=roll-2.8: ROLL's torch 2.8 stack), built first if
+# missing; into bench/results/<leg>/ (docs/benchmark.md compares it with the default leg's).
+bench-leg:
+	test -x .matrix/$(LEG)/bin/python || $(PYTHON) -m matrix build $(LEG)
+	.matrix/$(LEG)/bin/python -m bench $(BENCH_ARGS) --out bench/results/$(LEG)
 
 # The documentation site (mkdocs.yml, docs/) into site/, warnings as errors. Its configuration,
 # command-line and API references are generated from the code at build time (docs/_hooks/).
