@@ -14,7 +14,7 @@ import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
 import yaml  # noqa: E402
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from roll_ckpt.config.schema import BackupConfig, CheckpointConfig, Config, load_config  # noqa: E402
@@ -221,6 +221,7 @@ def test_one_change_to_a_valid_config_is_accepted_or_names_the_bad_key(base: dic
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                    HealthCheck.too_slow])
 @given(CONFIGS)
+@example(raw={"defaults": [{"": None}]})  # found by this test in the roll-2.8 leg: Hydra asserts on an empty group
 def test_fuzzed_yaml_file_is_accepted_or_names_the_bad_key(tmp_path: Path, raw: dict[Any, Any]) -> None:
     path = tmp_path / "run.yaml"
     try:

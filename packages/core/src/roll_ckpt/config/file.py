@@ -76,9 +76,12 @@ def compose_with_hydra(path: Path) -> dict[str, Any]:
     try:
         with initialize_config_dir(config_dir=folder, version_base=None):
             composed = compose(config_name=path.stem)
-    except (HydraException, OmegaConfBaseException, ValueError, TypeError, KeyError, OSError) as exc:
-        # (Hydra reports a malformed defaults list with plain ValueErrors as well as its own)
+    except (HydraException, OmegaConfBaseException, ValueError, TypeError, KeyError, OSError, AssertionError) as exc:
+        # Hydra reports a malformed defaults list with plain ValueErrors as well as its own, and
+        # some entries (an empty group name, `- "": x`) only with an assert of its dataclasses
         first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        if isinstance(exc, AssertionError):
+            first = f"an entry it cannot read, such as an empty group or option name ({first})"
         raise ConfigError("defaults", f"Hydra cannot compose {path}: {first}", None,
                           "fix the defaults list (each entry names a file relative to the config's folder)") from None
     return OmegaConf.to_container(composed, resolve=False)  # type: ignore[return-value]
