@@ -96,6 +96,30 @@ def test_two_runs_in_two_processes_keep_their_own_checkpoints(tmp_path: Path) ->
         verify(storage, r.path)
 
 
+def test_a_run_folder_dropped_while_it_is_claimed_is_made_again(tmp_path: Path) -> None:
+    """Between making its run folder and linking ``.run.json`` into it, a launch's folder is
+    empty, and another launch's retention drops empty run folders (found by the test above
+    in the torch-2.11 leg: the claim failed with FileNotFoundError). The claim makes it again."""
+    from roll_ckpt.format.runs import claim_run_folder
+    from roll_ckpt.tiers.retention import _drop_empty_runs
+
+    root = str(tmp_path / "ckpt")
+
+    class OtherLaunchPrunes(LocalStorage):
+        dropped = 0
+
+        def write_create(self, path: str, data: bytes) -> None:
+            if path.endswith(layout.RUN_RECORD) and not self.dropped:
+                _drop_empty_runs(LocalStorage(root), root)  # the other launch's retention, just then
+                type(self).dropped += 1
+            super().write_create(path, data)
+
+    storage = OtherLaunchPrunes(root)
+    name = claim_run_folder(storage, root, config(root).checkpoint_config, "exp", None)
+    assert OtherLaunchPrunes.dropped == 1
+    assert (tmp_path / "ckpt" / name / layout.RUN_RECORD).is_file()
+
+
 # --------------------------------------------------------------------------- async + save
 
 

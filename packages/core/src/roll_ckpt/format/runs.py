@@ -107,10 +107,15 @@ def claim_run_folder(storage: Storage, root: str, cc: Any, exp_name: str, compon
     for attempt in range(100):
         name = layout.run_name(now, attempt)
         path = storage.join(root, name)
-        try:
-            storage.makedirs(path)
-            storage.write_create(storage.join(path, layout.RUN_RECORD), _record(exp_name))
-            return name
-        except FileExistsError:
-            continue
+        for _ in range(3):
+            try:
+                storage.makedirs(path)
+                storage.write_create(storage.join(path, layout.RUN_RECORD), _record(exp_name))
+                return name
+            except FileExistsError:
+                break  # another launch's: the next name
+            except FileNotFoundError:
+                # Between makedirs and the record the folder is empty, and another launch's
+                # retention drops empty run folders: make it again.
+                continue
     raise StorageError(f"could not create a run folder under {root}")
