@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -110,6 +111,10 @@ def ray_cluster(monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")         # no token file in the home folder
     # The workers unpickle this module's classes by value; rl_job/ray_job come with working_dir.
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    # ray.init installs a SIGTERM handler (sys.exit) that ray.shutdown leaves behind: put the
+    # worker's back, or a later test of this process that sends itself SIGTERM exits (seen in
+    # the torch-2.11 leg: tests/core/test_preemption.py after this one on the same worker).
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     t0 = time.monotonic()
     try:
         ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 * 2**20, _temp_dir=temp,
@@ -118,6 +123,8 @@ def ray_cluster(monkeypatch: pytest.MonkeyPatch) -> Any:
         yield
     finally:
         ray.shutdown()
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
         ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
         # Ray's agents may still write their last files while they exit: remove until gone.
         deadline = time.monotonic() + 30
