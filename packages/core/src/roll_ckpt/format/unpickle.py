@@ -7,6 +7,7 @@ classes. Every other value DCP reads goes through ``torch.load(weights_only=True
 
 from __future__ import annotations
 
+import enum
 import io
 import pickle
 from typing import Any
@@ -38,10 +39,25 @@ _ALLOWED_GLOBALS = {
 }
 
 
+def _enum_member(cls: Any, name: Any) -> Any:
+    """What ``getattr(cls, name)`` gives in a pickle, admitted for the members of an admitted enum only.
+
+    CPython 3.11.0 to 3.11.4 (3.11.2 is Debian 12's system Python) pickle an enum member as
+    ``getattr(EnumClass, "NAME")``; other releases as ``EnumClass(value)``. ``cls`` here was
+    itself admitted by :meth:`_MetadataUnpickler.find_class`, so this adds no class.
+    """
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) and name in cls.__members__:
+        return cls[name]
+    raise pickle.UnpicklingError(f"getattr({getattr(cls, '__name__', type(cls).__name__)}, {name!r}) is not a "
+                                 "member of a DCP metadata enum")
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _ALLOWED_GLOBALS:
             return super().find_class(module, name)
+        if module in ("builtins", "__builtin__") and name == "getattr":
+            return _enum_member
         if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout)):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not a DCP metadata class")
