@@ -540,5 +540,5 @@ def test_a_launch_restarted_within_the_second_gets_a_newer_run_name() -> None:
     first = new_run_name()
     time.sleep(0.002)
     second = new_run_name()
-    assert first != second and layout._run_key(second) > layout._run_key(first)
+    assert first != second and layout.run_key(second) > layout.run_key(first)
     assert layout.RUN_RE.match(second)

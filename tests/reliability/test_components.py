@@ -415,7 +415,7 @@ def _next_run_name(after: str) -> str:
     deadline = time.monotonic() + 5
     while True:
         name = new_run_name()
-        if layout._run_key(name) > layout._run_key(after):
+        if layout.run_key(name) > layout.run_key(after):
             return name
         assert time.monotonic() < deadline, (name, after)
         time.sleep(0.05)

@@ -12,8 +12,9 @@ from .config.schema import BackupConfig, CheckpointConfig, Config, InitialLoadCo
 from .errors import (BackupError, CheckpointCorruptError, CheckpointNotFoundError, ConfigError, PartlyLoadedError,
                      PluginError, RollCkptError, SaveError, StorageError, StorageFullError, UnknownPluginError,
                      UnsafeCheckpointError)
-from .contracts import (BackendRecord, CommandRecord, CommitInfo, ConfigKeyRecord, Entry, NetworkCounts, SaveContext,
-                        StagingPolicy, StagingPolicyRecord, Storage, Strategy, StrategyRecord, TakesOver)
+from .contracts import (BackendRecord, CommandRecord, CommitInfo, ConfigKeyRecord, Entry, ForeignCheckpoint,
+                        FormatRecord, NetworkCounts, SaveContext, StagingPolicy, StagingPolicyRecord, Storage, Strategy,
+                        StrategyRecord, TakesOver)
 from .format.driver_state import DriverState
 from .hookspecs import hookimpl, hookspec
 from .format.layout import new_run_name
@@ -46,6 +47,8 @@ __all__ = [
     "StagingPolicyRecord",
     "ConfigKeyRecord",
     "CommandRecord",
+    "FormatRecord",
+    "ForeignCheckpoint",
     "Strategy",
     "StagingPolicy",
     "SaveContext",

@@ -7,9 +7,11 @@
 * :class:`StagingPolicy` — how a save captures one kind of tensor (a named class with its
   own ``stage``/``release``); the first policy that claims a tensor captures it, core's
   regular copy last.
+* :class:`ForeignCheckpoint` — a checkpoint another framework wrote (ROLL's, verl's...),
+  recognized by a :class:`FormatRecord`: listed, checked and resumed read-only.
 * The records the registration hooks return (:class:`BackendRecord`,
   :class:`StrategyRecord`, :class:`StagingPolicyRecord`, :class:`ConfigKeyRecord`,
-  :class:`CommandRecord`), and the objects lifecycle hooks receive
+  :class:`CommandRecord`, :class:`FormatRecord`), and the objects lifecycle hooks receive
   (:class:`SaveContext`, :class:`CommitInfo`, :class:`SpaceEstimate`).
 
 A record's ``factory`` is called only when the thing is used, so registering a plugin
@@ -26,6 +28,7 @@ __all__ = [
     "Entry", "NetworkCounts", "Storage", "TakesOver", "ListsByPrefix", "CountsNetwork", "AbortableWrite",
     "STORAGE_CAPABILITIES", "capabilities", "Strategy", "StrategyDefaults", "strategy_member", "StagingPolicy", "StagingGate", "SaveContext", "CommitInfo", "SpaceEstimate",
     "BackendRecord", "StrategyRecord", "StagingPolicyRecord", "ConfigKeyRecord", "CommandRecord",
+    "ForeignCheckpoint", "FormatRecord",
 ]
 
 
@@ -452,6 +455,45 @@ class StagingPolicy(Protocol):
         """The write of ``save`` has finished or failed: what was staged may be reused."""
 
 
+# --------------------------------------------------------------------------- other frameworks' checkpoints
+
+
+@runtime_checkable
+class ForeignCheckpoint(Protocol):
+    """A checkpoint another framework wrote, as a :class:`FormatRecord` recognized it.
+
+    roll-ckpt lists it (``roll-ckpt ls``), checks what can be checked (``verify``: no
+    checksums, the framework wrote none), shows it (``inspect``) and resumes from it
+    (``resume_from_checkpoint``: its path, or ``latest`` over a folder that holds it). It is
+    only ever read: nothing in it is modified, moved or deleted, not even by retention.
+    """
+
+    format: str
+    """The :class:`FormatRecord`'s name (``roll``)."""
+    title: str
+    """What it is, for messages: ``ROLL checkpoint``."""
+    path: str
+    step: int
+    problems: list[str]
+    """Why it cannot be resumed from, each naming its file (a save the framework never
+    finished); empty when it can."""
+
+    def components(self) -> list[str]:
+        """The parts it holds, by roll-ckpt component name (``actor_train``, ``critic``, ``pipeline``)."""
+
+    def files(self) -> dict[str, int]:
+        """Every file it holds, relative to :attr:`path`, with its size."""
+
+    def describe(self) -> list[str]:
+        """Lines for ``roll-ckpt inspect``: what each part holds (keys, shapes, values)."""
+
+    def resume(self, state: MutableMapping[str, Any], strategy: Any, component: str | None) -> dict[str, Any]:
+        """Load it (``component``'s part; ``None``: the one a job without components takes)
+        into ``state`` on every process of ``strategy``, which calls it at the same point on
+        each; return what a ``trainer_state.json`` holds (``step`` at least). Raises
+        :class:`~roll_ckpt.errors.RollCkptError` naming the file or key at fault."""
+
+
 # --------------------------------------------------------------------------- registration records
 
 
@@ -545,4 +587,26 @@ class CommandRecord:
     """``run(args)`` returns the exit status; a :class:`roll_ckpt.RollCkptError` it raises
     is printed on one line."""
     description: str = ""
+    distribution: str = ""
+
+
+@dataclass(frozen=True)
+class FormatRecord:
+    """A checkpoint layout another framework writes (ROLL's, verl's, torchtitan's), which
+    roll-ckpt recognizes, resumes from read-only and, with :attr:`export`, writes."""
+
+    name: str
+    """``roll-ckpt export --format <name>``; shown by ``roll-ckpt ls``."""
+    recognize: Callable[[Storage, str], ForeignCheckpoint | None]
+    """``recognize(storage, path)``: the checkpoint at ``path`` if it is one of this format
+    (complete or not: its :attr:`ForeignCheckpoint.problems` say), else ``None``. Cheap:
+    it is asked about every folder ``latest`` passes; it reads no tensor data."""
+    folder_pattern: str = r"^checkpoint-(\d+)$"
+    """The names its checkpoint folders have (a regular expression whose first group is the
+    step), looked for in ``output_dir`` and in its run folders."""
+    export: Callable[..., Any] | None = None
+    """``export(storage, path, out, component)`` writes the roll-ckpt checkpoint at ``path``
+    (``component``'s part) as a folder ``out`` (a local path) this framework's own loader reads."""
+    description: str = ""
+    install_hint: str = ""
     distribution: str = ""

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
-    from .contracts import (BackendRecord, CommandRecord, CommitInfo, ConfigKeyRecord, SaveContext,
+    from .contracts import (BackendRecord, CommandRecord, CommitInfo, ConfigKeyRecord, FormatRecord, SaveContext,
                             StagingPolicyRecord, StrategyRecord)
 
 __all__ = ["hookspec", "hookimpl", "PROJECT"]
@@ -61,6 +61,16 @@ def roll_ckpt_config_keys() -> list[ConfigKeyRecord]:
 
     Core validates each with the record's ``validate`` and keeps the value in
     :attr:`roll_ckpt.Config.options`; core never interprets them.
+    """
+
+
+@hookspec
+def roll_ckpt_formats() -> list[FormatRecord]:
+    """Return the checkpoint layouts of other frameworks this plugin recognizes (ROLL's...).
+
+    ``roll-ckpt ls/verify/inspect`` describe such checkpoints, ``resume`` loads them
+    (an explicit path, or ``latest`` when one is the newest), ``roll-ckpt export --format
+    <name>`` writes one from a roll-ckpt checkpoint.
     """
 
 

@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 from .config.schema import read_yaml
 from .contracts import (STORAGE_CAPABILITIES, AbortableWrite, BackendRecord, CommandRecord, CommitInfo,
-                        ConfigKeyRecord, CountsNetwork, Entry, ListsByPrefix, NetworkCounts, SaveContext,
+                        ConfigKeyRecord, CountsNetwork, Entry, ForeignCheckpoint, FormatRecord, ListsByPrefix,
+                        NetworkCounts, SaveContext,
                         SpaceEstimate, StagingGate, StagingPolicy, StagingPolicyRecord, Storage, Strategy,
                         StrategyDefaults, StrategyRecord, TakesOver, capabilities, strategy_member)
 from .errors import (BackupError, CheckpointCorruptError, CheckpointNotFoundError, CollectiveTimeoutError,
@@ -57,7 +58,7 @@ if TYPE_CHECKING:  # for type checkers and the API reference; at run time _LAZY 
 __all__ = [
     # hooks and records
     "hookimpl", "hookspec", "BackendRecord", "StrategyRecord", "StagingPolicyRecord", "ConfigKeyRecord",
-    "CommandRecord", "CommitInfo",
+    "CommandRecord", "CommitInfo", "FormatRecord", "ForeignCheckpoint",
     # storage
     "Storage", "Entry", "NetworkCounts", "TakesOver", "ListsByPrefix", "CountsNetwork", "AbortableWrite",
     "STORAGE_CAPABILITIES", "capabilities",

@@ -27,8 +27,8 @@ from typing import Any, Iterable, TypeVar
 import pluggy
 
 from . import hookspecs
-from .contracts import (BackendRecord, CommandRecord, ConfigKeyRecord, StagingPolicy, StagingPolicyRecord,
-                        StrategyRecord)
+from .contracts import (BackendRecord, CommandRecord, ConfigKeyRecord, FormatRecord, StagingPolicy,
+                        StagingPolicyRecord, StrategyRecord)
 from .errors import PluginError, UnknownPluginError
 
 __all__ = ["Plugins", "BrokenPlugin", "get_plugins", "KNOWN_EXTRAS"]
@@ -40,14 +40,15 @@ ENTRY_POINT_GROUP = "roll_ckpt"
 KNOWN_EXTRAS = {
     "file_system": 'pip install "roll-ckpt[fs]"',
     "fsdp2": 'pip install "roll-ckpt[fsdp2]"',
+    "roll": 'pip install "roll-ckpt[roll]"',
 }
 
-R = TypeVar("R", BackendRecord, StrategyRecord, StagingPolicyRecord, ConfigKeyRecord, CommandRecord)
+R = TypeVar("R", BackendRecord, StrategyRecord, StagingPolicyRecord, ConfigKeyRecord, CommandRecord, FormatRecord)
 
 
 _KIND_NAMES: dict[type, str] = {BackendRecord: "backend", StrategyRecord: "strategy",
                                 StagingPolicyRecord: "staging policy", ConfigKeyRecord: "config key",
-                                CommandRecord: "command"}
+                                CommandRecord: "command", FormatRecord: "checkpoint format"}
 
 
 @dataclass(frozen=True)
@@ -188,6 +189,9 @@ class Plugins:
 
     def commands(self) -> dict[str, CommandRecord]:
         return self._collect("roll_ckpt_commands", CommandRecord)
+
+    def formats(self) -> dict[str, FormatRecord]:
+        return self._collect("roll_ckpt_formats", FormatRecord)
 
     def backend(self, name: str) -> BackendRecord:
         return self._pick("backend", "checkpoint_config.type", name, self.backends())

@@ -38,6 +38,10 @@ class HFWeightsConfig:
     """``bfloat16``, ``float16`` or ``float32``; by default the dtype each tensor was saved in."""
     max_shard_size: str | int = "5GB"
     """As ``save_pretrained``'s (the same shards)."""
+    step_root: bool = False
+    """With components: the files are published at the step's folder too
+    (``checkpoint-<step>/config.json``...), where ROLL keeps the actor's model for rollout
+    engines and ``from_pretrained``; one component per step may ask for it."""
 
 
 def parse_hf_weights(value: Any) -> HFWeightsConfig | None:
@@ -46,7 +50,7 @@ def parse_hf_weights(value: Any) -> HFWeightsConfig | None:
         return None
     if value is True:
         return HFWeightsConfig()
-    expect(key, value, Mapping, "true, false, or a mapping with key, config_dir, dtype, max_shard_size")
+    expect(key, value, Mapping, "true, false, or a mapping with key, config_dir, dtype, max_shard_size, step_root")
     reject_unknown(key, value, field_names(HFWeightsConfig))
     config_dir = value.get("config_dir")
     if config_dir is not None:
@@ -65,5 +69,6 @@ def parse_hf_weights(value: Any) -> HFWeightsConfig | None:
         parse_size(size)
     except ValueError:
         raise ConfigError(f"{key}.max_shard_size", "is not a size", size, "a size such as 5GB or 500MB") from None
+    step_root = expect(f"{key}.step_root", value.get("step_root", False), bool, "true or false")
     return HFWeightsConfig(key=string(f"{key}.key", value.get("key", "model")), config_dir=config_dir,
-                           dtype=dtype, max_shard_size=size)
+                           dtype=dtype, max_shard_size=size, step_root=step_root)

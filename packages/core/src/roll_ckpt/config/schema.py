@@ -71,6 +71,14 @@ class CheckpointConfig:
     """``raise`` (a failed save raises) or ``warn``: a failed periodic save is logged and
     counted in ``manager.failed_saves``, and training goes on; final and preemption saves
     always raise."""
+    on_unusable_checkpoint: str = "warn"
+    """What a resume of ``latest`` (or ``true``) does with the folders it passes over: a save
+    that never committed, a damaged one, another framework's that was never finished, one no
+    installed format reads. ``warn``: a WARNING names each, with the reason, and the resume
+    takes the newest usable checkpoint (0, a fresh start, when there is none). ``raise``:
+    the resume stops with :class:`~roll_ckpt.errors.CheckpointNotFoundError` naming them --
+    for jobs that must never start over or go back. Only folders newer than the checkpoint
+    resumed from are passed over."""
     async_upload: bool = False
     """ROLL's key. roll-ckpt writes straight to ``output_dir``: that write is the upload, so
     ``true`` makes every save asynchronous, as ``strategy_config.async_save_ckpt: true`` does
@@ -306,6 +314,8 @@ def _checkpoint(value: Any, default_root: str, raw: Mapping[str, Any]) -> Checkp
         run_name=run_name,
         preemption=parse_preemption(value.get("preemption")),
         on_save_error=choice(f"{key}.on_save_error", value.get("on_save_error", "raise"), ("raise", "warn")),
+        on_unusable_checkpoint=choice(f"{key}.on_unusable_checkpoint", value.get("on_unusable_checkpoint", "warn"),
+                                      ("warn", "raise")),
         async_upload=expect(f"{key}.async_upload", value.get("async_upload", False), bool, "true or false"),
         background_nice=nice(f"{key}.background_nice", value.get("background_nice", 10)),
         pause_gc=expect(f"{key}.pause_gc", value.get("pause_gc", True), bool, "true or false"),

@@ -18,15 +18,17 @@ a later start.
 
 from __future__ import annotations
 
+import shutil
 import time
 
-from ..contracts import Storage
+from ..contracts import Storage, TakesOver
 from ..errors import CheckpointNotFoundError, RollCkptError
 from .layout import TMP_PREFIX, basename, parent
 from .manifest import MANIFEST_NAME
 from .owners import MARKER_PREFIX, markers_named, owner_gone, write_marker
 
-__all__ = ["PendingCheckpoint", "RenameIntoPlace", "ManifestLast", "pending_checkpoint", "require_committed"]
+__all__ = ["PendingCheckpoint", "RenameIntoPlace", "ManifestLast", "pending_checkpoint", "require_committed",
+           "take_over_file"]
 
 
 class PendingCheckpoint:
@@ -153,3 +155,13 @@ def require_committed(storage: Storage, path: str) -> None:
             f"{path} is not a committed checkpoint (no {MANIFEST_NAME}): it is either not a "
             "roll-ckpt checkpoint or a save that never finished; resume from another one"
         )
+
+
+def take_over_file(storage: Storage, src: str, dst: str) -> str:
+    """``dst`` made a file with ``src``'s bytes, independent of ``src`` (it survives its
+    removal); how: ``link``, ``server_copy``, or ``copy`` (read and written here)."""
+    if isinstance(storage, TakesOver):
+        return storage.take_over(src, dst)
+    with storage.open_read(src) as f, storage.open_write(dst) as out:
+        shutil.copyfileobj(f, out, 8 << 20)
+    return "copy"

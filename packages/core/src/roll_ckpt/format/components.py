@@ -21,6 +21,18 @@ commit), so a complete step is always committed.
 The step's manifest is a function of the parts' manifests only (``created`` is the
 newest part's), so two writers would write the same bytes: a store that cannot refuse a
 second create still ends up with one consistent manifest.
+
+**Which parts a step needs** is ``checkpoint_config.components`` of the manager that
+commits the part, together with the list each committed part's manager had (its manifest's
+``extra.expects``): a driver that knows every component can name them all while each worker
+names only itself and the driver, and the step still waits for every part.
+
+**Files at the step's root.** A part may ask for some of its files to be published at the
+step's folder too (its manifest's ``extra.step_root``: the Hugging Face files of the actor,
+which ROLL keeps at ``checkpoint-<step>/`` for rollout engines). The process that commits
+the step makes each one there from the part's own (a hard link on disks, a server-side
+copy on object stores) before it writes the step's manifest, which lists them with the
+part's size and checksum.
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ import logging
 from typing import Any, Iterable
 
 from ..contracts import Storage
+from .commit import take_over_file
 from .digest import hash_bytes
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError, RollCkptError
 from .layout import parent, scan
@@ -37,11 +50,18 @@ from .manifest import MANIFEST_NAME, FileEntry, Manifest
 
 log = logging.getLogger("roll_ckpt")
 
-__all__ = ["COMPONENTS_KEY", "committed_parts", "step_manifest", "try_complete", "complete_pending",
-           "components_of", "open_part", "check_component", "check_part_free", "read_resume_record"]
+__all__ = ["COMPONENTS_KEY", "EXPECTS_KEY", "STEP_ROOT_KEY", "committed_parts", "step_manifest", "try_complete", "complete_pending",
+           "components_of", "expected_parts", "open_part", "check_component", "check_part_free", "read_resume_record"]
 
 COMPONENTS_KEY = "components"
 """``manifest.extra[COMPONENTS_KEY]`` of a step: ``{component: {"step", "world_size", "strategy"}}``."""
+
+
+EXPECTS_KEY = "expects"
+"""``manifest.extra[EXPECTS_KEY]`` of a part: the components its manager's config lists."""
+
+STEP_ROOT_KEY = "step_root"
+"""``manifest.extra[STEP_ROOT_KEY]`` of a part: its files published at the step's folder too."""
 
 
 def components_of(manifest: Manifest) -> dict[str, dict]:
@@ -64,44 +84,101 @@ def committed_parts(storage: Storage, step_path: str) -> dict[str, bytes]:
     return out
 
 
-def step_manifest(step: int, parts: dict[str, bytes], step_path: str = "") -> Manifest:
-    """The step's manifest over ``parts`` (each part's manifest bytes, by component)."""
-    files: dict[str, FileEntry] = {}
-    summary: dict[str, dict] = {}
-    created = ""
+def _parts(step: int, parts: dict[str, bytes], step_path: str) -> dict[str, Manifest]:
+    out = {}
     for name in sorted(parts):
-        data = parts[name]
         try:
-            part, _ = Manifest.from_bytes(data)
+            part, _ = Manifest.from_bytes(parts[name])
         except ValueError as exc:
             raise CheckpointCorruptError(step_path, [(f"{name}/{MANIFEST_NAME}", str(exc))]) from None
         if part.step != step or part.component != name:
             raise CheckpointCorruptError(step_path, [(
                 f"{name}/{MANIFEST_NAME}",
                 f"belongs to component {part.component!r} at step {part.step}, not {name!r} at step {step}")])
+        out[name] = part
+    return out
+
+
+def _root_files(manifests: dict[str, Manifest], step_path: str) -> dict[str, tuple[str, FileEntry]]:
+    """``name -> (component, entry)`` of the files the parts publish at the step's root."""
+    out: dict[str, tuple[str, FileEntry]] = {}
+    for name, part in manifests.items():
+        for rel in part.extra.get(STEP_ROOT_KEY) or ():
+            entry = part.files.get(rel)
+            if entry is None or "/" in rel or rel == MANIFEST_NAME or rel in manifests:
+                raise CheckpointCorruptError(step_path, [(f"{name}/{MANIFEST_NAME}", f"publishes {rel!r} at the "
+                                                          "step's root, which is not one of its top-level files")])
+            if rel in out:
+                raise CheckpointCorruptError(step_path, [(f"{name}/{MANIFEST_NAME}", f"publishes {rel!r} at the "
+                                                          f"step's root, as the part of {out[rel][0]} does")])
+            out[rel] = (name, entry)
+    return out
+
+
+def step_manifest(step: int, parts: dict[str, bytes], step_path: str = "") -> Manifest:
+    """The step's manifest over ``parts`` (each part's manifest bytes, by component)."""
+    return _step_manifest(step, parts, _parts(step, parts, step_path), step_path)
+
+
+def _step_manifest(step: int, parts: dict[str, bytes], manifests: dict[str, Manifest], step_path: str) -> Manifest:
+    files: dict[str, FileEntry] = {}
+    summary: dict[str, dict] = {}
+    created = ""
+    for name, part in manifests.items():
         for rel, entry in part.files.items():
             files[f"{name}/{rel}"] = entry
-        size, digest = hash_bytes(data)
+        size, digest = hash_bytes(parts[name])
         files[f"{name}/{MANIFEST_NAME}"] = FileEntry(size, digest)
         summary[name] = {"world_size": part.world_size, "strategy": part.extra.get("strategy"),
                          "created": part.created}
         created = max(created, part.created)
+    for rel, (_, entry) in _root_files(manifests, step_path).items():
+        files[rel] = entry
     return Manifest(step=step, files=files, created=created, world_size=1, component=None,
                     extra={COMPONENTS_KEY: summary})
 
 
-def try_complete(storage: Storage, step_path: str, step: int, expected: Iterable[str]) -> Manifest | None:
-    """Commit the step when every ``expected`` part is committed; its manifest if this call did.
+def expected_parts(manifests: dict[str, Manifest], configured: Iterable[str]) -> set[str]:
+    """The parts a step needs: ``configured`` and every list a committed part's manager had."""
+    out = set(configured)
+    for part in manifests.values():
+        out.update(part.extra.get(EXPECTS_KEY) or ())
+    return out
 
-    ``None`` when a part is still missing, or when another process committed the step
-    first (the storage refused our create).
+
+def _publish_root_files(storage: Storage, step_path: str, manifests: dict[str, Manifest]) -> None:
+    """Make the files the parts publish at the step's root there, each from its part's copy."""
+    here = {e.name: e.size for e in storage.list(step_path) if not e.is_dir}
+    made = False
+    for rel, (name, entry) in _root_files(manifests, step_path).items():
+        if here.get(rel) == entry.size:
+            continue  # made by another process committing the step at the same moment
+        dst = storage.join(step_path, rel)
+        storage.remove(dst)
+        try:
+            take_over_file(storage, storage.join(step_path, name, rel), dst)
+        except FileExistsError:
+            pass
+        made = True
+    if made:
+        storage.sync_dir(step_path)
+
+
+def try_complete(storage: Storage, step_path: str, step: int, expected: Iterable[str]) -> Manifest | None:
+    """Commit the step when every expected part is committed; its manifest if this call did.
+
+    ``expected``: the parts this manager's config lists; those the committed parts' managers
+    listed are needed too. ``None`` when a part is still missing, or when another process
+    committed the step first (the storage refused our create).
     """
     if storage.exists(storage.join(step_path, MANIFEST_NAME)):
         return None
     parts = committed_parts(storage, step_path)
-    if not set(expected) <= set(parts):
+    manifests = _parts(step, parts, step_path)
+    if not expected_parts(manifests, expected) <= set(parts):
         return None
-    manifest = step_manifest(step, parts, step_path)
+    manifest = _step_manifest(step, parts, manifests, step_path)
+    _publish_root_files(storage, step_path, manifests)
     try:
         storage.write_create(storage.join(step_path, MANIFEST_NAME), manifest.to_bytes())
     except FileExistsError:

@@ -156,8 +156,11 @@ def part_faults(storage: Storage, path: str, manifest: Manifest) -> list[tuple[s
     parts = _components(manifest)
     if not parts:
         return []
+    from .components import STEP_ROOT_KEY
+
     faults: list[tuple[str, str]] = []
-    strays = sorted({rel.split("/", 1)[0] for rel in manifest.files} - set(parts))
+    root_files = {rel for rel in manifest.files if "/" not in rel}  # published by a part (step_root)
+    strays = sorted({rel.split("/", 1)[0] for rel in manifest.files if "/" in rel} - set(parts))
     for top in strays:
         faults.append((f"{top}/", "listed in the step's manifest, but the step has no component of that name "
                                   f"(its components: {', '.join(sorted(parts))})"))
@@ -189,6 +192,12 @@ def part_faults(storage: Storage, path: str, manifest: Manifest) -> list[tuple[s
             differ = sorted(set(mine) ^ set(part.files)) or sorted(k for k in mine if mine[k] != part.files[k])
             faults.append((rel, "lists other files than the step's manifest does for this part "
                                 f"({', '.join(differ[:3])}{', ...' if len(differ) > 3 else ''})"))
+        for published in part.extra.get(STEP_ROOT_KEY) or ():
+            if manifest.files.get(published) != part.files.get(published):
+                faults.append((published, f"the part '{name}' publishes it at the step's root, but the step's "
+                                          "manifest lists it differently or not at all"))
+            root_files.discard(published)
+    faults.extend((rel, "listed at the step's root, but no part publishes it") for rel in sorted(root_files))
     return faults
 
 

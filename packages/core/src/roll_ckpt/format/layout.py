@@ -20,7 +20,7 @@ from ..contracts import Storage
 from .manifest import MANIFEST_NAME
 
 __all__ = ["CheckpointRef", "scan", "committed", "latest", "checkpoint_name", "run_name",
-           "new_run_name", "parse_step", "parent", "basename", "RUN_RE", "DCP_DIR", "TRAINER_STATE", "writer_rank"]
+           "new_run_name", "run_key", "parse_step", "parent", "basename", "RUN_RE", "DCP_DIR", "TRAINER_STATE", "writer_rank"]
 
 RUN_RE = re.compile(r"^(\d{8}-\d{6})(?:-(\d+))?$")
 CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
@@ -73,7 +73,9 @@ def parse_step(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _run_key(name: str) -> tuple[datetime, int]:
+def run_key(name: str) -> tuple[datetime, int]:
+    """How run folders are ordered: by their timestamp, then the milliseconds or attempt
+    after it; a name that is not a run folder's (``output_dir`` itself) comes first."""
     m = RUN_RE.match(name)
     if not m:
         return (datetime.min, 0)
@@ -91,7 +93,7 @@ class CheckpointRef:
 
     @property
     def order(self) -> tuple[tuple[datetime, int], int]:
-        return (_run_key(self.run), self.step)
+        return (run_key(self.run), self.step)
 
 
 def _checkpoints_in(storage: Storage, folder: str, run: str) -> list[CheckpointRef]:

@@ -25,7 +25,10 @@ from ..format import layout
 from ..runtime.collective import decide
 from ..format.components import complete_pending, components_of, open_part, read_resume_record
 from ..contracts import Storage, Strategy
-from ..errors import RollCkptError
+from ..contracts import strategy_member
+from ..errors import CheckpointNotFoundError, RollCkptError
+from ..format.foreign import Found, recognize, survey, what_is
+from ..format.manifest import MANIFEST_NAME
 from ..tiers.job import Job, open_storage
 from ..format.layout import TRAINER_STATE
 from ..format.manifest import Manifest
@@ -51,7 +54,14 @@ class Resumer:
     # ------------------------------------------------------------------ where from
 
     def candidates(self, target: str | None) -> list[Candidate]:
-        """What to try in turn (this process's view): the newest checkpoint, local copy first."""
+        """What to try in turn (this process's view): the newest checkpoint, local copy first.
+
+        For ``latest``, the newest *usable* folder under ``output_dir``: a committed
+        checkpoint, or another framework's that a format plugin recognizes complete
+        (:mod:`roll_ckpt.format.foreign`). Every newer folder passed over is named in a
+        WARNING with the reason, or, with ``checkpoint_config.on_unusable_checkpoint:
+        raise``, stops the resume.
+        """
         job = self.job
         target = job.config.resume_target if target is None else target
         if target is None:
@@ -60,7 +70,10 @@ class Resumer:
             cc = job.config.checkpoint_config
             storage = open_storage(job.plugins, cc.type, target, cc.storage_options)
             return [(storage, storage.root, False)]
-        local = layout.latest(job.storage, job.root)
+        found = survey(job.storage, job.root, job.plugins.formats(),
+                       job.config.checkpoint_config.components if job.component else None)
+        usable = [f for f in found if f.usable]
+        local = usable[-1] if usable else None
         remote = None
         backup = job.backup.replica if job.backup is not None else None
         if backup is not None:
@@ -69,15 +82,33 @@ class Resumer:
             except Exception as exc:  # an unreachable backup must not stop a local resume
                 log.warning("roll-ckpt: cannot list the backup at %s (%s); only local checkpoints are "
                             "considered", backup.url, exc)
+        newest = max((r.order for r in (local, remote) if r is not None), default=None)
+        self._passed_over([f for f in found if not f.usable and (newest is None or f.order > newest)], newest)
         if local is None and remote is None:
             where = job.storage.url + (f" nor at the backup {backup.url}" if backup is not None else "")
-            log.info("roll-ckpt: no committed checkpoint under %s; starting fresh", where)
+            log.info("roll-ckpt: no checkpoint to resume from under %s; starting fresh", where)
             return []
         if remote is None or (local is not None and local.order > remote.order):
             return [(job.storage, local.path, False)]
         if local is None or remote.order > local.order:
             return [(backup, remote.path, True)]
         return [(job.storage, local.path, False), (backup, remote.path, True)]
+
+    def _passed_over(self, passed: list[Found], newest: Any) -> None:
+        """Name the folders ``latest`` could not use: a WARNING, or the error the config asks for."""
+        if not passed:
+            return
+        what = "starting fresh (step 0)" if newest is None else "resuming from an older checkpoint"
+        lines = [f"  {f.path}: {f.reason}" for f in passed]
+        if self.job.config.checkpoint_config.on_unusable_checkpoint == "raise":
+            raise CheckpointNotFoundError(
+                f"resume_from_checkpoint: latest would be {what}, passing over {len(passed)} folder(s) it cannot "
+                f"use under {self.job.storage.url}:\n" + "\n".join(lines) + "\n(checkpoint_config."
+                "on_unusable_checkpoint: raise.) Resume one of them by hand once it is whole, remove them, or set "
+                "on_unusable_checkpoint: warn to go on without them")
+        log.warning("roll-ckpt: %s; passed over %d folder(s) that cannot be resumed from:\n%s\n"
+                    "(checkpoint_config.on_unusable_checkpoint: raise makes this an error)", what, len(passed),
+                    "\n".join(lines))
 
     def agreed_candidates(self, target: str | None, strategy: Strategy) -> list[Candidate]:
         """Where to resume from: the same on every rank and in every component of a launch.
@@ -195,6 +226,10 @@ class Resumer:
         job = self.job
         strategy = job.strategy
         assert strategy is not None
+        foreign = decide(strategy, lambda: self._foreign_part(storage, path), where=f"cannot resume from {path}",
+                         phase="resume: verifying", step=layout.parse_step(layout.basename(path)))
+        if foreign is not None:
+            return self._resume_foreign(state, storage, *foreign)
         def check() -> tuple[str, Manifest, bytes]:
             if storage is job.storage:  # another launch's retention must leave it alone meanwhile
                 job.hold(path)
@@ -216,6 +251,62 @@ class Resumer:
                           stream=not job.config.checkpoint_config.verify_before_load)
         self.trainer_state = trainer_state
         job.resumed_from = storage.url if storage is not job.storage else path
+        job.plugins.hook.roll_ckpt_load(path=path, state=state)
+        return int(trainer_state["step"])
+
+    def _foreign_part(self, storage: Storage, path: str) -> tuple[str, str | None] | None:
+        """Coordinator: ``None`` when ``path`` is a roll-ckpt checkpoint (or one's part: its
+        manifest is there); ``(folder, component)`` of another framework's checkpoint that a
+        format recognizes whole; otherwise an error saying what the folder is."""
+        if storage.exists(storage.join(path, MANIFEST_NAME)):
+            return None
+        if not storage.isdir(path):
+            raise CheckpointNotFoundError(f"no checkpoint at {path}: the folder does not exist")
+        job = self.job
+        formats = job.plugins.formats()
+        components = job.config.checkpoint_config.components if job.component else None
+        found = what_is(storage, path, formats, components)
+        if found.foreign is None:  # one part of another framework's checkpoint, named directly?
+            step_folder, name = layout.parent(path), layout.basename(path)
+            outer = recognize(storage, step_folder, formats) if step_folder else None
+            if outer is not None and name in outer.components() and job.component in (None, name):
+                found = what_is(storage, step_folder, formats)
+                if found.usable:
+                    return step_folder, name
+        if found.foreign is not None and found.usable:
+            return path, job.component
+        others = f"resume from another checkpoint (`roll-ckpt ls {layout.parent(path)}` lists them)"
+        if found.foreign is not None:
+            raise CheckpointNotFoundError(f"{path} is {found.reason}; it is never resumed from: {others}")
+        if found.kind == "roll-ckpt":
+            raise CheckpointNotFoundError(f"{path} is not a committed checkpoint: {found.reason}; it is never "
+                                          f"resumed from: {others}")
+        raise CheckpointNotFoundError(f"{path} is not a committed checkpoint, nor one another framework wrote that "
+                                      f"roll-ckpt can read: {found.reason}. Install the format plugin of the "
+                                      f"framework that wrote it, or {others}")
+
+    def _resume_foreign(self, state: MutableMapping[str, Any], storage: Storage, path: str,
+                        component: str | None) -> int:
+        """Load another framework's checkpoint (read-only) into ``state``; every process
+        recognizes it and loads its share; a failure on one process is raised on all."""
+        job = self.job
+        strategy = job.strategy
+        found = recognize(storage, path, job.plugins.formats())
+        error: BaseException | None = None
+        trainer_state: dict[str, Any] = {}
+        try:
+            if found is None:  # seen by the coordinator a moment ago
+                raise CheckpointNotFoundError(f"{path}: no format recognizes it on rank {strategy.rank}")
+            trainer_state = found.resume(state, strategy, component)
+        except Exception as exc:
+            error = exc
+        strategy_member(strategy, "agree")(error, f"resume: loading {path}",
+                                           layout.parse_step(layout.basename(path)))
+        assert found is not None
+        self.trainer_state = trainer_state
+        job.resumed_from = path
+        log.info("roll-ckpt: resumed step %s from %s, a %s (read as it is: no checksums to verify, nothing in it "
+                 "modified)", trainer_state.get("step"), path, found.title)
         job.plugins.hook.roll_ckpt_load(path=path, state=state)
         return int(trainer_state["step"])
 

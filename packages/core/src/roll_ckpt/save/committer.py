@@ -20,7 +20,7 @@ from typing import Any
 from ..contracts import SaveContext
 from ..format import layout
 from ..format.commit import PendingCheckpoint
-from ..format.components import try_complete
+from ..format.components import EXPECTS_KEY, STEP_ROOT_KEY, try_complete
 from ..format.digest import hash_bytes
 from ..format.layout import TRAINER_STATE
 from ..format.manifest import FileEntry, Manifest
@@ -67,6 +67,10 @@ class Committer:
             hf_files, extra["hf"] = self.hf.write(storage, pending.write_path, module,
                                                   storage.join(pending.write_path, strategy.data_dir))
             files.update(hf_files)
+            if job.component and self.hf.config.step_root and hf_files:  # at checkpoint-<step>/ too
+                extra[STEP_ROOT_KEY] = sorted(hf_files)
+        if job.component:  # every part this manager knows of: the step waits for them all
+            extra[EXPECTS_KEY] = list(job.config.checkpoint_config.components or ())
         ts = self.trainer_state(ctx, user)
         with storage.open_write(storage.join(pending.write_path, TRAINER_STATE)) as f:
             f.write(ts)

@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import logging
 import re
-import shutil
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ..contracts import Storage, TakesOver
+from ..contracts import Storage
+from ..format.commit import take_over_file
 
-__all__ = ["Base", "Increments", "TakeOver", "take_over_file", "cold_names"]
+__all__ = ["Base", "Increments", "TakeOver", "cold_names"]
 
 log = logging.getLogger("roll_ckpt")
 _STEP = re.compile(r"checkpoint-\d+")
@@ -94,16 +94,6 @@ class TakeOver:
             return False
         log.debug("roll-ckpt: %s taken over from %s (%s)", name, self.base.dcp_path, how)
         return True
-
-
-def take_over_file(storage: Storage, src: str, dst: str) -> str:
-    """``dst`` made a file with ``src``'s bytes, independent of ``src`` (it survives its
-    removal); how: ``link``, ``server_copy``, or ``copy`` (read and written here)."""
-    if isinstance(storage, TakesOver):
-        return storage.take_over(src, dst)
-    with storage.open_read(src) as f, storage.open_write(dst) as out:
-        shutil.copyfileobj(f, out, 8 << 20)
-    return "copy"
 
 
 def cold_names(state: Mapping[str, Any]) -> frozenset[str]:

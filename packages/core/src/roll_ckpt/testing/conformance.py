@@ -197,7 +197,7 @@ class BackendConformance(ManagerChecks):
     def test_take_over_makes_an_independent_whole_file(self, storage: Storage) -> None:
         """Incremental saves: ``take_over`` (or core's copy for a backend without it) gives a
         file with the source's bytes that outlives the source."""
-        from ..save.incremental import take_over_file
+        from ..format.commit import take_over_file
 
         d = storage.join(storage.root, "t")
         storage.makedirs(d)
