@@ -238,7 +238,7 @@ def test_verify_a_folder_of_steps(capsys: pytest.CaptureFixture[str], run_dir) -
     rc, out, err = run_cli(capsys, "verify", str(run.parent))
     assert rc == 0, err
     assert out.count("OK  ") == 2 and "2 components" in out
-    assert f"SKIP  {run / 'checkpoint-3'}  not committed (a save that never finished; parts: actor; " \
+    assert f"SKIP  {run / 'checkpoint-3'}  not committed: a step that never committed (parts: actor; " \
            "pipeline missing)" in out
 
     rc, out, err = run_cli(capsys, "verify", str(run), "--component", "pipeline")

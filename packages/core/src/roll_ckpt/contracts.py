@@ -604,9 +604,12 @@ class FormatRecord:
     folder_pattern: str = r"^checkpoint-(\d+)$"
     """The names its checkpoint folders have (a regular expression whose first group is the
     step), looked for in ``output_dir`` and in its run folders."""
-    export: Callable[..., Any] | None = None
-    """``export(storage, path, out, component)`` writes the roll-ckpt checkpoint at ``path``
-    (``component``'s part) as a folder ``out`` (a local path) this framework's own loader reads."""
+    export: Callable[..., str] | None = None
+    """``export(storage, path, out, *, component, overwrite, notes)`` writes the committed
+    roll-ckpt checkpoint at ``path`` (a step of components: every part the framework keeps,
+    or ``component``'s) as a folder ``out`` (a local path) the framework's own loader reads,
+    and returns one line saying what it wrote (``roll-ckpt export --format <name>``).
+    ``notes(line)`` prints a remark; ``overwrite`` allows replacing ``out``."""
     description: str = ""
     install_hint: str = ""
     distribution: str = ""

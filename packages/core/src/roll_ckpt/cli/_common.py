@@ -14,7 +14,8 @@ from ..runtime.units import human_bytes
 
 __all__ = ["UsageError", "say", "parse_option", "keep_count", "open_storage_arg", "progress_bar", "local_time",
            "format_table", "is_checkpoint_dir", "require_dir", "uncommitted_step", "not_committed", "resolve",
-           "part_in_step", "side_storage", "storage_args", "component_arg", "human_bytes", "basename", "parent_dir", "in_flight"]
+           "part_in_step", "side_storage", "storage_args", "component_arg", "human_bytes", "basename", "parent_dir", "in_flight",
+           "formats", "foreign_at", "foreign_verdict"]
 
 
 class UsageError(Exception):
@@ -91,6 +92,39 @@ def is_checkpoint_dir(storage: Any, path: str) -> bool:
 
     name = path.rstrip("/").rsplit("/", 1)[-1]
     return parse_step(name) is not None or storage.exists(storage.join(path, MANIFEST_NAME))
+
+
+def formats() -> dict[str, Any]:
+    """The installed checkpoint formats of other frameworks (``roll_ckpt_formats``)."""
+    from ..plugins import get_plugins
+
+    return get_plugins().formats()
+
+
+def foreign_at(storage: Any, path: str) -> Any:
+    """Another framework's checkpoint at ``path`` (a format plugin recognizes it), or ``None``."""
+    from ..format.foreign import recognize
+    from ..format.manifest import MANIFEST_NAME
+
+    if storage.exists(storage.join(path, MANIFEST_NAME)) or not storage.isdir(path):
+        return None
+    return recognize(storage, path, formats())
+
+
+def foreign_verdict(found: Any) -> tuple[bool, str]:
+    """Print what ``roll-ckpt verify`` can say of another framework's checkpoint: whole or
+    not, as its format defines it; it has no checksums. ``(ok, why)``."""
+    files = found.files()
+    what = f"{found.title}, step {found.step}"
+    if found.problems:
+        say(f"UNFINISHED  {found.path}  {what}")
+        say(*(f"  {p}" for p in found.problems))
+        return False, (f"{found.path} is a {found.title} that was never finished (listed above); it is never resumed "
+                       "from: use an earlier checkpoint")
+    parts = ", ".join(found.components()) or "no parts"
+    say(f"OK  {found.path}  {what} ({parts}): {len(files)} files, {human_bytes(sum(files.values()))}, every file it "
+        "needs is there with its size; NO checksums to verify (the framework wrote none): it is resumed read-only")
+    return True, ""
 
 
 def require_dir(storage: Any, url: str) -> None:

@@ -7,7 +7,7 @@ import argparse
 import time
 from typing import Any
 
-from ._common import (UsageError, component_arg, human_bytes, open_storage_arg, progress_bar, resolve, say,
+from ._common import (UsageError, component_arg, formats, human_bytes, open_storage_arg, progress_bar, resolve, say,
                       storage_args)
 
 _HF_ONLY = ("key", "dtype", "max_shard_size", "hf_config")
@@ -29,6 +29,8 @@ def _size(text: str) -> str:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    if args.format not in ("safetensors", "hf"):
+        return cmd_export_format(args)
     wrong = _FILE_ONLY if args.format == "hf" else _HF_ONLY
     given = [_flag(n) for n in wrong if getattr(args, n) not in (None, False)]
     if given:
@@ -54,6 +56,27 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
     if report.skipped:
         say(f"left out {len(report.skipped)} non-tensor values (safetensors holds tensors only), "
             f"e.g. {', '.join(report.skipped[:3])}")
+    return 0
+
+
+def cmd_export_format(args: argparse.Namespace) -> int:
+    """``--format <name>`` of a format plugin: another framework's own layout."""
+    from ..errors import UnknownPluginError
+    from ..format.foreign import FORMAT_EXTRAS
+
+    given = [_flag(n) for n in _FILE_ONLY + _HF_ONLY if getattr(args, n) not in (None, False)]
+    if given:
+        raise UsageError(f"{', '.join(given)}: not with --format {args.format}")
+    record = formats().get(args.format)
+    if record is None or record.export is None:
+        known = sorted(["safetensors", "hf", *(n for n, r in formats().items() if r.export is not None)])
+        hint = f"; install it with: {FORMAT_EXTRAS[args.format]}" if args.format in FORMAT_EXTRAS else ""
+        raise UnknownPluginError(f"--format {args.format}: no installed plugin writes that format (these do: "
+                                 f"{', '.join(known)}){hint}")
+    storage = open_storage_arg(args, args.path)
+    t0 = time.perf_counter()
+    line = record.export(storage, storage.root, args.out, component=args.component, overwrite=args.force, notes=say)
+    say(f"{line} in {time.perf_counter() - t0:.1f}s")
     return 0
 
 
@@ -93,9 +116,11 @@ def add_parser(sub: Any) -> None:
                                       "Hugging Face folder (--format hf)")
     p.add_argument("path", metavar="PATH", help="a checkpoint-<step> folder, or one component's part of it")
     component_arg(p, "export this component's part of the step (needed for a step made of components)")
-    p.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+    p.add_argument("--format", default="safetensors", metavar="FORMAT",
                    help="safetensors: one FILE of every tensor, state-prefixed names (default); hf: a Hugging "
-                        "Face folder of one module (sharded safetensors, index, config)")
+                        "Face folder of one module (sharded safetensors, index, config); a format plugin's name: "
+                        "that framework's own layout, e.g. roll (ROLL's load_checkpoint reads it; "
+                        "roll-ckpt plugins lists them)")
     p.add_argument("--out", required=True, metavar="FILE|DIR",
                    help="the .safetensors file (or, with --format hf, the folder) to write (local path)")
     p.add_argument("-f", "--force", "--overwrite", dest="force", action="store_true",

@@ -6,7 +6,22 @@ import argparse
 import json
 from typing import Any
 
-from ._common import format_table, human_bytes, in_flight, local_time, open_storage_arg, parent_dir, require_dir, say, storage_args, uncommitted_step
+from ._common import (format_table, formats, human_bytes, in_flight, local_time, open_storage_arg, parent_dir,
+                      require_dir, say, storage_args, uncommitted_step)
+
+
+def _describe_other(found: Any) -> dict[str, Any]:
+    """The row of a folder that is not roll-ckpt's: another framework's checkpoint, or unknown."""
+    row: dict[str, Any] = {"step": found.step, "run": found.run, "path": found.path, "committed": False,
+                           "created": "", "bytes": None, "components": [], "missing_components": [],
+                           "format": found.kind, "resumable": found.usable}
+    if found.foreign is not None:
+        row["bytes"] = sum(found.foreign.files().values())
+        row["components"] = found.foreign.components()
+        row["title"] = found.foreign.title
+    if found.reason:
+        row["problem"] = found.reason
+    return row
 
 
 def _describe(storage: Any, ref: Any, expected: Any = None, guess: bool = True) -> dict[str, Any]:
@@ -86,14 +101,23 @@ def cmd_ls(args: argparse.Namespace) -> int:
             say(f"{args.dir} is the part of component '{part.component}' of step {part.step}, committed on its own"
                  + (f"; {where}" if where else "") + f"; `roll-ckpt ls {parent_dir(parent_dir(root)) or '.'}` lists the steps")
             return 0
+    from ..format.foreign import survey, what_is
+
+    if len(refs) == 1 and refs[0].path == root:  # DIR is one folder: ours, another framework's, or unknown
+        others = [f for f in [what_is(storage, root, formats())] if f.kind != "roll-ckpt"]
+    else:
+        others = [f for f in survey(storage, root, formats()) if f.kind != "roll-ckpt"]
+    refs = [r for r in refs if r.path not in {f.path for f in others}]
     rows = [_describe(storage, r) for r in refs if r.committed]
     # The components a step needs, per run: those of the run's newest committed step (one
     # launch writes one run folder, with one config); a run without any looks beside the step.
     expected = {r["run"]: (r["components"] or None) for r in rows if "problem" not in r}
     rows += [_describe(storage, r, expected.get(r.run), guess=r.run not in expected)
              for r in refs if not r.committed]
-    order = {r.path: i for i, r in enumerate(refs)}
-    rows.sort(key=lambda row: order[row["path"]])
+    rows += [_describe_other(f) for f in others]
+    from ..format.layout import run_key
+
+    rows.sort(key=lambda row: (run_key(row["run"]), row["step"]))
     pending = in_flight(storage, root)
     if args.json:
         print(json.dumps({"dir": args.dir, "checkpoints": rows, "in_flight": pending,
@@ -103,8 +127,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
         say(f"no checkpoints under {args.dir}")
     else:
         header = ["STEP", "RUN", "CREATED", "SIZE", "COMMITTED"]
-        cells = [[str(r["step"]), r["run"] or ".", local_time(r["created"]),
-                  human_bytes(r["bytes"]), "yes" if r["committed"] else "NO" + (f" ({r['problem']})" if "problem" in r else "")]
+        cells = [[str(r["step"]), r["run"] or ".", local_time(r["created"]), human_bytes(r["bytes"]),
+                  "yes" if r["committed"] else
+                  f"n/a: {r['title']}" + ("" if r["resumable"] else ", UNFINISHED") if r.get("title") else
+                  "NO" + (f" ({r['problem']})" if "problem" in r and "format" not in r else "")]
                  for r in rows]
         if any(r.get("taken_over") for r in rows):  # incremental saves: bytes taken over unchanged, not written
             header.append("WRITTEN")
@@ -124,8 +150,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
         say("", f"{len(rows)} checkpoints ({len(done)} committed, {human_bytes(total)}) under {args.dir}")
         if done:
             say(f"newest committed: {done[-1]['path']}")
-        if len(done) < len(rows):
+        if len(done) + len(others) < len(rows):
             say("uncommitted folders are saves that never finished; they are never resumed from")
+        for f in others:
+            if f.foreign is not None and f.usable:
+                say(f"step {f.step} ({f.path}): a {f.foreign.title}, whole; resumed read-only (no checksums to "
+                    "verify: it has none) by resume_from_checkpoint: latest when it is the newest, or by its path")
+            else:
+                say(f"step {f.step} ({f.path}): never resumed from: {f.reason}")
         if "WRITTEN" in header:
             say("WRITTEN: what each save wrote; the rest of SIZE was taken over unchanged from the checkpoint "
                 "before (incremental saves); every checkpoint holds all its files")

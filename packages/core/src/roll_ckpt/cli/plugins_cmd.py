@@ -1,4 +1,5 @@
-"""roll-ckpt plugins: installed backends, strategies, staging policies, config keys, commands."""
+"""roll-ckpt plugins: installed backends, strategies, staging policies, config keys, checkpoint
+formats of other frameworks, commands."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
                 ("staging policies (asked in this order; the first that claims a tensor stages it)",
                  _in_staging_order(plugins)),
                 ("config keys", plugins.config_keys),
+                ("other frameworks' checkpoint formats (resumed read-only; export --format NAME)", plugins.formats),
                 ("commands", plugins.commands)]
     for title, collect in sections:
         say(f"{title}:")
@@ -87,5 +89,5 @@ def _in_staging_order(plugins: Any) -> Callable[[], dict[str, Any]]:
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("plugins", help="installed backends, strategies, staging policies, config keys, "
-                                       "commands, broken plugins")
+                                       "other frameworks' formats, commands, broken plugins")
     p.set_defaults(func=cmd_plugins)

@@ -6,7 +6,8 @@ import argparse
 from typing import Any
 
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError, RollCkptError
-from ._common import basename, component_arg, human_bytes, is_checkpoint_dir, open_storage_arg, parent_dir, part_in_step, progress_bar, resolve, say, storage_args, uncommitted_step
+from ._common import (basename, component_arg, foreign_at, foreign_verdict, formats, human_bytes, is_checkpoint_dir,
+                      open_storage_arg, parent_dir, part_in_step, progress_bar, resolve, say, storage_args)
 
 
 def _damaged(path: str, faults: list[tuple[str, str]]) -> tuple[bool, str]:
@@ -54,7 +55,8 @@ def _verify_one(storage: Any, path: str) -> tuple[bool, str]:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from ..format.layout import parse_step, scan
+    from ..format.foreign import survey
+    from ..format.layout import parse_step
 
     from ..format.manifest import MANIFEST_NAME
     from .ls_local import local_units
@@ -62,6 +64,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     storage = open_storage_arg(args, args.path)
     root = storage.root
     component = args.component
+    foreign = foreign_at(storage, root)
+    if foreign is not None:  # another framework's checkpoint: complete or not, no checksums
+        ok, why = foreign_verdict(foreign)
+        if not ok:
+            raise RollCkptError(why)
+        return 0
     units = None if storage.exists(storage.join(root, MANIFEST_NAME)) else local_units(storage, root)
     if units is not None:  # the fast recovery tier: every unit of a local.dir, a node or a step folder
         bad = []
@@ -91,16 +99,18 @@ def cmd_verify(args: argparse.Namespace) -> int:
             f"'{basename(root)}' of step {parse_step(basename(parent))}, from a save that never finished "
             "or is still running; use an earlier step")
     # A folder of checkpoints (output_dir or a run folder): verify every committed one.
-    refs = scan(storage, root)
+    refs = survey(storage, root, formats())
     if not refs:
         raise CheckpointNotFoundError(f"{args.path} is neither a checkpoint nor a folder of checkpoints")
     bad = []
     checked = 0
     for ref in refs:
+        if ref.foreign is not None:
+            if not foreign_verdict(ref.foreign)[0]:
+                bad.append(ref.path)
+            continue
         if not ref.committed:
-            status = uncommitted_step(storage, ref.path)
-            parts = f"; parts: {status.describe()}" if status is not None else ""
-            say(f"SKIP  {ref.path}  not committed (a save that never finished{parts})")
+            say(f"SKIP  {ref.path}  not committed: {ref.reason}")
             continue
         target = ref.path
         if component:
@@ -131,6 +141,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from ..format.verify import read_manifest
 
     storage = open_storage_arg(args, args.path)
+    foreign = foreign_at(storage, storage.root)
+    if foreign is not None:
+        files = foreign.files()
+        say(f"{foreign.path}", f"  {foreign.title}, step {foreign.step}: {len(files)} files, "
+            f"{human_bytes(sum(files.values()))}; parts: {', '.join(foreign.components()) or 'none'}",
+            "  written by another framework: no manifest, no checksums; roll-ckpt resumes it read-only",
+            *(f"  NOT RESUMABLE: {p}" for p in foreign.problems), "", *foreign.describe())
+        return 0
     target, note = resolve(storage, storage.root, args.component)
     manifest = read_manifest(storage, target)
     if any(name.startswith("dcp/") for name in manifest.files) and not manifest.extra.get("components"):
