@@ -22,6 +22,9 @@ class Leg:
     """pip requirements installed with the project (``-e``), exact versions."""
     who: str
     """Whose stack this is (the docs' table)."""
+    interpreter: str = ""
+    """One interpreter's absolute path, where the patch release matters (a system Python);
+    else the leg's Python is found by :attr:`python`."""
 
 
 LEGS: tuple[Leg, ...] = (
@@ -35,6 +38,8 @@ LEGS: tuple[Leg, ...] = (
         "verl's torch; the GPU machine's"),
     Leg("default", "3.11", ("torch==2.13.0", "transformers==5.25.0", "numpy==2.4.6", "ray==2.60.0"),
         "make test (a CPU build of torch)"),
+    Leg("debian-3.11.2", "3.11", ("torch==2.13.0", "transformers==5.25.0", "numpy==2.4.6", "ray==2.60.0"),
+        "Debian 12's system Python, 3.11.2 (images built on Debian 12)", interpreter="/usr/bin/python3.11"),
     Leg("newest", "3.13", ("torch==2.14.1", "transformers==5.25.0", "numpy==2.5.5", "ray==2.60.0"),
         "the newest of each that pip installs here"),
 )

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from .legs import Leg
 
-__all__ = ["ROOT", "MATRIX", "venv_of", "find_python", "build", "run_suite", "versions"]
+__all__ = ["ROOT", "MATRIX", "venv_of", "find_python", "python_of", "build", "run_suite", "versions"]
 
 ROOT = Path(__file__).resolve().parent.parent
 MATRIX = ROOT / ".matrix"
@@ -36,6 +36,16 @@ _VERSIONS = ("import json, platform, torch, numpy, transformers, ray; print(json
 
 def venv_of(leg: Leg) -> Path:
     return MATRIX / leg.name
+
+
+def python_of(leg: Leg) -> str:
+    """The leg's interpreter: its own (:attr:`Leg.interpreter`), else one of its ``major.minor``."""
+    if not leg.interpreter:
+        return find_python(leg.python)
+    if not os.access(leg.interpreter, os.X_OK) or subprocess.run([leg.interpreter, "-c", ""],
+                                                                 capture_output=True).returncode != 0:
+        raise SystemExit(f"{leg.interpreter} does not run here; the leg {leg.name} runs on that interpreter")
+    return leg.interpreter
 
 
 def find_python(version: str) -> str:
@@ -77,7 +87,7 @@ def _sh(cmd: list[str], log: Path, **kwargs: object) -> None:
 def build(leg: Leg) -> Path:
     """``.matrix/<leg>/`` with the leg's stack; its python."""
     venv = venv_of(leg)
-    python = find_python(leg.python)
+    python = python_of(leg)
     stamp = _stamp(leg, python)
     exe = venv / "bin" / "python"
     if (venv / ".installed").is_file() and (venv / ".installed").read_text() == stamp and exe.exists():
