@@ -1,5 +1,7 @@
 """Preemption: SIGTERM becomes a committed checkpoint at the next step, the job exits with
-``preemption.exit_code``, and a relaunch continues exactly; the handlers chain and restore."""
+``preemption.exit_code``, and a relaunch continues exactly; the handler that was there
+before is deferred (passed the signal once the save committed, or at close without one)
+and restored. Ray's handlers, in a real driver and a real actor: test_preemption_ray.py."""
 
 from __future__ import annotations
 
@@ -146,19 +148,26 @@ def test_exit_false_returns_and_sets_preempted(tmp_path: Path) -> None:
     assert layout.latest(_storage(tmp_path / "ckpt"), str(tmp_path / "ckpt")).step == 2
 
 
-def test_the_previous_handler_is_chained_and_restored(tmp_path: Path) -> None:
-    seen: list[int] = []
-    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
+def test_the_previous_handler_is_deferred_until_the_save_committed_and_restored(tmp_path: Path) -> None:
+    seen: list[tuple[int, object, int | None]] = []
+    ckpt = tmp_path / "ckpt"
+
+    def recorder(signum, frame):  # a framework's handler that only records the signal
+        newest = layout.latest(_storage(ckpt), str(ckpt))
+        seen.append((signum, frame, newest.step if newest else None))
+
+    previous = signal.signal(signal.SIGUSR1, recorder)
     try:
-        mine = signal.getsignal(signal.SIGUSR1)
         m = CheckpointManager(_config(tmp_path, signals=["SIGUSR1"], exit_code=3), quiet=True)
-        assert signal.getsignal(signal.SIGUSR1) is not mine
+        assert signal.getsignal(signal.SIGUSR1) is not recorder
         os.kill(os.getpid(), signal.SIGUSR1)
-        assert seen == [signal.SIGUSR1], "the handler that was there first still runs"
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert seen == [], "the handler that was there first waits for the preemption save"
         with pytest.raises(Preempted) as info:
             m.maybe_save(4, tiny_state())
         assert info.value.code == 3 and info.value.exit_code == 3 and info.value.step == 4
-        assert signal.getsignal(signal.SIGUSR1) is mine, "close() restored the previous handler"
+        assert seen == [(signal.SIGUSR1, None, 4)], "it ran once, after step 4 was committed"
+        assert signal.getsignal(signal.SIGUSR1) is recorder, "close() restored the previous handler"
     finally:
         signal.signal(signal.SIGUSR1, previous)
 
@@ -214,3 +223,149 @@ def test_components_save_the_same_step_and_it_commits_whole(tmp_path: Path) -> N
     newest = layout.latest(_storage(tmp_path / "ckpt"), str(tmp_path / "ckpt"))
     assert newest.step == 3 and (Path(newest.path) / "manifest.json").exists()
     assert sorted(p.name for p in Path(newest.path).iterdir() if p.is_dir()) == ["actor", "critic", "pipeline"]
+
+
+# --------------------------------------------------------------------------- the handler that was there before
+
+DEFER_CHILD = Path(__file__).with_name("_preempt_defer_child.py")
+
+
+def _run_defer_child(tmp_path: Path, mode: str) -> tuple[int, list[list[str]], str]:
+    out, log = tmp_path / "ckpt", tmp_path / "child.log"
+    proc = warm.popen([sys.executable, str(DEFER_CHILD), str(out), str(log), mode],
+                      env=child_env(ROLL_CKPT_QUIET="1", OMP_NUM_THREADS="1"),
+                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        output, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, _log(log), output.decode(errors="replace")
+
+
+@pytest.mark.timeout(120)
+def test_the_default_action_is_taken_when_the_manager_closes_after_its_last_save(tmp_path: Path) -> None:
+    """SIGTERM after the last maybe_save, default action: the final save commits, then
+    close() raises the signal again and the process ends killed by it."""
+    rc, lines, output = _run_defer_child(tmp_path, "default")
+    assert rc == -signal.SIGTERM, f"exited {rc}:\n{output}"
+    assert lines[-1] == ["final", "5"], "killed inside close(), after the final save"
+    assert layout.latest(_storage(tmp_path / "ckpt"), str(tmp_path / "ckpt")).step == 5
+
+
+@pytest.mark.timeout(120)
+def test_a_handler_that_ends_the_process_runs_after_the_save_and_keeps_its_status(tmp_path: Path) -> None:
+    """A handler installed first that calls sys.exit(5) (as Ray's does) runs once step 3 is
+    committed; Preempted takes its status, not preemption.exit_code (7)."""
+    rc, lines, output = _run_defer_child(tmp_path, "exits")
+    assert rc == 5, f"exited {rc}:\n{output}"
+    assert lines[-2:] == [["handler", "3"], ["preempted", "3"]], lines
+    newest = layout.latest(_storage(tmp_path / "ckpt"), str(tmp_path / "ckpt"))
+    assert newest.step == 3 and "preempted" in json.loads((Path(newest.path) / "trainer_state.json").read_text())["user"]
+
+
+class _Exits:
+    """A handler that records when it ran (the newest committed step) and ends the process
+    as Ray's worker handler does: a SystemExit with a status and a ``ray_terminate_msg``."""
+
+    def __init__(self, ckpt: Path, code: int) -> None:
+        self.ckpt, self.code, self.calls = ckpt, code, []
+
+    def __call__(self, signum: int, frame: object) -> None:
+        newest = layout.latest(_storage(self.ckpt), str(self.ckpt)) if self.ckpt.exists() else None
+        self.calls.append((signum, newest.step if newest else None))
+        exc = SystemExit(self.code)
+        exc.ray_terminate_msg = "The process receives a SIGTERM."
+        raise exc
+
+
+@pytest.fixture
+def usr1():
+    """SIGUSR1's handler put back after the test."""
+    previous = signal.getsignal(signal.SIGUSR1)
+    yield
+    signal.signal(signal.SIGUSR1, previous)
+
+
+def test_preempted_takes_the_status_and_attributes_of_the_handler_s_exit(tmp_path: Path, usr1) -> None:
+    exits = _Exits(tmp_path / "ckpt", 1)
+    signal.signal(signal.SIGUSR1, exits)
+    m = CheckpointManager(_config(tmp_path, signals=["SIGUSR1"], exit_code=3), quiet=True)
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert exits.calls == []
+    with pytest.raises(Preempted) as info:
+        m.maybe_save(6, tiny_state())
+    assert exits.calls == [(signal.SIGUSR1, 6)], "after step 6 was committed, once"
+    assert info.value.code == 1 and info.value.exit_code == 1 and info.value.step == 6
+    assert info.value.ray_terminate_msg == "The process receives a SIGTERM.", "Ray reports the same exit"
+    assert isinstance(info.value.__cause__, SystemExit)
+    assert signal.getsignal(signal.SIGUSR1) is exits
+
+
+def test_exit_false_passes_the_signal_on_and_keeps_control(tmp_path: Path, usr1) -> None:
+    exits = _Exits(tmp_path / "ckpt", 1)
+    signal.signal(signal.SIGUSR1, exits)
+    m = CheckpointManager(_config(tmp_path, signals=["SIGUSR1"], exit=False), quiet=True)
+    os.kill(os.getpid(), signal.SIGUSR1)
+    path = m.maybe_save(2, tiny_state())
+    assert path.endswith("checkpoint-2") and m.preempted
+    assert exits.calls == [(signal.SIGUSR1, 2)], "called once the save committed; what it raised is dropped"
+    m.close()
+    assert exits.calls == [(signal.SIGUSR1, 2)], "passed on once"
+
+
+def test_close_without_a_save_passes_the_signal_on_once_the_last_manager_closed(tmp_path: Path, usr1) -> None:
+    exits = _Exits(tmp_path / "b", 9)
+    signal.signal(signal.SIGUSR1, exits)
+    a = CheckpointManager(_config(tmp_path / "a", signals=["SIGUSR1"]), quiet=True)
+    b = CheckpointManager(load_config({"checkpoint_config": {"output_dir": str(tmp_path / "b"),
+                                                             "preemption": {"signals": ["SIGUSR1"]}},
+                                       "strategy_config": {"async_save_ckpt": True}}), quiet=True)
+    b.save(2, tiny_state())                     # asynchronous: still writing, perhaps
+    os.kill(os.getpid(), signal.SIGUSR1)        # after the last maybe_save
+    a.close()
+    assert exits.calls == [], "another manager still watches"
+    with pytest.raises(SystemExit) as info:
+        b.close()
+    assert info.value.code == 9 and not isinstance(info.value, Preempted)
+    assert exits.calls == [(signal.SIGUSR1, 2)], "after close() drained the save in flight"
+    assert signal.getsignal(signal.SIGUSR1) is exits
+    b.close()                                   # closed: nothing more
+    assert len(exits.calls) == 1
+
+
+def test_an_ignored_signal_stays_ignored(tmp_path: Path, usr1) -> None:
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    m = CheckpointManager(_config(tmp_path / "a", signals=["SIGUSR1"], exit_code=4), quiet=True)
+    os.kill(os.getpid(), signal.SIGUSR1)
+    m.close()                                   # without a save: nothing to pass on
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN
+    m = CheckpointManager(_config(tmp_path / "b", signals=["SIGUSR1"], exit_code=4), quiet=True)
+    os.kill(os.getpid(), signal.SIGUSR1)
+    with pytest.raises(Preempted) as info:
+        m.maybe_save(1, tiny_state())
+    assert info.value.code == 4
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN
+
+
+def test_a_handler_installed_after_the_manager_stays_and_a_forked_child_passes_signals_on(tmp_path: Path,
+                                                                                         usr1) -> None:
+    signal.signal(signal.SIGUSR1, lambda signum, frame: os._exit(42))  # what a forked child should still get
+    m = CheckpointManager(_config(tmp_path, signals=["SIGUSR1"]), quiet=True)
+    pid = os.fork()
+    if pid == 0:  # the child inherited the manager's handler: roll-ckpt is not there for it
+        try:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 42, "the handler from before ran at once in the child"
+    assert not m.preemption_requested, "the child's signal is not the parent's"
+
+    def later(signum, frame):
+        pass
+
+    signal.signal(signal.SIGUSR1, later)  # installed after the manager's, without chaining it
+    m.close()
+    assert signal.getsignal(signal.SIGUSR1) is later, "close() does not put back what it replaced"

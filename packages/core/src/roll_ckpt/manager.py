@@ -19,7 +19,7 @@ from .contracts import NetworkCounts, Storage, Strategy
 from .errors import RollCkptError
 from .tiers.job import Job, open_storage
 from .plugins import Plugins, get_plugins
-from .runtime.preemption import Preempted, PreemptionWatch, run_without_interruption
+from .runtime.preemption import PreemptionWatch, pass_on, preemption_done, run_without_interruption
 from .load.resume import Resumer
 from .format.layout import TRAINER_STATE
 from .save.pipeline import SavePipeline, SaveStats
@@ -49,7 +49,9 @@ class CheckpointManager:
 
     Preemption (``checkpoint_config.preemption``, on by default for SIGTERM): the manager
     installs signal handlers when it is created (main thread only) and restores the previous
-    ones at :meth:`close`; see :meth:`maybe_save` and :mod:`roll_ckpt.runtime.preemption`.
+    ones at :meth:`close`; those get the signal only once the preemption checkpoint is
+    committed (or at :meth:`close` without one); see :meth:`maybe_save` and
+    :mod:`roll_ckpt.runtime.preemption`.
     """
 
     def __init__(self, config: Config, *, component: str | None = None, plugins: Plugins | None = None,
@@ -137,8 +139,10 @@ class CheckpointManager:
         Call it once per step on every process: it is also where a preemption request (a
         signal, or :meth:`request_preemption`) is acted on. The processes agree on it (one
         tiny all-reduce per call, even when only one process got the signal), then the
-        manager waits for a save in flight, saves ``step`` synchronously and durably, closes
-        and, with ``preemption.exit`` (the default), raises :class:`~roll_ckpt.Preempted`.
+        manager waits for a save in flight, saves ``step`` synchronously and durably, closes,
+        passes the signal on to the handler that was there before and, with
+        ``preemption.exit`` (the default), raises :class:`~roll_ckpt.Preempted` (with that
+        handler's exit status when it raised ``SystemExit``, as Ray's does).
         """
         self._check_open()
         if self._watch.signals:
@@ -168,7 +172,7 @@ class CheckpointManager:
     def _preempt(self, step: int, state: Mapping[str, Any]) -> str | None:
         pc = self.config.checkpoint_config.preemption
         log.warning("roll-ckpt: preemption (%s): saving step %d durably%s", self._watch.describe(), step,
-                    f", then exiting with status {pc.exit_code}" if pc.exit else "")
+                    ", then exiting" if pc.exit else "")
         try:
             try:
                 self._saves.wait()  # the save in flight first; its failure must not cost this one
@@ -176,13 +180,16 @@ class CheckpointManager:
                 log.error("roll-ckpt: the save in flight failed: %s; saving step %d anyway", exc, step)
             path = run_without_interruption(self._watch, lambda: self._saves.save(
                 step, state, final=True, metadata={"preempted": self._watch.describe()}))
+            self._watch.committed = True  # the signals held so far are passed on below, not by close()
+        except BaseException as exc:  # close() passes the signal on: the error must not vanish with the process
+            log.error("roll-ckpt: the preemption save of step %d failed: %s", step, exc)
+            raise
         finally:
             self.close()
         self.preempted = True
         log.warning("roll-ckpt: preemption checkpoint of step %d committed at %s", step, path)
-        if pc.exit:
-            raise Preempted(pc.exit_code, step, path or "")
-        return path
+        # the handlers that were there before get the signal now; Preempted (exit) ends the loop
+        return preemption_done(self._watch, pc.exit, pc.exit_code, step, path or "")
 
     def save(self, step: int, state: Mapping[str, Any], *, final: bool = False,
              metadata: Mapping[str, Any] | None = None) -> str | None:
@@ -345,23 +352,34 @@ class CheckpointManager:
             raise RollCkptError("this CheckpointManager is closed")
 
     def close(self) -> None:
-        """Drain the save in flight and re-raise its error; the manager is unusable afterwards."""
+        """Drain the save in flight and re-raise its error; the manager is unusable afterwards.
+
+        A preemption signal that came after the last :meth:`maybe_save` is raised again at the
+        very end, for the handler restored here (Ray's, the default action...): see
+        :mod:`roll_ckpt.runtime.preemption`."""
         if self._closed:
             return
         self._closed = True
         self._job.open = False
-        self._watch.uninstall()
+        held = self._watch.uninstall()  # signals that came after the last maybe_save: passed on last
         try:
-            self._saves.close()
-        finally:
             try:
-                if self._job.strategy is not None:
-                    self._job.strategy.close()
-                self._job.release()
+                self._saves.close()
             finally:
-                backup_error = self._job.backup.close() if self._job.backup is not None else None
-        if backup_error is not None:
-            raise backup_error
+                try:
+                    if self._job.strategy is not None:
+                        self._job.strategy.close()
+                    self._job.release()
+                finally:
+                    backup_error = self._job.backup.close() if self._job.backup is not None else None
+            if backup_error is not None:
+                raise backup_error
+        except BaseException as exc:
+            if held:  # the signal passed on below may end the process: the error must not vanish with it
+                log.error("roll-ckpt: close() failed: %s", exc)
+            raise
+        finally:
+            pass_on(held)
 
     def __enter__(self) -> "CheckpointManager":
         return self
