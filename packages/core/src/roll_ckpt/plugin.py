@@ -21,8 +21,15 @@ should a third party's: every other module of ``roll_ckpt`` is private and may c
   ``roll_ckpt.runtime.torch_compat`` a plugin needs (:func:`local_tensor`,
   :func:`set_local_tensor`, :func:`rewrap_dtensor`, :func:`collective`, :func:`fsdp2_options`)
   and :func:`exact_alias`; each works on every torch of the supported range.
+* **Reading DCP folders safely** (imported on first use): :func:`read_dcp_metadata` (the
+  restricted unpickler), :func:`load_dcp` (a folder read into a state dict, resharded, byte
+  values with ``weights_only``), :func:`dcp_placeholders` (a structure to load into, from the
+  metadata alone); what a format plugin reads another framework's checkpoints with;
+  :func:`verify_checkpoint` (a committed checkpoint checked whole, its manifest returned), before
+  a plugin reads one of roll-ckpt's.
 * **Helpers for commands**: :func:`get_plugins`, :func:`open_storage`, :func:`read_yaml`,
-  :func:`committed_checkpoints`, :func:`latest_checkpoint`, :func:`human_bytes`,
+  :func:`committed_checkpoints`, :func:`latest_checkpoint`, :func:`human_bytes`, :data:`RUN_RE` (a run
+  folder's name),
   :func:`cli_main`.
 
 Importing this module does not import torch nor any plugin.
@@ -42,6 +49,8 @@ from .contracts import (STORAGE_CAPABILITIES, AbortableWrite, BackendRecord, Com
 from .errors import (BackupError, CheckpointCorruptError, CheckpointNotFoundError, CollectiveTimeoutError,
                      ConfigError, PartlyLoadedError, PluginError, RollCkptError, SaveError, StorageError,
                      StorageFullError, TorchCompatError, UnknownPluginError, UnsafeCheckpointError)
+from .format.layout import RUN_RE
+from .format.inspection import verify_checkpoint
 from .format.layout import committed as committed_checkpoints
 from .format.layout import latest as latest_checkpoint
 from .hookspecs import hookimpl, hookspec
@@ -54,6 +63,8 @@ if TYPE_CHECKING:  # for type checkers and the API reference; at run time _LAZY 
     from .runtime.torch_compat import collective, fsdp2_options, local_tensor, rewrap_dtensor, set_local_tensor
     from .strategy import DCPStrategy
     from .tiers.job import open_storage
+    from .load.placeholders import placeholders as dcp_placeholders
+    from .load.dcp_folder import load_dcp, read_dcp_metadata
 
 __all__ = [
     # hooks and records
@@ -72,8 +83,10 @@ __all__ = [
     "SaveError", "BackupError", "CollectiveTimeoutError", "TorchCompatError",
     # torch across releases
     "local_tensor", "set_local_tensor", "rewrap_dtensor", "collective", "fsdp2_options", "exact_alias",
+    # reading DCP folders safely
+    "read_dcp_metadata", "load_dcp", "dcp_placeholders", "verify_checkpoint",
     # helpers for commands
-    "get_plugins", "open_storage", "read_yaml", "committed_checkpoints", "latest_checkpoint", "human_bytes",
+    "get_plugins", "open_storage", "read_yaml", "committed_checkpoints", "latest_checkpoint", "human_bytes", "RUN_RE",
     "cli_main",
 ]
 
@@ -87,6 +100,9 @@ _LAZY = {
     "exact_alias": "roll_ckpt.runtime.memory",
     "open_storage": "roll_ckpt.tiers.job",
     "cli_main": "roll_ckpt.cli",
+    "read_dcp_metadata": "roll_ckpt.load.dcp_folder",
+    "load_dcp": "roll_ckpt.load.dcp_folder",
+    "dcp_placeholders": "roll_ckpt.load.placeholders",
 }
 """Names whose modules import torch (or much else): imported when first asked for."""
 
@@ -95,6 +111,7 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'roll_ckpt.plugin' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), "main" if name == "cli_main" else name)
+    attr = {"cli_main": "main", "dcp_placeholders": "placeholders"}.get(name, name)
+    value = getattr(importlib.import_module(module), attr)
     globals()[name] = value
     return value

@@ -26,7 +26,7 @@ from .layout import parent as layout_parent
 from ..runtime.units import human_bytes
 
 __all__ = ["KeyInfo", "PartInfo", "PartsStatus", "Inspection", "inspect_checkpoint", "format_inspection",
-           "parts_of", "part_faults", "parts_status", "expected_components", "read_driver_state"]
+           "parts_of", "part_faults", "parts_status", "expected_components", "read_driver_state", "verify_checkpoint"]
 
 DRIVER_STATE = "state/state.json"
 
@@ -430,3 +430,17 @@ def format_inspection(ins: Inspection) -> str:
         else:
             lines.append(f"  {k.key:<{width}}  bytes")
     return "\n".join(lines)
+
+
+def verify_checkpoint(storage: Storage, path: str) -> dict:
+    """Check every file of the committed checkpoint at ``path`` (sizes, checksums; a step's
+    parts against the step's manifest) and return its manifest as JSON values; raises
+    :class:`CheckpointCorruptError` naming every fault. What a plugin calls before it reads a
+    checkpoint's files itself (``roll-ckpt export --format NAME``)."""
+    from .verify import verify
+
+    manifest = verify(storage, path).manifest
+    faults = part_faults(storage, path, manifest)
+    if faults:
+        raise CheckpointCorruptError(path, faults)
+    return manifest.as_dict()

@@ -127,6 +127,10 @@ class Manifest:
     def to_bytes(self) -> bytes:
         return seal(self._body())
 
+    def as_dict(self) -> dict[str, Any]:
+        """The manifest as the JSON values ``manifest.json`` holds (its own checksum aside)."""
+        return self._body()
+
     @classmethod
     def from_bytes(cls, data: bytes) -> tuple["Manifest", list[str]]:
         """Parse; return the manifest and the problems found (empty when sound).

@@ -27,7 +27,7 @@ __all__ = ["TorchCompatError", "fsdp2_options", "gloo_averages", "local_tensor",
            "dcp_save", "dcp_load", "load_state_dict_no_dist", "module_tensor_ids", "empty_state_dict_load_planner", "planner_set_value", "storage_prefix",
            "narrow_tensor_by_index", "local_chunk", "collective", "all_reduce_ints", "CHECKED_ON",
            "default_stager", "process_mode", "caching_save_planner", "without_collectives", "compare_save_plans", "storage_prefix_record",
-           "set_plan_cache_key", "cached_local_plan", "forget_cached_plans"]
+           "set_plan_cache_key", "cached_local_plan", "forget_cached_plans", "numpy_arrays_admitted"]
 
 CHECKED_ON = ("2.6", "2.8", "2.10", "2.11", "2.13", "2.14")
 """torch releases the whole suite ran on: the legs of ``make test-matrix`` (``matrix/results/``;
@@ -315,6 +315,28 @@ def set_element(root: Any, path: tuple, value: Any) -> None:
 def get_element(root: Any, path: tuple) -> Any:
     """The value at DCP's object path ``path`` (``_traverse.get_element``, torch 2.6-2.14)."""
     return _traverse("get_element")(root, path)
+
+
+def numpy_arrays_admitted() -> Any:
+    """A context in which ``torch.load(weights_only=True)`` also admits plain NumPy arrays
+    (``numpy.random.get_state()``'s, as another framework pickled them): the array
+    reconstructor, ``ndarray`` and ``dtype``, under NumPy 1.x's module names and 2.x's
+    (``numpy.core`` became ``numpy._core``), nothing that runs code. torch 2.6-2.14:
+    ``torch.serialization.safe_globals`` with ``(object, "module.name")`` pairs for the alias."""
+    import numpy as np
+
+    try:
+        from numpy._core.multiarray import _reconstruct  # NumPy 2
+    except ImportError:  # NumPy 1.26
+        from numpy.core.multiarray import _reconstruct
+    names = [(_reconstruct, f"{m}.multiarray._reconstruct") for m in ("numpy.core", "numpy._core")]
+    # the dtype classes NumPy pickles with an array (numpy.dtypes: NumPy 1.25 on); numbers and bools only
+    kinds = [getattr(np.dtypes, n) for n in dir(np.dtypes)
+             if n.endswith("DType") and n not in ("ObjectDType", "VoidDType", "StringDType")]
+    try:
+        return torch.serialization.safe_globals([*names, np.ndarray, np.dtype, *kinds])
+    except AttributeError as exc:
+        raise _missing("torch.serialization.safe_globals", exc) from None
 
 
 def planner_set_value(planner: Any, fqn: str, value: Any) -> None:

@@ -1,0 +1,56 @@
+"""Another framework's DCP folder (no manifest), read safely: what format plugins read with.
+
+``.metadata`` only through the restricted unpickler; byte values only with
+``torch.load(weights_only=True)`` (plain NumPy arrays admitted on request); tensors read into
+the caller's targets, resharded as DCP reshards, by each process alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata
+
+from ..contracts import Storage
+from ..errors import carried_roll_error
+from ..format.unpickle import METADATA_NAME, SafeLoadPlanner, safe_load_metadata
+from ..runtime.collector import CollectorPause
+from ..runtime.torch_compat import dcp_load, numpy_arrays_admitted
+from .reader import SafeReader
+
+__all__ = ["read_dcp_metadata", "load_dcp"]
+
+
+def read_dcp_metadata(storage: Storage, dcp_path: str) -> Metadata:
+    """The ``.metadata`` of the DCP folder at ``dcp_path``, unpickled by the restricted
+    unpickler (DCP's metadata classes only: :mod:`roll_ckpt.format.unpickle`)."""
+    path = storage.join(dcp_path, METADATA_NAME)
+    with storage.open_read(path) as f:
+        return safe_load_metadata(f.read(), path)
+
+
+def load_dcp(target: dict[str, Any], storage: Storage, dcp_path: str, *, numpy: bool = False) -> None:
+    """Read this process's share of the DCP folder at ``dcp_path`` into ``target`` (tensors,
+    DTensors -- resharded as DCP does --, and placeholders for byte values, which are read
+    with ``torch.load(weights_only=True)``), in place, without any collective.
+
+    For folders with no manifest (another framework's checkpoint, read as it is): nothing
+    is checked against checksums, but nothing is unpickled beyond DCP's metadata classes
+    and tensors (``numpy``: and plain NumPy arrays, as in ``numpy.random.get_state()``).
+    Keys of ``target`` missing from the folder raise, naming them.
+    """
+    reader = SafeReader(storage, dcp_path)
+    planner = SafeLoadPlanner()
+    planner.reader = reader
+    reader.planner = planner
+    try:
+        with numpy_arrays_admitted() if numpy else contextlib.nullcontext(), CollectorPause(True):
+            dcp_load(target, storage_reader=reader, planner=planner, process_group=None, no_dist=True)
+    except BaseException as exc:  # DCP wraps every error in a CheckpointException (a BaseException)
+        found = carried_roll_error(exc)
+        if found is None or isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise found from None
+    finally:
+        reader.release()
