@@ -3,6 +3,8 @@ snapshots, leftovers of crashed saves, and the S3 test server (SeaweedFS)."""
 
 from __future__ import annotations
 
+import re
+
 import contextlib
 import os
 import shutil
@@ -142,6 +144,11 @@ def ForkServer(env: dict[str, str] | None = None) -> forkserver.ForkServer:  # n
     return forkserver.ForkServer(CHILD, env)
 
 
+_PASSED_OVER = re.compile(r"roll-ckpt: (?:resuming from an older checkpoint|starting fresh \(step 0\)); passed over "
+                          r"\d+ folder\(s\).*?\(checkpoint_config\.on_unusable_checkpoint: raise makes this an error\)\n?",
+                          re.S)
+
+
 @dataclass
 class WorkerLog:
     """The events a crash worker wrote (see ``_crash_child.py``)."""
@@ -166,8 +173,11 @@ class WorkerLog:
         return self.events[-1] if self.events else None
 
     def errors(self) -> str:
+        """What the worker wrote on stderr, but for the WARNING that names the folders a resume
+        of ``latest`` passed over (after a kill: the save it cut short, which is expected)."""
         err = Path(str(self.path) + ".err")
-        return err.read_text(errors="replace")[-4000:] if err.exists() else ""
+        text = err.read_text(errors="replace") if err.exists() else ""
+        return re.sub(_PASSED_OVER, "", text)[-4000:]
 
 
 # --------------------------------------------------------------------------- checkpoints

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 from ..contracts import ForeignCheckpoint, FormatRecord, Storage
-from .layout import CKPT_RE, DCP_DIR, TRAINER_STATE, run_key, basename, run_folders
+from .layout import CKPT_RE, DCP_DIR, TRAINER_STATE, basename, parent, run_folders, run_key
 from .manifest import MANIFEST_NAME
+from .owners import MARKER_PREFIX
 
 __all__ = ["Found", "FORMAT_EXTRAS", "recognize", "survey", "passed_over", "what_is", "not_committed", "LOOKS_LIKE"]
 
@@ -117,10 +118,20 @@ def not_committed(storage: Storage, path: str, formats: Mapping[str, FormatRecor
     return False, f"no manifest.json, and no installed format recognizes it ({_installed(formats)})"
 
 
+def _marked(names: Iterable[str], folder_name: str) -> bool:
+    """An owner marker of a roll-ckpt save of ``folder_name`` is among ``names`` (its parent's
+    entries): a save in progress, or one a crash left (object stores write in place)."""
+    prefix = f"{MARKER_PREFIX}{folder_name}-"
+    return any(n.startswith(prefix) for n in names)
+
+
 def _judge(storage: Storage, path: str, step: int, run: str, formats: Mapping[str, FormatRecord],
-           components: Iterable[str] | None) -> Found:
+           components: Iterable[str] | None, marked: bool = False) -> Found:
     if CKPT_RE.match(basename(path)) and storage.exists(storage.join(path, MANIFEST_NAME)):
         return Found(path, step, run, True)
+    if marked:
+        return Found(path, step, run, False, None, "a roll-ckpt save in progress, or one a crash left (its owner "
+                                                   "marker is beside it)")
     foreign = recognize(storage, path, formats)
     if foreign is None:
         ours, reason = not_committed(storage, path, formats)
@@ -143,12 +154,14 @@ def survey(storage: Storage, root: str, formats: Mapping[str, FormatRecord],
     components = tuple(components or ())
     out: list[Found] = []
     for run, folder in [("", root), *run_folders(storage, root)]:
-        for e in storage.list(folder):
+        entries = storage.list(folder)
+        names = [e.name for e in entries]
+        for e in entries:
             if not e.is_dir:
                 continue
             step = _step_of(e.name, formats)
             if step is not None:
-                out.append(_judge(storage, e.path, step, run, formats, components))
+                out.append(_judge(storage, e.path, step, run, formats, components, _marked(names, e.name)))
     out.sort(key=lambda f: f.order)
     return out
 
@@ -162,4 +175,6 @@ def what_is(storage: Storage, path: str, formats: Mapping[str, FormatRecord],
             components: Iterable[str] | None = None) -> Found:
     """``path`` judged as :func:`survey` judges a folder (its step from its name, or -1)."""
     step = _step_of(basename(path), formats)
-    return _judge(storage, path, -1 if step is None else step, "", formats, components)
+    above = parent(path)
+    marked = bool(above) and _marked([e.name for e in storage.list(above)], basename(path))
+    return _judge(storage, path, -1 if step is None else step, "", formats, components, marked)
