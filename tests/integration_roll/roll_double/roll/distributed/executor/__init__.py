@@ -1,0 +1,1 @@
+"""Test double of ROLL's roll.distributed.executor: worker.py (Worker), cluster.py (Cluster)."""

@@ -1,0 +1,1 @@
+"""Test double of ROLL's roll.distributed.scheduler: initialize.py (init) only."""
