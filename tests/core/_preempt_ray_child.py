@@ -53,7 +53,7 @@ def train_loop(out: str, log_path: str, manager: object = None) -> None:
             log(log_path, "trained", step)
             manager.maybe_save(step, state)
     except Preempted as exc:
-        log(log_path, "preempted", exc.step, exc.code)
+        log(log_path, "preempted", exc.step, int(exc.code))  # Ray 2.48 exits with signal.Signals.SIGTERM
         raise
 
 
