@@ -257,6 +257,8 @@ class PipelinePart:
         self.enabled = checkpoint_root(pipeline_config) is not None
         self.saver: CheckpointManager | None = None
         self.watch: CheckpointManager | None = None
+        self.step_path = ""
+        """The step folder of the latest save (``checkpoint-<step>``): what :class:`Preempted` names."""
         if self.enabled:  # watches for preemption signals from the start (main thread)
             self.watch = CheckpointManager(config_for(pipeline_config, [PIPELINE]), component=PIPELINE)
             atexit.register(self.close)
@@ -291,7 +293,8 @@ class PipelinePart:
             names = [str(c.cluster_name) for c in clusters] + [PIPELINE]
             self.saver = CheckpointManager(config_for(self.pipeline_config, names), component=PIPELINE)
         values = json.loads(json.dumps(dataclasses.asdict(state)))  # NumPy floats in metrics become floats
-        self.saver.save(step, {"driver": DriverState(values)}, final=final)
+        part = self.saver.save(step, {"driver": DriverState(values)}, final=final)  # checkpoint-<step>/pipeline
+        self.step_path = part.rstrip("/").rpartition("/")[0] if part else ""
 
     @property
     def exit_code(self) -> int:
@@ -373,4 +376,4 @@ def do_checkpoint(self: Any, global_step: int, is_last_step: Any = None) -> None
     if preempt:
         log.warning("roll-ckpt: preemption: step %d is committed for every component; stopping", global_step)
         part.close(clusters)
-        raise Preempted(part.exit_code, global_step, str(self.resume_from_checkpoint or ""))
+        raise Preempted(part.exit_code, global_step, part.step_path)
