@@ -34,7 +34,10 @@ the method's signature and what its callers rely on (arguments, return value, wh
     ROLL's schedule (``save_steps``, the last step) and its calls to every checkpoint cluster's
     ``do_checkpoint``; the driver's ``WorkerState`` is the ``pipeline`` part. A preemption
     (SIGTERM to the driver or to any checkpoint worker) makes the next call save the step
-    for every component durably, then the driver raises :class:`roll_ckpt.Preempted`.
+    for every component durably; the workers' managers close (a worker's held SIGTERM then
+    ends it as Ray's handler would), and the driver's part goes through its manager's
+    preemption path, which raises :class:`roll_ckpt.Preempted` with the status of the handler
+    it held the signal back from (Ray's: 15).
 ``roll.pipeline.base_worker.download_model``
     a checkpoint URL (``s3://...``) is returned as it is (ROLL's would try a model hub).
 
@@ -53,7 +56,7 @@ import logging
 import time
 from typing import Any, Callable
 
-from roll_ckpt import CheckpointManager, DriverState, Preempted
+from roll_ckpt import CheckpointManager, DriverState
 from roll_ckpt.plugin import RollCkptError
 
 from .roll_format import PIPELINE, ROLL_COMMIT
@@ -257,8 +260,6 @@ class PipelinePart:
         self.enabled = checkpoint_root(pipeline_config) is not None
         self.saver: CheckpointManager | None = None
         self.watch: CheckpointManager | None = None
-        self.step_path = ""
-        """The step folder of the latest save (``checkpoint-<step>``): what :class:`Preempted` names."""
         if self.enabled:  # watches for preemption signals from the start (main thread)
             self.watch = CheckpointManager(config_for(pipeline_config, [PIPELINE]), component=PIPELINE)
             atexit.register(self.close)
@@ -288,21 +289,38 @@ class PipelinePart:
                     refs.append(call.remote(preemption_flag))
         return any(ray.get(refs, timeout=60)) if refs else False
 
-    def save(self, step: int, state: Any, final: bool, clusters: list[Any]) -> None:
+    def _saver(self, clusters: list[Any]) -> CheckpointManager:
+        """The manager that saves the driver's parts: it lists every checkpoint cluster, which
+        only the pipeline knows (it names them after its workers are built)."""
         if self.saver is None:
             names = [str(c.cluster_name) for c in clusters] + [PIPELINE]
             self.saver = CheckpointManager(config_for(self.pipeline_config, names), component=PIPELINE)
+        return self.saver
+
+    @staticmethod
+    def _state(state: Any) -> dict[str, Any]:
         values = json.loads(json.dumps(dataclasses.asdict(state)))  # NumPy floats in metrics become floats
-        part = self.saver.save(step, {"driver": DriverState(values)}, final=final)  # checkpoint-<step>/pipeline
-        self.step_path = part.rstrip("/").rpartition("/")[0] if part else ""
+        return {"driver": DriverState(values)}
 
-    @property
-    def exit_code(self) -> int:
-        return self.watch.config.checkpoint_config.preemption.exit_code if self.watch is not None else 0
+    def save(self, step: int, state: Any, final: bool, clusters: list[Any]) -> None:
+        self._saver(clusters).save(step, self._state(state), final=final)
 
-    def close(self, clusters: list[Any] = ()) -> None:
-        """Close the driver's managers; first each checkpoint worker's (a preemption: their
-        held-back SIGTERM handlers then run, as Ray's ends the actor)."""
+    def preempted(self, step: int, state: Any, clusters: list[Any]) -> str | None:
+        """Every worker's part of ``step`` is committed: the driver's, through its manager's own
+        preemption path -- saved durably, then the signal held back from the handler that was
+        there before (Ray's, in a driver) is passed on and :class:`roll_ckpt.Preempted` raised
+        with that handler's status (``preemption.exit``; ``false``: returns, ROLL goes on)."""
+        saver = self._saver(clusters)
+        if saver.config.checkpoint_config.preemption.exit:
+            self._close_workers(clusters)  # their held SIGTERMs now end them, as Ray's handler would
+        if self.watch is not None:
+            self.watch.close()  # the held signal stays for the saver's preemption save to pass on
+            self.watch = None
+        saver.request_preemption()
+        return saver.maybe_save(step, self._state(state))
+
+    @staticmethod
+    def _close_workers(clusters: list[Any]) -> None:
         import ray
 
         for cluster in clusters:
@@ -313,6 +331,9 @@ class PipelinePart:
                     ray.get(ref, timeout=600)
                 except Exception as exc:  # an actor its own SIGTERM handler ended meanwhile
                     log.info("roll-ckpt: a worker of %s ended: %s", cluster.cluster_name, type(exc).__name__)
+
+    def close(self) -> None:
+        """Close the driver's managers (at exit)."""
         for manager in (self.saver, self.watch):
             if manager is not None:
                 manager.close()
@@ -370,10 +391,11 @@ def do_checkpoint(self: Any, global_step: int, is_last_step: Any = None) -> None
         for ckpt_refs in refs:
             done = DataProto.materialize_concat(data_refs=ckpt_refs)
             metrics.update(reduce_metrics(done.meta_info.pop("metrics", {})))
-        part.save(global_step, self.state, final, clusters)
+        if not preempt:
+            part.save(global_step, self.state, final, clusters)
     futures.wait(self.resume_futures)
     self.resume_futures.clear()
     if preempt:
-        log.warning("roll-ckpt: preemption: step %d is committed for every component; stopping", global_step)
-        part.close(clusters)
-        raise Preempted(part.exit_code, global_step, part.step_path)
+        log.warning("roll-ckpt: preemption: every cluster's part of step %d is committed; the driver's follows, "
+                    "then the job stops", global_step)
+        part.preempted(global_step, self.state, clusters)  # raises roll_ckpt.Preempted (preemption.exit)

@@ -115,9 +115,20 @@ def _tree(storage: Storage, root: str, prefix: str = "") -> dict[str, int]:
     return out
 
 
-def _step(path: str) -> int:
+def _step(storage: Storage, path: str, parts: dict[str, str]) -> int | None:
+    """The step: from the folder's name (``checkpoint-<N>``), else from the driver's WorkerState."""
     name = path.rstrip("/").rsplit("/", 1)[-1]
-    return int(name.rsplit("-", 1)[-1])
+    head, _, tail = name.rpartition("-")
+    if head == "checkpoint" and tail.isdigit():
+        return int(tail)
+    if PIPELINE in parts:
+        try:
+            with storage.open_read(storage.join(parts[PIPELINE], WORKER_STATE)) as f:
+                step = json.loads(f.read().decode("utf-8")).get("step")
+            return step if isinstance(step, int) else None
+        except (OSError, ValueError):
+            return None
+    return None
 
 
 def recognize(storage: Storage, path: str) -> RollCheckpoint | None:
@@ -139,7 +150,11 @@ def recognize(storage: Storage, path: str) -> RollCheckpoint | None:
     legacy = sorted(n for n in entries if n.startswith(_LEGACY) and n.endswith(".pt"))
     if not parts and not hf_only and not legacy:
         return None
-    found = RollCheckpoint(storage, path, _step(path), parts)
+    step = _step(storage, path, parts)
+    found = RollCheckpoint(storage, path, -1 if step is None else step, parts)
+    if step is None:
+        found.problems.append("its step is unknown: the folder is not named checkpoint-<N> and holds no "
+                              f"{PIPELINE}/{WORKER_STATE}; rename it checkpoint-<N>")
     if legacy:
         found.problems.append(f"holds ROLL's older per-rank torch.save files ({legacy[0]}...): pickles that "
                               "roll-ckpt does not open; resume it with ROLL once, then save")

@@ -102,13 +102,18 @@ def formats() -> dict[str, Any]:
 
 
 def foreign_at(storage: Any, path: str) -> Any:
-    """Another framework's checkpoint at ``path`` (a format plugin recognizes it), or ``None``."""
+    """Another framework's checkpoint at ``path`` -- or of which ``path`` is one part's
+    folder (a ROLL step's ``critic/``) -- as a format plugin recognizes it; else ``None``."""
     from ..format.foreign import recognize
     from ..format.manifest import MANIFEST_NAME
 
     if storage.exists(storage.join(path, MANIFEST_NAME)) or not storage.isdir(path):
         return None
-    return recognize(storage, path, formats())
+    outer = recognize(storage, parent_dir(path), formats()) if parent_dir(path) else None
+    if outer is not None and basename(path) in outer.components():
+        say(f"note: {path} is the part '{basename(path)}' of {outer.path}; the whole step follows")
+        return outer
+    return recognize(storage, path, formats(), any_name=True)
 
 
 def foreign_verdict(found: Any) -> tuple[bool, str]:

@@ -68,11 +68,13 @@ class Found:
         return "roll-ckpt" if self.ours else "unknown"
 
 
-def recognize(storage: Storage, path: str, formats: Mapping[str, FormatRecord]) -> ForeignCheckpoint | None:
-    """The checkpoint at ``path`` as the first format whose folder names match it recognizes it."""
+def recognize(storage: Storage, path: str, formats: Mapping[str, FormatRecord],
+              any_name: bool = False) -> ForeignCheckpoint | None:
+    """The checkpoint at ``path`` as the first format whose folder names match it recognizes it
+    (``any_name``: whatever the folder's name, as for a path the user gave)."""
     name = basename(path)
     for record in formats.values():
-        if not re.match(record.folder_pattern, name):
+        if not any_name and not re.match(record.folder_pattern, name):
             continue
         try:
             found = record.recognize(storage, path)
@@ -126,13 +128,13 @@ def _marked(names: Iterable[str], folder_name: str) -> bool:
 
 
 def _judge(storage: Storage, path: str, step: int, run: str, formats: Mapping[str, FormatRecord],
-           components: Iterable[str] | None, marked: bool = False) -> Found:
+           components: Iterable[str] | None, marked: bool = False, any_name: bool = False) -> Found:
     if CKPT_RE.match(basename(path)) and storage.exists(storage.join(path, MANIFEST_NAME)):
         return Found(path, step, run, True)
     if marked:
         return Found(path, step, run, False, None, "a roll-ckpt save in progress, or one a crash left (its owner "
                                                    "marker is beside it)")
-    foreign = recognize(storage, path, formats)
+    foreign = recognize(storage, path, formats, any_name)
     if foreign is None:
         ours, reason = not_committed(storage, path, formats)
         return Found(path, step, run, False, None, reason, ours)
@@ -173,8 +175,9 @@ def passed_over(found: list[Found], chosen: Found | None) -> list[Found]:
 
 def what_is(storage: Storage, path: str, formats: Mapping[str, FormatRecord],
             components: Iterable[str] | None = None) -> Found:
-    """``path`` judged as :func:`survey` judges a folder (its step from its name, or -1)."""
+    """``path`` judged as :func:`survey` judges a folder (its step from its name, or -1),
+    every format asked whatever the folder's name (a path the user gave)."""
     step = _step_of(basename(path), formats)
     above = parent(path)
     marked = bool(above) and _marked([e.name for e in storage.list(above)], basename(path))
-    return _judge(storage, path, -1 if step is None else step, "", formats, components, marked)
+    return _judge(storage, path, -1 if step is None else step, "", formats, components, marked, any_name=True)

@@ -8,6 +8,7 @@ the caller's targets, resharded as DCP reshards, by each process alone.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
@@ -45,7 +46,9 @@ def load_dcp(target: dict[str, Any], storage: Storage, dcp_path: str, *, numpy: 
     planner.reader = reader
     reader.planner = planner
     try:
-        with numpy_arrays_admitted() if numpy else contextlib.nullcontext(), CollectorPause(True):
+        with numpy_arrays_admitted() if numpy else contextlib.nullcontext(), CollectorPause(True), \
+                warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")  # no_dist: on purpose
             dcp_load(target, storage_reader=reader, planner=planner, process_group=None, no_dist=True)
     except BaseException as exc:  # DCP wraps every error in a CheckpointException (a BaseException)
         found = carried_roll_error(exc)

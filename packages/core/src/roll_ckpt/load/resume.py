@@ -265,14 +265,14 @@ class Resumer:
         job = self.job
         formats = job.plugins.formats()
         components = job.config.checkpoint_config.components if job.component else None
-        found = what_is(storage, path, formats, components)
-        if found.foreign is None:  # one part of another framework's checkpoint, named directly?
-            step_folder, name = layout.parent(path), layout.basename(path)
-            outer = recognize(storage, step_folder, formats) if step_folder else None
-            if outer is not None and name in outer.components() and job.component in (None, name):
-                found = what_is(storage, step_folder, formats)
-                if found.usable:
-                    return step_folder, name
+        step_folder, name = layout.parent(path), layout.basename(path)
+        outer = recognize(storage, step_folder, formats) if step_folder else None
+        if outer is not None and name in outer.components() and job.component in (None, name):
+            found = what_is(storage, step_folder, formats)  # one part of another framework's step, named
+            if found.usable:
+                return step_folder, name
+        else:
+            found = what_is(storage, path, formats, components)
         if found.foreign is not None and found.usable:
             return path, job.component
         others = f"resume from another checkpoint (`roll-ckpt ls {layout.parent(path)}` lists them)"
@@ -291,7 +291,7 @@ class Resumer:
         recognizes it and loads its share; a failure on one process is raised on all."""
         job = self.job
         strategy = job.strategy
-        found = recognize(storage, path, job.plugins.formats())
+        found = recognize(storage, path, job.plugins.formats(), any_name=True)
         error: BaseException | None = None
         trainer_state: dict[str, Any] = {}
         try:
