@@ -25,7 +25,7 @@ from .backup import BackupConfig, parse_backup, same_location
 from .file import read_config_file, read_yaml
 from ..errors import ConfigError
 from .interpolation import interpolate, key_path
-from ..format.layout import RUN_RE
+from ..format.layout import NAME_FORMATS, RUN_RE
 from .hf_weights import HFWeightsConfig, parse_hf_weights
 from .initial_load import InitialLoadConfig, parse_initial_load
 from .local import LocalTierConfig, parse_local
@@ -47,6 +47,10 @@ class CheckpointConfig:
     """Root path or fsspec URL (``s3://bucket/prefix``, ``memory://x``...)."""
     timestamp_subdir: bool = True
     """Write each run into ``<output_dir>/<YYYYmmdd-HHMMSS>/`` so runs never mix."""
+    name_format: str = "checkpoint-{step}"
+    """How each checkpoint's folder is named: ``checkpoint-{step}`` (roll-ckpt's, ROLL's),
+    ``global_step_{step}`` (verl's) or ``step-{step}`` (torchtitan's). Every listing, ``latest``
+    and retention find all three."""
     max_ckpt_to_keep: int = 0
     """Committed checkpoints kept under ``output_dir`` (newest by run, then step); 0 keeps all.
 
@@ -307,6 +311,7 @@ def _checkpoint(value: Any, default_root: str, raw: Mapping[str, Any]) -> Checkp
         type=string(f"{key}.type", value.get("type", "file_system")),
         output_dir=output_dir,
         timestamp_subdir=timestamp_subdir,
+        name_format=choice(f"{key}.name_format", value.get("name_format", "checkpoint-{step}"), NAME_FORMATS),
         max_ckpt_to_keep=max_ckpt_to_keep(raw, value),
         storage_options=options_map(f"{key}.storage_options", value.get("storage_options")),
         backup=backup,

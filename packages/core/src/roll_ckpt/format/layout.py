@@ -19,11 +19,14 @@ from datetime import datetime
 from ..contracts import Storage
 from .manifest import MANIFEST_NAME
 
-__all__ = ["CheckpointRef", "scan", "committed", "latest", "checkpoint_name", "run_name",
+__all__ = ["CheckpointRef", "NAME_FORMATS", "scan", "committed", "latest", "checkpoint_name", "run_name",
            "new_run_name", "run_key", "parse_step", "parent", "basename", "RUN_RE", "DCP_DIR", "TRAINER_STATE", "writer_rank"]
 
 RUN_RE = re.compile(r"^(\d{8}-\d{6})(?:-(\d+))?$")
-CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
+NAME_FORMATS = ("checkpoint-{step}", "global_step_{step}", "step-{step}")
+"""How a checkpoint folder may be named (``checkpoint_config.name_format``): roll-ckpt's own,
+verl's (``global_step_N``), torchtitan's (``step-N``). Each is a prefix and the step."""
+CKPT_RE = re.compile(r"^(?:checkpoint-|global_step_|step-)(\d+)$")
 TMP_PREFIX = ".tmp-"
 DCP_DIR = "dcp"
 """A checkpoint's DCP folder (the ``dcp`` and ``fsdp2`` strategies write there)."""
@@ -47,8 +50,9 @@ def basename(path: str) -> str:
     return path.rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1]
 
 
-def checkpoint_name(step: int) -> str:
-    return f"checkpoint-{step}"
+def checkpoint_name(step: int, name_format: str = NAME_FORMATS[0]) -> str:
+    """The folder of step ``step`` (``checkpoint-<step>``, or another of :data:`NAME_FORMATS`)."""
+    return name_format.format(step=step)
 
 
 def run_name(now: datetime, attempt: int = 0) -> str:

@@ -27,17 +27,16 @@ blocks* of it shows in both.
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ..contracts import Storage
 from ..format.commit import take_over_file
+from ..format.layout import CKPT_RE
 
 __all__ = ["Base", "Increments", "TakeOver", "cold_names"]
 
 log = logging.getLogger("roll_ckpt")
-_STEP = re.compile(r"checkpoint-\d+")
 
 
 @dataclass(frozen=True)
@@ -51,9 +50,10 @@ class Base:
 
     @property
     def name(self) -> str:
-        """The checkpoint within its run: ``checkpoint-<step>``, or ``checkpoint-<step>/<component>``."""
+        """The checkpoint within its run: ``checkpoint-<step>`` (or another name format), or
+        ``checkpoint-<step>/<component>``."""
         parts = self.dcp_path.rstrip("/").split("/")[:-1]
-        steps = [i for i, p in enumerate(parts) if _STEP.fullmatch(p)]
+        steps = [i for i, p in enumerate(parts) if CKPT_RE.fullmatch(p)]
         return "/".join(parts[steps[-1]:]) if steps else parts[-1]
 
 

@@ -159,7 +159,8 @@ class SavePipeline:
         t0 = time.perf_counter()
         job = self.job
         strategy = job.strategy
-        final_path = job.storage.join(job.ensure_run_dir(), layout.checkpoint_name(step))
+        final_path = job.storage.join(job.ensure_run_dir(),
+                                      layout.checkpoint_name(step, job.config.checkpoint_config.name_format))
         if job.component:
             final_path = job.storage.join(final_path, job.component)
         if step in self.committed_steps:
