@@ -10,7 +10,7 @@ to resume from, and loading it), :mod:`roll_ckpt.format.runs` (run folders),
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping, MutableMapping
+from typing import Any, Iterable, Mapping, MutableMapping
 
 from .tiers.backup import BackupLink
 from .format.components import check_component
@@ -205,6 +205,24 @@ class CheckpointManager:
         """
         self._check_open()
         return self._saves.save(step, state, final=final, metadata=metadata)
+
+    def commit_step(self, step: int, parts: Iterable[str], files: Iterable[str] = ()) -> bool:
+        """Commit step ``step`` once ``parts`` are all committed, for a job whose steps something
+        else completes (``checkpoint_config.commit_steps: false``: a framework integration that
+        knows which parts a step has, as verl's trainer does). ``files``: the step's own files at
+        its root, written by that framework (hashed now, covered by the step's manifest). Then
+        retention and replication run, as after any commit. True when this call committed it;
+        False when a part is missing or another process committed it first. Coordinator."""
+        from .format.layout import checkpoint_name
+
+        job = self._job
+        cc = self.config.checkpoint_config
+        step_path = job.storage.join(job.ensure_run_dir(), checkpoint_name(step, cc.name_format))
+        committer = self._saves.committer
+        if not committer.commit_step(step_path, step, parts=list(parts), files=list(files)):
+            return False
+        committer.after_commit(step_path, step)
+        return True
 
     def hf_files(self, *objects: Any) -> None:
         """Hand over the tokenizer, processor... (objects with ``save_pretrained(dir)``) whose

@@ -38,6 +38,9 @@ class HFWeightsConfig:
     """``bfloat16``, ``float16`` or ``float32``; by default the dtype each tensor was saved in."""
     max_shard_size: str | int = "5GB"
     """As ``save_pretrained``'s (the same shards)."""
+    subdir: str = ""
+    """A folder of the checkpoint to write them into (``huggingface``, as verl keeps them);
+    empty: the checkpoint's own folder, beside ``dcp/`` (as ROLL keeps them)."""
     step_root: bool = False
     """With components: the files are published at the step's folder too
     (``checkpoint-<step>/config.json``...), where ROLL keeps the actor's model for rollout
@@ -50,7 +53,8 @@ def parse_hf_weights(value: Any) -> HFWeightsConfig | None:
         return None
     if value is True:
         return HFWeightsConfig()
-    expect(key, value, Mapping, "true, false, or a mapping with key, config_dir, dtype, max_shard_size, step_root")
+    expect(key, value, Mapping, "true, false, or a mapping with key, config_dir, dtype, max_shard_size, subdir, "
+                                "step_root")
     reject_unknown(key, value, field_names(HFWeightsConfig))
     config_dir = value.get("config_dir")
     if config_dir is not None:
@@ -70,5 +74,11 @@ def parse_hf_weights(value: Any) -> HFWeightsConfig | None:
     except ValueError:
         raise ConfigError(f"{key}.max_shard_size", "is not a size", size, "a size such as 5GB or 500MB") from None
     step_root = expect(f"{key}.step_root", value.get("step_root", False), bool, "true or false")
+    subdir = value.get("subdir", "") or ""
+    if subdir and (not isinstance(subdir, str) or not subdir.replace("_", "").replace("-", "").isalnum()):
+        raise ConfigError(f"{key}.subdir", "is not a plain folder name", subdir, "e.g. huggingface")
+    if subdir and step_root:
+        raise ConfigError(f"{key}.subdir", "and step_root both set: files in a sub-folder are not published at "
+                          "the step's folder", subdir, "one of them")
     return HFWeightsConfig(key=string(f"{key}.key", value.get("key", "model")), config_dir=config_dir,
-                           dtype=dtype, max_shard_size=size, step_root=step_root)
+                           dtype=dtype, max_shard_size=size, subdir=subdir, step_root=step_root)

@@ -64,6 +64,15 @@ class CheckpointConfig:
 
     Each part is saved by its own manager (``CheckpointManager(config, component=...)``)
     into ``checkpoint-<step>/<component>/``; the last part to commit commits the step."""
+    commit_steps: bool = True
+    """With components: ``true``, the last part to commit commits the step; ``false``, something
+    that knows when a step is whole commits it, with ``manager.commit_step`` (a framework
+    integration: verl's trainer decides which roles a step has)."""
+    beside: tuple[str, ...] = ()
+    """Names (glob patterns) of files another program writes into a checkpoint's folder once it
+    is committed (verl's dataloader state, ``data_*.pt``): ``verify`` names them as not covered by
+    the manifest instead of calling the checkpoint damaged; retention removes them with it; a copy
+    (``roll-ckpt copy``, a backup) does not carry them."""
     run_name: str | None = None
     """The run folder to write (``YYYYmmdd-HHMMSS[-n]``, as :func:`roll_ckpt.new_run_name`
     makes); by default each manager claims a new one. Components of one job must share it:
@@ -271,6 +280,16 @@ def _plugin_keys(plugins: Any) -> Mapping[str, Any]:
     return plugins.config_keys()
 
 
+def _patterns(key: str, value: Any) -> tuple[str, ...]:
+    expect(key, value, list, "a list of file names or glob patterns, e.g. [data.pt, data_*.pt]")
+    out = tuple(string(f"{key}[{i}]", v) for i, v in enumerate(value))
+    for i, v in enumerate(out):
+        if "/" in v or v in (".", "..") or v.startswith("."):
+            raise ConfigError(f"{key}[{i}]", "is not a file name in the checkpoint's folder", v,
+                              "a plain name or glob pattern, e.g. data_*.pt")
+    return out
+
+
 def _checkpoint(value: Any, default_root: str, raw: Mapping[str, Any]) -> CheckpointConfig:
     key = "checkpoint_config"
     if value is None:
@@ -316,6 +335,8 @@ def _checkpoint(value: Any, default_root: str, raw: Mapping[str, Any]) -> Checkp
         storage_options=options_map(f"{key}.storage_options", value.get("storage_options")),
         backup=backup,
         components=components,
+        commit_steps=expect(f"{key}.commit_steps", value.get("commit_steps", True), bool, "true or false"),
+        beside=_patterns(f"{key}.beside", value.get("beside", [])),
         run_name=run_name,
         preemption=parse_preemption(value.get("preemption")),
         on_save_error=choice(f"{key}.on_save_error", value.get("on_save_error", "raise"), ("raise", "warn")),

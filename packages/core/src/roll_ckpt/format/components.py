@@ -43,14 +43,14 @@ from typing import Any, Iterable
 
 from ..contracts import Storage
 from .commit import take_over_file
-from .digest import hash_bytes
+from .digest import hash_bytes, hash_stream
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError, RollCkptError
 from .layout import parent, scan
 from .manifest import MANIFEST_NAME, FileEntry, Manifest
 
 log = logging.getLogger("roll_ckpt")
 
-__all__ = ["COMPONENTS_KEY", "EXPECTS_KEY", "STEP_ROOT_KEY", "committed_parts", "step_manifest", "try_complete", "complete_pending",
+__all__ = ["COMPONENTS_KEY", "EXPECTS_KEY", "STEP_FILES_KEY", "STEP_ROOT_KEY", "committed_parts", "step_manifest", "try_complete", "complete_pending",
            "components_of", "expected_parts", "open_part", "check_component", "check_part_free", "read_resume_record"]
 
 COMPONENTS_KEY = "components"
@@ -59,6 +59,10 @@ COMPONENTS_KEY = "components"
 
 EXPECTS_KEY = "expects"
 """``manifest.extra[EXPECTS_KEY]`` of a part: the components its manager's config lists."""
+
+STEP_FILES_KEY = "step_files"
+"""``manifest.extra[STEP_FILES_KEY]`` of a step: files at its root that no part holds, written
+there by the program whose step it is (verl's trainer's ``data.pt``), covered by the step's manifest."""
 
 STEP_ROOT_KEY = "step_root"
 """``manifest.extra[STEP_ROOT_KEY]`` of a part: its files published at the step's folder too."""
@@ -120,7 +124,8 @@ def step_manifest(step: int, parts: dict[str, bytes], step_path: str = "") -> Ma
     return _step_manifest(step, parts, _parts(step, parts, step_path), step_path)
 
 
-def _step_manifest(step: int, parts: dict[str, bytes], manifests: dict[str, Manifest], step_path: str) -> Manifest:
+def _step_manifest(step: int, parts: dict[str, bytes], manifests: dict[str, Manifest], step_path: str,
+                   own: dict[str, FileEntry] | None = None) -> Manifest:
     files: dict[str, FileEntry] = {}
     summary: dict[str, dict] = {}
     created = ""
@@ -134,8 +139,11 @@ def _step_manifest(step: int, parts: dict[str, bytes], manifests: dict[str, Mani
         created = max(created, part.created)
     for rel, (_, entry) in _root_files(manifests, step_path).items():
         files[rel] = entry
-    return Manifest(step=step, files=files, created=created, world_size=1, component=None,
-                    extra={COMPONENTS_KEY: summary})
+    extra: dict[str, Any] = {COMPONENTS_KEY: summary}
+    if own:
+        files.update(own)
+        extra[STEP_FILES_KEY] = sorted(own)
+    return Manifest(step=step, files=files, created=created, world_size=1, component=None, extra=extra)
 
 
 def expected_parts(manifests: dict[str, Manifest], configured: Iterable[str]) -> set[str]:
@@ -164,12 +172,15 @@ def _publish_root_files(storage: Storage, step_path: str, manifests: dict[str, M
         storage.sync_dir(step_path)
 
 
-def try_complete(storage: Storage, step_path: str, step: int, expected: Iterable[str]) -> Manifest | None:
+def try_complete(storage: Storage, step_path: str, step: int, expected: Iterable[str],
+                 files: Iterable[str] = ()) -> Manifest | None:
     """Commit the step when every expected part is committed; its manifest if this call did.
 
     ``expected``: the parts this manager's config lists; those the committed parts' managers
-    listed are needed too. ``None`` when a part is still missing, or when another process
-    committed the step first (the storage refused our create).
+    listed are needed too. ``files``: files at the step's root that belong to the step itself
+    (written there by the program whose step it is), hashed now and covered. ``None`` when a
+    part is still missing, or when another process committed the step first (the storage
+    refused our create).
     """
     if storage.exists(storage.join(step_path, MANIFEST_NAME)):
         return None
@@ -177,7 +188,13 @@ def try_complete(storage: Storage, step_path: str, step: int, expected: Iterable
     manifests = _parts(step, parts, step_path)
     if not expected_parts(manifests, expected) <= set(parts):
         return None
-    manifest = _step_manifest(step, parts, manifests, step_path)
+    own = {}
+    for name in files:
+        if "/" in name or name == MANIFEST_NAME or name in parts:
+            raise RollCkptError(f"{name!r} is not a file of the step's own at {step_path}")
+        with storage.open_read(storage.join(step_path, name)) as f:
+            own[name] = FileEntry(*hash_stream(f)[:2])
+    manifest = _step_manifest(step, parts, manifests, step_path, own)
     _publish_root_files(storage, step_path, manifests)
     try:
         storage.write_create(storage.join(step_path, MANIFEST_NAME), manifest.to_bytes())
@@ -251,7 +268,7 @@ def check_component(component: str | None, cc: Any) -> str | None:
     if component not in names:
         raise ConfigError("checkpoint_config.components", f"does not list component '{component}'",
                           list(names), "one of the listed names")
-    if not cc.run_name:
+    if not cc.run_name and cc.timestamp_subdir:
         raise ConfigError("checkpoint_config.run_name", "is needed with components: every component of one "
                           "launch must write the same run folder", None,
                           "a name the driver picks once per launch (roll_ckpt.new_run_name()) and gives to "

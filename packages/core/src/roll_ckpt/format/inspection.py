@@ -156,10 +156,11 @@ def part_faults(storage: Storage, path: str, manifest: Manifest) -> list[tuple[s
     parts = _components(manifest)
     if not parts:
         return []
-    from .components import STEP_ROOT_KEY
+    from .components import STEP_FILES_KEY, STEP_ROOT_KEY
 
     faults: list[tuple[str, str]] = []
-    root_files = {rel for rel in manifest.files if "/" not in rel}  # published by a part (step_root)
+    own = set(manifest.extra.get(STEP_FILES_KEY) or ())  # the step's own files (verl's data.pt)
+    root_files = {rel for rel in manifest.files if "/" not in rel} - own  # published by a part (step_root)
     strays = sorted({rel.split("/", 1)[0] for rel in manifest.files if "/" in rel} - set(parts))
     for top in strays:
         faults.append((f"{top}/", "listed in the step's manifest, but the step has no component of that name "

@@ -20,7 +20,7 @@ from typing import Any
 from .digest import ALGORITHM, CHUNK_SIZE, hash_bytes
 
 __all__ = ["Manifest", "FileEntry", "MANIFEST_NAME", "FORMAT", "FORMAT_VERSION", "safe_relpath",
-           "seal", "UnsafeManifestError"]
+           "seal", "UnsafeManifestError", "BESIDE_KEY", "beside"]
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "roll-ckpt"
@@ -213,3 +213,16 @@ class Manifest:
         if not hmac.compare_digest(want, str(sig.get("value", ""))):
             return [f"signature does not match {SIGNING_ENV}: the manifest was altered or signed with another key"]
         return []
+
+
+BESIDE_KEY = "beside"
+"""``manifest.extra[BESIDE_KEY]``: names (glob patterns) of files another program adds to the
+checkpoint's folder once it is committed (``checkpoint_config.beside``), not covered."""
+
+
+def beside(manifest: "Manifest", name: str) -> bool:
+    """``name`` (relative to the checkpoint) is a file the manifest says another program adds."""
+    import fnmatch
+
+    patterns = manifest.extra.get(BESIDE_KEY) or ()
+    return "/" not in name and any(fnmatch.fnmatchcase(name, p) for p in patterns)

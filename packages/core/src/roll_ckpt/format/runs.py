@@ -6,6 +6,8 @@ tell whether it is still being written. With ``checkpoint_config.run_name`` (req
 with components) every component of a launch writes the same folder, picked once by the
 driver. With ``timestamp_subdir: false`` a launch writes ``output_dir`` itself and claims
 it alone (``.launch.json``): a second live launch there gets a clear error at its first save.
+Components without run folders (verl's layout: ``global_step_N/actor``) share ``output_dir``
+unclaimed: one launch at a time there is the framework's to ensure.
 """
 
 from __future__ import annotations
@@ -83,7 +85,8 @@ def claim_run_folder(storage: Storage, root: str, cc: Any, exp_name: str, compon
     storage.makedirs(root)
     clean_stale(storage, root)
     if not cc.timestamp_subdir:
-        _claim_folder(storage, root, exp_name)
+        if component is None:  # the components of a launch write it together: none holds it alone
+            _claim_folder(storage, root, exp_name)
         return ""
     wanted = cc.run_name
     if wanted:  # shared by the job's components: whoever comes first records it

@@ -9,7 +9,7 @@ from typing import Callable
 from .commit import require_committed
 from .digest import hash_stream
 from ..errors import CheckpointCorruptError, UnsafeCheckpointError
-from .manifest import MANIFEST_NAME, Manifest, UnsafeManifestError
+from .manifest import MANIFEST_NAME, Manifest, UnsafeManifestError, beside
 from ..contracts import Storage
 
 __all__ = ["verify", "read_manifest", "list_files", "VerifyReport"]
@@ -21,6 +21,9 @@ class VerifyReport:
     manifest: Manifest
     files: int
     bytes: int
+    beside: list[str]
+    """Files another program added to the folder once it was committed (``checkpoint_config.beside``):
+    not covered by the manifest."""
 
 
 def list_files(storage: Storage, root: str, prefix: str = "") -> dict[str, int]:
@@ -76,8 +79,10 @@ def verify(storage: Storage, path: str, *, checksums: bool = True,
     present = list_files(storage, path)
     present.pop(MANIFEST_NAME, None)
     faults: list[tuple[str, str]] = []
-    for name in sorted(set(present) - set(manifest.files)):
-        faults.append((name, "unexpected file, not listed in the manifest"))
+    others = sorted(set(present) - set(manifest.files))
+    for name in others:
+        if not beside(manifest, name):
+            faults.append((name, "unexpected file, not listed in the manifest"))
     total = 0
     for name, ent in sorted(manifest.files.items()):
         if name not in present:
@@ -100,4 +105,4 @@ def verify(storage: Storage, path: str, *, checksums: bool = True,
                 faults.append((name, "checksum mismatch (the content changed after it was written)"))
     if faults:
         raise CheckpointCorruptError(path, faults)
-    return VerifyReport(path, manifest, len(manifest.files), total)
+    return VerifyReport(path, manifest, len(manifest.files), total, [n for n in others if beside(manifest, n)])

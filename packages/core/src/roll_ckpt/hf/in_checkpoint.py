@@ -85,19 +85,25 @@ class HFPart:
         ``{"status": "failed"}`` (a full disk is raised)."""
         from ..format.digest import hash_bytes
 
+        folder = storage.join(write_path, self.config.subdir) if self.config.subdir else write_path
+        prefix = f"{self.config.subdir}/" if self.config.subdir else ""
+
         def put(name: str, data: bytes) -> FileEntry:
-            with storage.open_write(storage.join(write_path, name)) as f:
+            with storage.open_write(storage.join(folder, name)) as f:
                 f.write(data)
             return FileEntry(*hash_bytes(data))
 
         written: dict[str, FileEntry] = {}
         try:
-            arch = self._write(storage, write_path, module, dcp_dir, lambda n, d: written.__setitem__(n, put(n, d)))
+            if self.config.subdir:
+                storage.makedirs(folder)
+            arch = self._write(storage, write_path, module, dcp_dir,
+                               lambda n, d: written.__setitem__(prefix + n, put(n, d)))
             return written, {"status": "written", "files": len(written), "architecture": arch}
         except Exception as exc:
             for name in written:
                 try:
-                    storage.remove(storage.join(write_path, name))
+                    storage.remove(storage.join(write_path, *name.split("/")))
                 except OSError:
                     pass
             if disk_full(exc) or (isinstance(exc, OSError) and exc.errno == errno.ENOSPC):

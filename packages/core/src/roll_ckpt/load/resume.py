@@ -136,14 +136,20 @@ class Resumer:
         job = self.job
         if not job.component:
             return [(path, from_backup) for _, path, from_backup in self.candidates("latest")]
-        record = job.storage.join(job.ensure_run_dir(), layout.RESUME_RECORD)
-        chosen = read_resume_record(job.storage, record)
+        run_dir = job.ensure_run_dir()
+        shared = run_dir != job.root  # without run folders there is no launch's own folder to record in
+        record = job.storage.join(run_dir, layout.RESUME_RECORD)
+        chosen = read_resume_record(job.storage, record) if shared else None
         if chosen is not None:
             return chosen
-        for path, manifest in complete_pending(job.storage, job.root, job.config.checkpoint_config.components or ()):
-            log.info("roll-ckpt: committed %s (its parts were all committed)", path)
-            job.announce(path, manifest)
+        cc = job.config.checkpoint_config
+        if cc.commit_steps:  # else something else commits the steps (roll_ckpt_verl)
+            for path, manifest in complete_pending(job.storage, job.root, cc.components or ()):
+                log.info("roll-ckpt: committed %s (its parts were all committed)", path)
+                job.announce(path, manifest)
         mine = [(path, from_backup) for _, path, from_backup in self.candidates("latest")]
+        if not shared:
+            return mine
         body = {"candidates": mine, "component": job.component, "time": utc_now()}
         try:
             job.storage.write_create(record, json.dumps(body).encode())

@@ -21,6 +21,7 @@ from ..contracts import SaveContext
 from ..format import layout
 from ..format.commit import PendingCheckpoint
 from ..format.components import EXPECTS_KEY, STEP_ROOT_KEY, try_complete
+from ..format.manifest import BESIDE_KEY
 from ..format.digest import hash_bytes
 from ..format.layout import TRAINER_STATE
 from ..format.manifest import FileEntry, Manifest
@@ -69,8 +70,11 @@ class Committer:
             files.update(hf_files)
             if job.component and self.hf.config.step_root and hf_files:  # at checkpoint-<step>/ too
                 extra[STEP_ROOT_KEY] = sorted(hf_files)
+        cc = job.config.checkpoint_config
         if job.component:  # every part this manager knows of: the step waits for them all
-            extra[EXPECTS_KEY] = list(job.config.checkpoint_config.components or ())
+            extra[EXPECTS_KEY] = list(cc.components or ())
+        if cc.beside:  # files another program adds to the folder once it is committed
+            extra[BESIDE_KEY] = list(cc.beside)
         ts = self.trainer_state(ctx, user)
         with storage.open_write(storage.join(pending.write_path, TRAINER_STATE)) as f:
             f.write(ts)
@@ -91,14 +95,19 @@ class Committer:
                      ", ".join(sorted({e.taken_over for e in files.values() if e.taken_over})))
         return total, taken
 
-    def commit_step(self, step_path: str, step: int) -> bool:
+    def commit_step(self, step_path: str, step: int, parts: Any = None, files: Any = ()) -> bool:
         """True when the step is committed by this process: always without components;
-        with them, when this part was the last one and this process's create won."""
+        with them, when this part was the last one and this process's create won.
+        ``parts``/``files``: a step something else commits (``CheckpointManager.commit_step``)."""
         job = self.job
         if not job.component:
             return True
+        if parts is None and not job.config.checkpoint_config.commit_steps:
+            return False  # another commits the step: it knows which parts it has
         try:
-            manifest = try_complete(job.storage, step_path, step, job.config.checkpoint_config.components or ())
+            manifest = try_complete(job.storage, step_path, step,
+                                    job.config.checkpoint_config.components or () if parts is None else parts,
+                                    files=files)
         except Exception as exc:  # this part is committed; the step can be committed later
             log.warning("roll-ckpt: the part of %s is committed, but committing step %d failed (%s: %s); the "
                         "next resume commits the step once every part is there", job.component, step,
