@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from core._hf_helpers import tiny_llama, train
+from core._hf_helpers import from_pretrained, tiny_llama, train
 from helpers.training import config
 from roll_ckpt import CheckpointManager, DriverState, new_run_name
 from roll_ckpt.cli import main as cli
@@ -60,7 +60,7 @@ def _hf_actor(root: Path, run: str, step_root: bool = True) -> CheckpointManager
 
 
 def test_a_part_publishes_its_hugging_face_files_at_the_step_root(tmp_path: Path) -> None:
-    from transformers import AutoModelForCausalLM
+    from roll_ckpt.runtime.transformers_compat import dtype_argument
 
     run = new_run_name()
     model = tiny_llama()
@@ -80,7 +80,7 @@ def test_a_part_publishes_its_hugging_face_files_at_the_step_root(tmp_path: Path
         assert (step / name).read_bytes() == (step / "actor" / name).read_bytes()
         assert manifest["files"][name] == manifest["files"][f"actor/{name}"]
         assert (step / name).stat().st_ino == (step / "actor" / name).stat().st_ino  # a hard link, no copy
-    loaded = AutoModelForCausalLM.from_pretrained(str(step), dtype=torch.float32)
+    loaded = from_pretrained(str(step), **{dtype_argument(): torch.float32})
     for (name, a), (_, b) in zip(sorted(model.state_dict().items()), sorted(loaded.state_dict().items())):
         assert torch.equal(a, b), name
     assert cli(["verify", str(step)]) == 0

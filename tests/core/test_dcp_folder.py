@@ -5,16 +5,14 @@ when asked), tensors resharded into the caller's targets."""
 from __future__ import annotations
 
 import random
-import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
 from roll_ckpt.errors import UnsafeCheckpointError
-from roll_ckpt.plugin import dcp_placeholders, load_dcp, read_dcp_metadata
+from roll_ckpt.plugin import dcp_placeholders, load_dcp, read_dcp_metadata, write_dcp
 from roll_ckpt_fs.storage import LocalStorage
 
 
@@ -26,9 +24,7 @@ class _Boom:
 def _save(path: Path, **extra: object) -> dict:
     sd = {"w": torch.arange(12.0).reshape(3, 4), "rng": {"numpy": np.random.get_state(), "random": random.getstate()},
           **extra}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.save(sd, checkpoint_id=str(path), no_dist=True)
+    write_dcp(sd, str(path))
     return sd
 
 

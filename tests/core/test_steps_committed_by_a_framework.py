@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from core._hf_helpers import tiny_llama
+from core._hf_helpers import from_pretrained, tiny_llama
 from helpers.training import config
 from roll_ckpt import CheckpointManager
 from roll_ckpt.cli import main as cli
@@ -90,14 +90,14 @@ def test_files_another_program_adds_are_named_not_damage(tmp_path: Path, capsys)
 
 
 def test_hugging_face_files_in_a_sub_folder(tmp_path: Path) -> None:
-    from transformers import AutoModelForCausalLM
+    from roll_ckpt.runtime.transformers_compat import dtype_argument
 
     model = tiny_llama()
     cfg = config(tmp_path, timestamp_subdir=False, hf_weights={"subdir": "huggingface"})
     with CheckpointManager(cfg, quiet=True) as m:
         path = Path(m.save(1, {"model": model}))
     assert (path / "huggingface" / "config.json").exists() and not (path / "config.json").exists()
-    loaded = AutoModelForCausalLM.from_pretrained(str(path / "huggingface"), dtype=torch.float32)
+    loaded = from_pretrained(str(path / "huggingface"), **{dtype_argument(): torch.float32})
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
     assert cli(["verify", str(path)]) == 0
 

@@ -24,7 +24,8 @@ should a third party's: every other module of ``roll_ckpt`` is private and may c
 * **Reading DCP folders safely** (imported on first use): :func:`read_dcp_metadata` (the
   restricted unpickler), :func:`load_dcp` (a folder read into a state dict, resharded, byte
   values with ``weights_only``), :func:`dcp_placeholders` (a structure to load into, from the
-  metadata alone); what a format plugin reads another framework's checkpoints with;
+  metadata alone), :func:`write_dcp` (a plain DCP folder, for an export to a framework's own
+  layout); what a format plugin reads another framework's checkpoints with;
   :func:`verify_checkpoint` (a committed checkpoint checked whole, its manifest returned), before
   a plugin reads one of roll-ckpt's.
 * **Helpers for commands**: :func:`get_plugins`, :func:`open_storage`, :func:`read_yaml`,
@@ -64,7 +65,7 @@ if TYPE_CHECKING:  # for type checkers and the API reference; at run time _LAZY 
     from .strategy import DCPStrategy
     from .tiers.job import open_storage
     from .load.placeholders import placeholders as dcp_placeholders
-    from .load.dcp_folder import load_dcp, read_dcp_metadata
+    from .load.dcp_folder import load_dcp, read_dcp_metadata, write_dcp
 
 __all__ = [
     # hooks and records
@@ -84,7 +85,7 @@ __all__ = [
     # torch across releases
     "local_tensor", "set_local_tensor", "rewrap_dtensor", "collective", "fsdp2_options", "exact_alias",
     # reading DCP folders safely
-    "read_dcp_metadata", "load_dcp", "dcp_placeholders", "verify_checkpoint",
+    "read_dcp_metadata", "load_dcp", "dcp_placeholders", "write_dcp", "verify_checkpoint",
     # helpers for commands
     "get_plugins", "open_storage", "read_yaml", "committed_checkpoints", "latest_checkpoint", "human_bytes", "RUN_RE",
     "cli_main",
@@ -102,6 +103,7 @@ _LAZY = {
     "cli_main": "roll_ckpt.cli",
     "read_dcp_metadata": "roll_ckpt.load.dcp_folder",
     "load_dcp": "roll_ckpt.load.dcp_folder",
+    "write_dcp": "roll_ckpt.load.dcp_folder",
     "dcp_placeholders": "roll_ckpt.load.placeholders",
 }
 """Names whose modules import torch (or much else): imported when first asked for."""

@@ -22,7 +22,7 @@ import uuid
 from typing import Any, Callable
 
 from roll_ckpt.plugin import (CheckpointNotFoundError, RollCkptError, Storage, dcp_placeholders, load_dcp,
-                              read_dcp_metadata)
+                              read_dcp_metadata, write_dcp)
 
 from .roll_format import PIPELINE, ROOT_PART, WORKER_STATE
 from .state_map import WORKER_STATE_KEYS
@@ -116,10 +116,6 @@ def _copy_files(storage: Storage, folder: str, out: str) -> int:
 def export_roll(storage: Storage, path: str, out: str, *, component: str | None = None, overwrite: bool = False,
                 notes: Callable[[str], None] = print) -> str:
     """Write the committed checkpoint at ``path`` in ROLL's layout at ``out``; one line saying what."""
-    import warnings
-
-    import torch.distributed.checkpoint as dcp
-
     from roll_ckpt.plugin import verify_checkpoint
 
     if os.path.exists(out) and not overwrite:
@@ -147,9 +143,7 @@ def export_roll(storage: Storage, path: str, out: str, *, component: str | None 
                 written.append(f"{name} -> {PIPELINE}/{WORKER_STATE}")
                 continue
             sd = _roll_state_dict(storage, storage.join(folder, "dcp"), f"{path} ({name})")
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-                dcp.save(sd, checkpoint_id=os.path.join(target, "dcp"), no_dist=True)
+            write_dcp(sd, os.path.join(target, "dcp"))
             files = _copy_files(storage, folder, target)
             written.append(f"{name} -> {place or '.'}/dcp" + (f" + {files} files" if files else ""))
         if os.path.exists(out):

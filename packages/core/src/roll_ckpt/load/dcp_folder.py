@@ -1,4 +1,5 @@
-"""Another framework's DCP folder (no manifest), read safely: what format plugins read with.
+"""Another framework's DCP folder (no manifest), read safely, and written plainly: what format
+plugins read checkpoints with, and write exports to a framework's own layout with.
 
 ``.metadata`` only through the restricted unpickler; byte values only with
 ``torch.load(weights_only=True)`` (plain NumPy arrays admitted on request); tensors read into
@@ -17,10 +18,10 @@ from ..contracts import Storage
 from ..errors import carried_roll_error
 from ..format.unpickle import METADATA_NAME, SafeLoadPlanner, safe_load_metadata
 from ..runtime.collector import CollectorPause
-from ..runtime.torch_compat import dcp_load, numpy_arrays_admitted
+from ..runtime.torch_compat import dcp_load, dcp_save, numpy_arrays_admitted
 from .reader import SafeReader
 
-__all__ = ["read_dcp_metadata", "load_dcp"]
+__all__ = ["read_dcp_metadata", "load_dcp", "write_dcp"]
 
 
 def read_dcp_metadata(storage: Storage, dcp_path: str) -> Metadata:
@@ -57,3 +58,14 @@ def load_dcp(target: dict[str, Any], storage: Storage, dcp_path: str, *, numpy: 
         raise found from None
     finally:
         reader.release()
+
+
+def write_dcp(state_dict: dict[str, Any], path: str) -> None:
+    """``state_dict`` (tensors, values, ``Stateful`` objects) written by this process alone as a
+    plain DCP folder at the local ``path``, as ``dcp.save`` writes one (on every torch of the
+    supported range: torch 2.6's ``dcp.save`` has no ``no_dist``)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")  # no_dist: on purpose
+        dcp_save(state_dict, storage_writer=FileSystemWriter(path), planner=None, process_group=None, no_dist=True)

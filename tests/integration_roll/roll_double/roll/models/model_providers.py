@@ -6,6 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
 from roll.utils.checkpoint_manager import download_model
+from roll_ckpt.runtime.transformers_compat import dtype_argument  # dtype= since transformers 4.56, torch_dtype= before
 
 
 def default_tokenizer_provider(model_args, model_name_or_path: str = None):
@@ -16,11 +17,11 @@ def default_tokenizer_provider(model_args, model_name_or_path: str = None):
 
 def default_actor_model_provider(tokenizer, model_args, is_trainable: bool = False, **kwargs):
     path = download_model(model_args.model_name_or_path)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **model_args.model_config_kwargs)
+    return AutoModelForCausalLM.from_pretrained(path, **{dtype_argument(): torch.float32}, **model_args.model_config_kwargs)
 
 
 def default_value_model_provider(tokenizer, model_args, is_trainable: bool = False, **kwargs):
     """ROLL's value model: AutoModelForTokenClassification with num_labels (1)."""
     path = download_model(model_args.model_name_or_path)
     return AutoModelForTokenClassification.from_pretrained(path, num_labels=model_args.num_labels,
-                                                           dtype=torch.float32, **model_args.model_config_kwargs)
+                                                           **{dtype_argument(): torch.float32}, **model_args.model_config_kwargs)
