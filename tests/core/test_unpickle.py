@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
 from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 
 from roll_ckpt.errors import UnsafeCheckpointError
-from roll_ckpt.format.unpickle import safe_load_metadata
+from roll_ckpt.format.unpickle import _MetadataUnpickler, safe_load_metadata
 
 SYSTEM_311 = "/usr/bin/python3.11"
 
@@ -132,3 +132,17 @@ def test_the_311_2_form_is_what_that_python_writes() -> None:
     assert [(n, a) for n, a in theirs if a != "__main__"] == \
            [(n, a) for n, a in ours if a != "torch.distributed.checkpoint.planner"]
     assert ("SHORT_BINUNICODE", "getattr") in theirs
+
+
+def test_python_3_13s_module_for_paths_is_admitted_on_every_python() -> None:
+    """Python 3.13 pickles a PosixPath as ``pathlib._local.PosixPath`` (DCP's FileSystemWriter
+    records the checkpoint folder as one): read as ``pathlib.PosixPath`` everywhere."""
+    import pathlib
+
+    data = pickle.dumps(pathlib.PurePosixPath("/x"), protocol=2)
+    data = data.replace(b"cpathlib\nPurePosixPath", b"cpathlib._local\nPurePosixPath")
+    assert b"pathlib._local" in data
+    obj = _MetadataUnpickler(io.BytesIO(data)).load()
+    assert obj == pathlib.PurePosixPath("/x")
+    with pytest.raises(pickle.UnpicklingError):  # the module's other names stay refused
+        _MetadataUnpickler(io.BytesIO(b"cpathlib._local\nPath\n.")).load()

@@ -58,6 +58,12 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module in ("builtins", "__builtin__") and name == "getattr":
             return _enum_member
+        if module == "pathlib._local" and name in ("PosixPath", "PurePosixPath"):
+            # Python 3.13 moved pathlib's classes there; what DCP's FileSystemWriter records as the
+            # checkpoint_id then names them so. Read as pathlib's own on every Python.
+            import pathlib
+
+            return getattr(pathlib, name)
         if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout)):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not a DCP metadata class")
