@@ -261,7 +261,11 @@ class FSDP2InferStrategy(FSDP2StrategyBase):
         # broadcasts before sharding (every rank built the same model from the same folder).
         for tensor in torch.nn.Module.state_dict(model).values():
             dist.broadcast(tensor, src=0)
-        kwargs = {"mesh": self.fsdp_config["mesh"]}
+        # Not in ROLL (which runs on GPUs): what FSDP2 needs to train on the CPU with this torch
+        # (torch 2.6's CPU stream lacks no-op events; roll-ckpt's torch seam supplies them).
+        from roll_ckpt.runtime.torch_compat import fsdp2_options
+
+        kwargs = {"mesh": self.fsdp_config["mesh"], **fsdp2_options("cpu")}
         if self.fsdp_config["reshard_after_forward"] is not None:
             kwargs["reshard_after_forward"] = self.fsdp_config["reshard_after_forward"]
         if self.fsdp_config["offload_policy"] is not None:
