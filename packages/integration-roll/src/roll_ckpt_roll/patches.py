@@ -146,8 +146,7 @@ class WorkerPart:
         self.manager = CheckpointManager(config_for(worker.pipeline_config, [self.component, PIPELINE],
                                                     hf_step_root=self.at_root), component=self.component,
                                          quiet=worker.rank != 0)
-        strategy_config = getattr(getattr(worker.worker_config, "strategy_args", None), "strategy_config", None) or {}
-        self.uses_store = "offload_backend" in strategy_config
+        self.uses_store = _wants_store(strategy)
         """roll-ckpt's offload store holds the state between ROLL's offload_states and load_states."""
         self.files_handed = False
         self.offloaded = False
@@ -184,6 +183,17 @@ class WorkerPart:
             log.error("roll-ckpt: %s's last save failed: %s", self.component, exc)
 
 
+def _trains(strategy: Any) -> bool:
+    """A training worker's strategy (it has an optimizer); inference workers keep ROLL's own paths."""
+    return getattr(strategy, "model", None) is not None and getattr(strategy, "optimizer", None) is not None
+
+
+def _wants_store(strategy: Any) -> bool:
+    """A training worker whose ``strategy_config`` sets roll-ckpt's ``offload_backend``."""
+    config = getattr(getattr(strategy.worker_config, "strategy_args", None), "strategy_config", None) or {}
+    return "offload_backend" in config and _trains(strategy)
+
+
 def _part(strategy: Any) -> WorkerPart:
     part = strategy.__dict__.get("_roll_ckpt")
     if part is None:
@@ -216,7 +226,9 @@ def _covers_all(include: Any) -> bool:
 
 def offload_states(self: Any, include: Any = None, non_blocking: bool = False) -> Any:
     part = self.__dict__.get("_roll_ckpt")
-    if getattr(self, "model", None) is not None and part is None and getattr(self.worker, "pipeline_config", None):
+    if part is None and _trains(self) and getattr(self.worker, "pipeline_config", None):
+        # Made here, at the end of ROLL's initialize, so the worker's preemption handler is
+        # installed before its first step; an inference worker keeps ROLL's own offload.
         part = _part(self)
     if part is not None and part.uses_store and _covers_all(include):
         part.manager.bind(part.state())
