@@ -15,7 +15,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PYPROJECTS = [REPO / "pyproject.toml", *sorted(REPO.glob("packages/*/pyproject.toml"))]
-DISTRIBUTIONS = {"roll-ckpt", "roll-ckpt-core", "roll-ckpt-fs", "roll-ckpt-fsdp2", "roll-ckpt-demo", "roll-ckpt-roll"}
+DISTRIBUTIONS = {"roll-ckpt", "roll-ckpt-core", "roll-ckpt-fs", "roll-ckpt-fsdp2", "roll-ckpt-demo", "roll-ckpt-roll",
+                 "roll-ckpt-torchtitan"}
 
 
 def _current_version() -> str:
