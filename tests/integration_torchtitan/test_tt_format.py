@@ -216,3 +216,21 @@ def test_the_config_comes_from_torchtitan_s_fields(tmp_path: Path) -> None:
     extra.write_text("save_steps: 3\n")
     with pytest.raises(ConfigError, match="save_steps.*only checkpoint_config and strategy_config are read"):
         roll_config("x", interval=1, keep_latest_k=0, async_mode="disabled", roll_config_file=str(extra))
+
+
+def test_export_writes_torchtitan_s_layout(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A checkpoint of the state roll-ckpt-torchtitan builds, exported: torchtitan's keys, read back whole."""
+    cfg = config(tmp_path / "ckpt", name_format="step-{step}", timestamp_subdir=False)
+    with CheckpointManager(cfg, quiet=True) as m:
+        path = m.save(4, roll_state(_states(scale=4.0, step=4, position=7)))
+    out = tmp_path / "tt" / "step-4"
+    assert cli_main(["export", path, "--format", "torchtitan", "--out", str(out)]) == 0
+    assert "exported step 4 in torchtitan's layout" in capsys.readouterr().out
+    found = recognize(LocalStorage(str(tmp_path)), str(out))
+    assert found is not None and found.kind == "full" and found.problems == []
+    assert {"tok_embeddings.weight", "optimizer.state.tok_embeddings.weight.exp_avg", "lr_scheduler.last_epoch",
+            "train_state.step", "dataloader.dp_rank_0", "dataloader.world_size"} <= set(found.keys)
+    state = _resume_state()
+    found.resume(state, None, None)
+    assert torch.equal(state["model"].obj.sd["tok_embeddings.weight"], torch.arange(12.0).reshape(4, 3) * 4)
+    assert state["train_state"].obj.sd == {"step": 4, "ntokens_seen": 1024} and state["dataloader"].loader.position == 7

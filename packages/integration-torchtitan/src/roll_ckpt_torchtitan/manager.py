@@ -193,7 +193,7 @@ class RollCkptCheckpointManager(BaseCheckpointManager):
             path = self.manager.save(curr_step, state)
         if path is None:
             return False
-        if self.manager.save_in_flight:
+        if self.config.async_mode != "disabled":  # as torchtitan's: set by every asynchronous save
             self.save_future = _SaveInFlight(self.manager)
         log.info("roll-ckpt: %s step %d in %.2f s", "staged" if self.save_future is not None else "saved", curr_step,
                  time.monotonic() - begin)
