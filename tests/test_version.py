@@ -1,6 +1,6 @@
 """One place for the version: ``[tool.bumpversion] current_version`` in the root pyproject.toml.
 
-The six distributions are released in lockstep (a plugin is built against one core), so each
+The seven distributions are released in lockstep (a plugin is built against one core), so each
 one's version and every pin between them must be that version; ``bump-my-version`` writes them
 all, and this test fails on a hand edit that missed one. ``__version__`` is the installed
 metadata's, never a literal of its own.
