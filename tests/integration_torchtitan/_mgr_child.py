@@ -95,7 +95,8 @@ def main(spec: dict) -> None:
         loader = ParallelAwareDataloader(Samples(rank), dp_rank=rank, dp_world_size=world, batch_size=4)
         train_state = TrainState()
         cls = RollCkptCheckpointManager if spec.get("manager", "roll") == "roll" else CheckpointManager
-        config = cls.Config(enable=True, keep_latest_k=0, last_save_model_only=False, **spec.get("config", {}))
+        config = cls.Config(**{"enable": True, "keep_latest_k": 0, "last_save_model_only": False,
+                               **spec.get("config", {})})
         ckpt = config.build(dataloader=loader, model_parts=[model], optimizers=optimizers, lr_schedulers=lr_schedulers,
                             states={"train_state": train_state}, sd_adapter=None, base_folder=spec["out"])
         result["loaded"] = ckpt.load(step=spec.get("load_step", -1))
