@@ -173,7 +173,7 @@ def worker(spec: dict[str, Any], out: str) -> None:
     for ckpt in managers.values():
         ckpt.maybe_wait_for_saving()
         ckpt.close()
-    state_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) * 3
+    state_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters()) * 3  # this rank's
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, {"samples": samples, "per_step": per_step})
     if rank == 0:

@@ -32,8 +32,12 @@ field, plus ``roll_config``; each torchtitan field keeps its meaning:
     ``exclude_from_loading`` leaves those states as they are. Sets ``train_state`` so the
     Trainer continues at the next step.
 ``maybe_wait_for_staging()``
-    returns at once: roll-ckpt has staged the state before ``save`` returned, so the
-    optimizer may change the parameters.
+    an asynchronous save copies the state in a thread of its own while the next step runs
+    its forward and backward passes (neither changes the parameters nor the optimizer's
+    state); the Trainer calls this just before ``optimizers.step()``, which waits for that
+    copy. (Every state dict is taken in ``save`` itself: the dataloader and the train state
+    move on at the next step.) With the fast recovery tier (``checkpoint_config.local``) the
+    state is staged in ``save``, before it returns.
 ``maybe_wait_for_saving()``
     waits for the asynchronous save in flight (``save_future``) and raises its error.
 ``close()``
@@ -47,8 +51,10 @@ newest committed checkpoint nor one being written, and never another framework's
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -60,10 +66,11 @@ from torchtitan.config.override import derive, override
 from torchtitan.tools import filesystem
 
 from roll_ckpt import CheckpointManager as RollCkptManager
+from roll_ckpt import GlobalState
 from roll_ckpt.plugin import CheckpointNotFoundError, ConfigError, RollCkptError
 
 from .settings import roll_config
-from .state_map import roll_state
+from .state_map import DataloaderState, roll_state
 from .tt_format import TORCHTITAN_VERSION
 
 __all__ = ["RollCkptCheckpointManager", "use_roll_ckpt"]
@@ -71,18 +78,66 @@ __all__ = ["RollCkptCheckpointManager", "use_roll_ckpt"]
 log = logging.getLogger("roll_ckpt")
 
 
-class _SaveInFlight:
-    """``save_future`` while roll-ckpt's asynchronous save writes (torchtitan's manager keeps
-    DCP's future there): ``result()`` waits for it and raises its error."""
+class _Staging(threading.Thread):
+    """An asynchronous save's staging, overlapping the next step's forward and backward: the
+    copies of the model's and optimizer's tensors are taken before ``maybe_wait_for_staging``
+    returns, which the Trainer calls just before ``optimizers.step()`` changes them."""
 
-    def __init__(self, manager: RollCkptManager) -> None:
-        self._manager = manager
+    def __init__(self, save: Any) -> None:
+        super().__init__(name="roll-ckpt-torchtitan-staging", daemon=True)
+        self._save = save
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            with torch.no_grad():
+                self._save()
+        except BaseException as exc:  # handed to the training thread by wait()
+            self.error = exc
+
+    def wait(self) -> None:
+        self.join()
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+
+class _SaveInFlight:
+    """``save_future`` while roll-ckpt's asynchronous save stages and writes (torchtitan's
+    manager keeps DCP's future there): ``result()`` waits for it and raises its error."""
+
+    def __init__(self, manager: RollCkptManager, staging: _Staging | None = None) -> None:
+        self._manager, self._staging = manager, staging
 
     def done(self) -> bool:
-        return not self._manager.save_in_flight
+        return (self._staging is None or not self._staging.is_alive()) and not self._manager.save_in_flight
 
     def result(self, timeout: float | None = None) -> None:
+        if self._staging is not None:
+            self._staging.wait()
         self._manager.wait()
+
+
+class _Frozen:
+    """A state dict taken at ``save()``: its tensors are the live ones (copied by the staging
+    before the optimizer changes them), every other value as it was then."""
+
+    def __init__(self, sd: Any) -> None:
+        self.sd = _copy_structure(sd)
+
+    def state_dict(self) -> Any:
+        return self.sd
+
+    def load_state_dict(self, sd: Any) -> None:
+        raise RollCkptError("a state taken for a save is not loaded into")
+
+
+def _copy_structure(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _copy_structure(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy_structure(v) for v in value]
+    return value
 
 
 def _check_torchtitan() -> None:
@@ -132,9 +187,20 @@ class RollCkptCheckpointManager(BaseCheckpointManager):
             raise ValueError("checkpoint.last_save_in_hf is True, but sd_adapter is not provided.")
         self.export_dtype = TORCH_DTYPE_MAP[config.export_dtype]
         self._closed = False
+        self._staging: _Staging | None = None
         self.manager = RollCkptManager(roll_config(self.folder, interval=config.interval,
                                                    keep_latest_k=config.keep_latest_k, async_mode=config.async_mode,
                                                    roll_config_file=config.roll_config), quiet=True)
+        self._cc = cc = self.manager.config.checkpoint_config
+        self._overlap = config.async_mode != "disabled" and cc.local is None
+        """Asynchronous saves stage while the next step computes (not with the fast recovery tier,
+        whose local saves go with the persistent ones in the training thread)."""
+        self._preemption = bool(cc.preemption.signals)
+        self._agreeing: Any = None
+        self._agree_group: Any = None
+        dist = torch.distributed
+        if self._preemption and dist.is_initialized() and dist.get_world_size() > 1:
+            self._agree_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cc.collective_timeout_s))
         log.info("roll-ckpt: torchtitan's checkpoints are saved and resumed by roll-ckpt in %s (interval %d, %s, "
                  "keep_latest_k %d)", self.folder, self.interval,
                  "synchronous" if config.async_mode == "disabled" else "asynchronous", config.keep_latest_k)
@@ -144,6 +210,17 @@ class RollCkptCheckpointManager(BaseCheckpointManager):
     def _state(self, *, loading: bool = False, model_only: bool = False) -> dict[str, Any]:
         exclude = tuple(self.config.exclude_from_loading) if loading else ()
         return roll_state(self.states, exclude, model_only)
+
+    def _frozen_state(self) -> dict[str, Any]:
+        """The state of this step for a save that stages in another thread: every state dict
+        taken now, in this thread (the dataloader and the train state move on at the next
+        step; torch's state-dict helpers may run collectives on the training's group)."""
+        out: dict[str, Any] = {}
+        for key, value in self.states.items():
+            if value is not None:
+                frozen = _Frozen(value.state_dict())
+                out[key] = DataloaderState(frozen) if key == DATALOADER else GlobalState(frozen)
+        return out
 
     def _step_path(self, step: int) -> str:
         return filesystem.join(self.folder, f"step-{step}")
@@ -170,6 +247,7 @@ class RollCkptCheckpointManager(BaseCheckpointManager):
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
         if self._closed or self.config.load_only:
             return False
+        self._join_staging()  # a loop that did not call maybe_wait_for_staging
         begin = time.monotonic()
         self.save_future = None
         if last_step:
@@ -182,13 +260,27 @@ class RollCkptCheckpointManager(BaseCheckpointManager):
             return True
         first = curr_step == 1 and self.config.enable_first_step_checkpoint
         due = curr_step % self.interval == 0
+        state = self._state()
+        self.manager.bind(state)  # (the first bind makes process groups: a collective, in this thread)
+        if self._preemption_agreed(curr_step):  # a rank got a signal: every rank saves this step durably
+            self._clear(curr_step)
+            self.manager.maybe_save(curr_step, state)  # raises Preempted (preemption.exit) once committed
+            self._closed = self.manager.preempted
+            return True
+        local = self._cc.local
+        if not (due or first or (local is not None and curr_step % local.save_steps == 0)):
+            return False
         if due or first:
             self._clear(curr_step)
-        state = self._state()
-        path = self.manager.maybe_save(curr_step, state)  # every interval; a preemption signal; the fast tier
-        if self.manager.preempted:  # preemption.exit: false -- the step is committed, the manager closed
-            self._closed = True
+        if (due or first) and self._overlap:
+            frozen = self._frozen_state()
+            self._staging = _Staging(lambda: self.manager.save(curr_step, frozen))
+            self._staging.start()
+            self.save_future = _SaveInFlight(self.manager, self._staging)
+            log.info("roll-ckpt: staging step %d while the next step computes (%.3f s here)", curr_step,
+                     time.monotonic() - begin)
             return True
+        path = self.manager.maybe_save(curr_step, state)  # every interval; the fast tier's saves
         if path is None and first and not due:
             path = self.manager.save(curr_step, state)
         if path is None:
@@ -198,6 +290,31 @@ class RollCkptCheckpointManager(BaseCheckpointManager):
         log.info("roll-ckpt: %s step %d in %.2f s", "staged" if self.save_future is not None else "saved", curr_step,
                  time.monotonic() - begin)
         return True
+
+    def _preemption_agreed(self, step: int) -> bool:
+        """Whether a rank got a preemption signal, agreed by every rank without waiting for the
+        slowest: each step starts a small all-reduce of the ranks' flags on a gloo group of its
+        own and reads the one the step before started (done long since: the ranks met in the
+        training's collectives meanwhile). A signal is acted on at the step after the one it
+        came in, on every rank at the same step."""
+        if not self._preemption:
+            return False
+        if self._agree_group is None:  # one process
+            return self.manager.preemption_requested
+        seen = False
+        if self._agreeing is not None:
+            work, flag = self._agreeing
+            work.wait()
+            seen = bool(flag.item())
+        flag = torch.tensor([1 if self.manager.preemption_requested else 0], dtype=torch.int32)
+        dist = torch.distributed
+        self._agreeing = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._agree_group, async_op=True), flag)
+        return seen
+
+    def _join_staging(self) -> None:
+        staging, self._staging = self._staging, None
+        if staging is not None:
+            staging.wait()
 
     def _save_model_only(self, step: int) -> None:
         """The model alone in ``export_dtype``, as torchtitan writes a last step with
@@ -290,7 +407,9 @@ class RollCkptCheckpointManager(BaseCheckpointManager):
     # ------------------------------------------------------------------ waiting and closing
 
     def _maybe_wait_for_staging(self) -> None:
-        """Nothing to wait for: roll-ckpt staged the state before ``save`` returned."""
+        """Wait until the asynchronous save's staging has copied the state (the optimizer may
+        change it then); raises its error."""
+        self._join_staging()
 
     def _wait_for_saving(self) -> None:
         future, self.save_future = self.save_future, None
@@ -301,9 +420,15 @@ class RollCkptCheckpointManager(BaseCheckpointManager):
         manager = getattr(self, "manager", None)  # None: closed already (close() may come twice)
         self._closed = True
         self.save_future = None
-        self.manager = None
-        if manager is not None:
-            manager.close()
+        agreeing, self._agreeing = getattr(self, "_agreeing", None), None
+        try:
+            self._join_staging()
+            if agreeing is not None:
+                agreeing[0].wait()  # the last step's preemption check: every rank started it
+        finally:
+            self.manager = None
+            if manager is not None:
+                manager.close()
 
 
 def use_roll_ckpt(cfg: CheckpointManager.Config, roll_config: str = "") -> RollCkptCheckpointManager.Config:
