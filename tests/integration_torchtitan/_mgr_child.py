@@ -8,14 +8,17 @@ no CPU shim is needed. It loads, trains and saves as the Trainer does, and repor
 
 SPEC: ``out`` (the dump folder), ``manager`` (``roll``: RollCkptCheckpointManager; ``torchtitan``:
 torchtitan's CheckpointManager), ``config`` (the manager's Config fields), ``load_step``,
-``to`` (train until this step), ``last`` (the save of ``to`` is the last step's), ``result``
-(a JSON file per rank: ``<result>.rank<r>.json``).
+``to`` (train until this step), ``last`` (the save of ``to`` is the last step's), ``sigterm_at`` and
+``sigterm_rank`` (that rank sends itself SIGTERM at that step), ``result`` (a JSON file per rank:
+``<result>.rank<r>.json``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import signal
 import sys
 import traceback
 from dataclasses import dataclass
@@ -32,6 +35,7 @@ from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, default_adamw
 
 from helpers.launch import exit_worker
+from roll_ckpt import Preempted
 from roll_ckpt_torchtitan import RollCkptCheckpointManager
 
 
@@ -82,6 +86,7 @@ def main(spec: dict) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     result: dict = {"rank": rank}
+    losses: dict = {}
     try:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
@@ -105,7 +110,7 @@ def main(spec: dict) -> None:
         result["optimizer"] = digest(optimizers.state_dict())
         result["last_epoch"] = lr_schedulers.state_dict()["last_epoch"]
         it = iter(loader)
-        losses, futures = {}, []
+        futures = []
         while train_state.step < spec["to"]:
             train_state.step += 1
             x, y = next(it)
@@ -121,6 +126,8 @@ def main(spec: dict) -> None:
             dist.all_reduce(t)
             losses[train_state.step] = t.item()
             last = spec.get("last", False) and train_state.step == spec["to"]
+            if train_state.step == spec.get("sigterm_at") and rank == spec.get("sigterm_rank", rank):
+                os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler's preemption notice (held by roll-ckpt)
             saved = ckpt.save(train_state.step, last_step=last)
             futures.append([train_state.step, saved, getattr(ckpt, "save_future", None) is not None])
             if train_state.step == spec.get("digest_at"):
@@ -133,12 +140,15 @@ def main(spec: dict) -> None:
         result["model_end"] = digest(ckpt.states["model"].state_dict())
         ckpt.close()
         ckpt.close()  # twice, as torchtitan's CheckpointManager.__del__ does
+    except Preempted as exc:  # the preemption checkpoint is committed: the process ends (status 0)
+        result["preempted"] = {"step": exc.step, "path": exc.path, "exit_code": exc.exit_code}
+        result["losses"] = losses
     except BaseException as exc:  # reported, then the launch fails
         result["error"] = f"{type(exc).__name__}: {exc}"
         result["traceback"] = traceback.format_exc()
     with open(f"{spec['result']}.rank{rank}.json", "w") as f:
         json.dump(result, f)
-    if "error" not in result:
+    if "error" not in result and "preempted" not in result:
         dist.barrier()
     exit_worker(1 if "error" in result else 0)
 

@@ -121,3 +121,16 @@ def test_another_world_size_reshards_the_model_but_not_torchtitan_s_dataloader(t
         refused.get("error", ""), refused
     (alone,) = run(tmp_path, "alone", nproc=1, config={"interval": 2, "exclude_from_loading": ["dataloader"]}, to=3)
     assert alone["start"] == 2 and alone["position"] == 0
+
+
+def test_a_preemption_signal_saves_the_next_step_on_every_rank_and_ends_the_job(tmp_path: Path) -> None:
+    """SIGTERM to rank 1 alone at step 3 (interval 10): every rank saves step 4 durably (the ranks
+    agree at the step after the signal, without waiting on each other every step), the job ends
+    with ``Preempted``; the next launch resumes step 4."""
+    cfg = {"interval": 10, "async_mode": "async"}
+    stopped = run(tmp_path, "stopped", config=cfg, to=9, sigterm_at=3, sigterm_rank=1)
+    assert [r.get("preempted", {}).get("step") for r in stopped] == [4, 4], stopped
+    assert all(r["preempted"]["exit_code"] == 0 for r in stopped) and sorted(stopped[0]["losses"]) == ["1", "2", "3", "4"]
+    assert _steps(tmp_path / "job" / "checkpoint") == {4: "roll-ckpt"}
+    resumed = run(tmp_path, "resumed", config=cfg, to=5)
+    assert [r["start"] for r in resumed] == [4, 4]
