@@ -109,6 +109,7 @@ def main(spec: dict) -> None:
         result["model"] = digest(ckpt.states["model"].state_dict())
         result["optimizer"] = digest(optimizers.state_dict())
         result["last_epoch"] = lr_schedulers.state_dict()["last_epoch"]
+        result["rng"] = digest({"rng": torch.get_rng_state()})
         it = iter(loader)
         futures = []
         while train_state.step < spec["to"]:
@@ -132,7 +133,9 @@ def main(spec: dict) -> None:
             futures.append([train_state.step, saved, getattr(ckpt, "save_future", None) is not None])
             if train_state.step == spec.get("digest_at"):
                 result["digest_at"] = {"model": digest(ckpt.states["model"].state_dict()),
-                                       "optimizer": digest(optimizers.state_dict())}
+                                       "optimizer": digest(optimizers.state_dict()),
+                                       "rng": digest({"rng": torch.get_rng_state()})}
+            torch.rand(4096)  # the next step draws from the RNG (dropout) while an async save stages
         result["losses"] = losses
         result["saves"] = futures
         ckpt.maybe_wait_for_saving()

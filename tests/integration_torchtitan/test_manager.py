@@ -65,6 +65,7 @@ def test_saves_resume_and_keep_latest_k(tmp_path: Path) -> None:
     assert [r["start"] for r in third] == [6, 6]
     assert third[0]["model"] == second[0]["digest_at"]["model"]
     assert third[0]["optimizer"] == second[0]["digest_at"]["optimizer"]
+    assert third[0]["rng"] == second[0]["digest_at"]["rng"], "the RNG as it was at save(), not as staging found it"
     assert third[0]["last_epoch"] == 6 and third[0]["position"] == 6 * 4, third[0]
 
 

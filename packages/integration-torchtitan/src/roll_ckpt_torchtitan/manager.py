@@ -118,14 +118,34 @@ class _SaveInFlight:
         self._manager.wait()
 
 
+class _Taken:
+    """Set once roll-ckpt took every value of a save's state (and the processes' RNG, which
+    it takes with them): ``save()`` returns then, before the next step draws from the RNG."""
+
+    def __init__(self, n: int) -> None:
+        self.left, self.done, self._lock = n, threading.Event(), threading.Lock()
+
+    def one(self) -> None:
+        with self._lock:
+            self.left -= 1
+            if self.left <= 0:
+                self.done.set()
+
+    def wait(self, staging: threading.Thread) -> None:
+        while not self.done.wait(0.002) and staging.is_alive():
+            pass
+
+
 class _Frozen:
     """A state dict taken at ``save()``: its tensors are the live ones (copied by the staging
     before the optimizer changes them), every other value as it was then."""
 
-    def __init__(self, sd: Any) -> None:
+    def __init__(self, sd: Any, taken: _Taken) -> None:
         self.sd = _copy_structure(sd)
+        self.taken = taken
 
     def state_dict(self) -> Any:
+        self.taken.one()
         return self.sd
 
     def load_state_dict(self, sd: Any) -> None:
@@ -211,16 +231,17 @@ class RollCkptCheckpointManager(BaseCheckpointManager):
         exclude = tuple(self.config.exclude_from_loading) if loading else ()
         return roll_state(self.states, exclude, model_only)
 
-    def _frozen_state(self) -> dict[str, Any]:
+    def _frozen_state(self) -> tuple[dict[str, Any], _Taken]:
         """The state of this step for a save that stages in another thread: every state dict
         taken now, in this thread (the dataloader and the train state move on at the next
         step; torch's state-dict helpers may run collectives on the training's group)."""
+        live = {key: value for key, value in self.states.items() if value is not None}
+        taken = _Taken(len(live))
         out: dict[str, Any] = {}
-        for key, value in self.states.items():
-            if value is not None:
-                frozen = _Frozen(value.state_dict())
-                out[key] = DataloaderState(frozen) if key == DATALOADER else GlobalState(frozen)
-        return out
+        for key, value in live.items():
+            frozen = _Frozen(value.state_dict(), taken)
+            out[key] = DataloaderState(frozen) if key == DATALOADER else GlobalState(frozen)
+        return out, taken
 
     def _step_path(self, step: int) -> str:
         return filesystem.join(self.folder, f"step-{step}")
@@ -273,9 +294,10 @@ class RollCkptCheckpointManager(BaseCheckpointManager):
         if due or first:
             self._clear(curr_step)
         if (due or first) and self._overlap:
-            frozen = self._frozen_state()
+            frozen, taken = self._frozen_state()
             self._staging = _Staging(lambda: self.manager.save(curr_step, frozen))
             self._staging.start()
+            taken.wait(self._staging)  # (and the save in flight before it is written: torchtitan's waits too)
             self.save_future = _SaveInFlight(self.manager, self._staging)
             log.info("roll-ckpt: staging step %d while the next step computes (%.3f s here)", curr_step,
                      time.monotonic() - begin)
