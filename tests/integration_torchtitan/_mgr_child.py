@@ -141,6 +141,7 @@ def main(spec: dict) -> None:
         ckpt.maybe_wait_for_saving()
         result["future_after_wait"] = getattr(ckpt, "save_future", None) is not None
         result["model_end"] = digest(ckpt.states["model"].state_dict())
+        result["optimizer_end"] = digest(optimizers.state_dict())
         ckpt.close()
         ckpt.close()  # twice, as torchtitan's CheckpointManager.__del__ does
     except Preempted as exc:  # the preemption checkpoint is committed: the process ends (status 0)

@@ -10,16 +10,24 @@ from pathlib import Path
 
 import pytest
 
-from helpers.launch import REPO, run_python
+import subprocess
+import sys
+
+from helpers.launch import REPO, child_env, kill_group
 from integration_torchtitan._tt import needs_torchtitan
 
 pytestmark = [needs_torchtitan, pytest.mark.timeout(300)]
 
 
 def test_the_torchtitan_group_measures_both_managers(tmp_path: Path) -> None:
-    proc = run_python(["-m", "bench.torchtitan", "--smoke", "--out", str(tmp_path)], timeout=280, cwd=REPO,
-                      env={"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]), "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    env = child_env(PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "bench.torchtitan", "--smoke", "--out", str(tmp_path)], cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=270)
+    finally:
+        kill_group(proc)  # the bench's torchrun and its workers too
+    assert proc.returncode == 0, out[-3000:] + err[-5000:]
     res = json.loads((tmp_path / "torchtitan.json").read_text())
     assert set(res["cases"]) == {"tt_async", "rc_async", "tt_sync", "rc_sync"}
     for name, case in res["cases"].items():

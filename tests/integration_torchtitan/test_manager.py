@@ -135,3 +135,18 @@ def test_a_preemption_signal_saves_the_next_step_on_every_rank_and_ends_the_job(
     assert _steps(tmp_path / "job" / "checkpoint") == {4: "roll-ckpt"}
     resumed = run(tmp_path, "resumed", config=cfg, to=5)
     assert [r["start"] for r in resumed] == [4, 4]
+
+
+def test_export_is_read_by_torchtitan_s_own_manager(tmp_path: Path) -> None:
+    """``roll-ckpt export --format torchtitan`` of a step roll-ckpt saved: torchtitan's own
+    CheckpointManager resumes it (model, optimizer, LR scheduler, dataloader, train state)."""
+    from roll_ckpt.cli import main as cli
+
+    saved = run(tmp_path, "saved", config={"interval": 2}, to=4)
+    out = tmp_path / "theirs" / "job" / "checkpoint" / "step-4"
+    assert cli(["export", str(tmp_path / "job" / "checkpoint" / "step-4"), "--format", "torchtitan",
+                "--out", str(out)]) == 0
+    loaded = run(tmp_path / "theirs", "loaded", manager="torchtitan", config={"interval": 2}, to=5)
+    for mine, theirs in zip(saved, loaded):
+        assert theirs["start"] == 4 and theirs["last_epoch"] == 4 and theirs["position"] == 16, theirs
+        assert theirs["model"] == mine["model_end"] and theirs["optimizer"] == mine["optimizer_end"]
