@@ -12,10 +12,10 @@ PYTEST_ARGS ?=
 # The test-fixture backend (tests/plugins/example_backend) is not one of them: the tests that
 # need it install it for their run only (the example_backend fixture, tests/conftest.py).
 PACKAGES := -e packages/core -e packages/backend-fs -e packages/strategy-fsdp2 -e packages/demo \
-            -e packages/integration-roll -e ".[all,dev]"
+            -e packages/integration-roll -e packages/integration-torchtitan -e ".[all,dev]"
 SOURCES := pyproject.toml packages/*/pyproject.toml matrix/legs.py
 
-.PHONY: venv demo test test-leg leg-venv test-matrix test-reliability bench bench-check bench-leg docs wheels clean
+.PHONY: venv demo test test-leg leg-venv test-matrix test-reliability bench bench-check bench-leg bench-torchtitan docs wheels clean
 
 venv: $(STAMP)
 
@@ -84,15 +84,22 @@ bench-leg:
 	test -x .matrix/$(LEG)/bin/python || $(PYTHON) -m matrix build $(LEG)
 	.matrix/$(LEG)/bin/python -m bench $(BENCH_ARGS) --out bench/results/$(LEG)
 
+# The group torchtitan of the benchmark (T18): torchtitan's own checkpoint manager with its
+# default async_mode: async against roll-ckpt's, on the same model and 2 ranks, in the torchtitan
+# leg's venv (built first if missing); into bench/results/torchtitan.{json,md}.
+bench-torchtitan:
+	test -x .matrix/torchtitan/bin/python || $(PYTHON) -m matrix build torchtitan
+	.matrix/torchtitan/bin/python -m bench.torchtitan --out bench/results
+
 # The documentation site (mkdocs.yml, docs/) into site/, warnings as errors. Its configuration,
 # command-line and API references are generated from the code at build time (docs/_hooks/).
 docs: venv
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
-# Pure-Python wheels of the five distributions and of the two the core needs that a GPU
+# Pure-Python wheels of the seven distributions and of the two the core needs that a GPU
 # machine's Python may lack (omegaconf and its parser), carried there by scripts/gpu_check.sh.
 wheels: venv
-	rm -rf dist && $(PIP) wheel -q --no-deps -w dist . packages/core packages/backend-fs packages/strategy-fsdp2 packages/demo packages/integration-roll
+	rm -rf dist && $(PIP) wheel -q --no-deps -w dist . packages/core packages/backend-fs packages/strategy-fsdp2 packages/demo packages/integration-roll packages/integration-torchtitan
 	$(PIP) wheel -q --no-deps -w dist "omegaconf==$$($(PY) -c 'import omegaconf; print(omegaconf.__version__)')" "antlr4-python3-runtime==4.9.3"
 
 clean:

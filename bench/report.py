@@ -84,6 +84,9 @@ def markdown(res: dict[str, Any]) -> str:
                 f"{m} {_f(v, '{:.0f}')}" for m, v in (t.get("us_per_tensor") or {}).items())
         if k == "T11":
             extra = f"; regular staging / DCP {_f(t.get('regular'))} (<= 1.0)"
+        if k == "T18":
+            extra = (f"; {_ms(t.get('ours_s'))} vs {_ms(t.get('torchtitan_s'))}; time to durable "
+                     f"{_f(t.get('durable_ratio'))}× torchtitan's (torchtitan.md)")
         if k == "T8":
             extra = "; blocked by budget: " + ", ".join(
                 f"{c.replace('rc_budget_', '')} {_ms(v)}" for c, v in (t.get("blocked_s") or {}).items())

@@ -8,7 +8,9 @@ case runs ``reps`` times on the same FSDP2 + AdamW state, in alternating order; 
 report shows medians. Two more groups run on 1 rank: ``loop`` (T6: the CPU seconds per GB
 of each async save alone, children included, and a CPU-bound training loop's time lost per
 async save, :mod:`bench.loop`) and ``many`` (T7: blocked time against the number of tensors,
-:mod:`bench.many`). The group ``scale`` runs :mod:`bench.scale` (T12-T14: DCP's and roll-ckpt's
+:mod:`bench.many`). The group ``torchtitan`` (not run by default: ``--groups torchtitan``) runs
+:mod:`bench.torchtitan` (T18: torchtitan's own checkpoint manager, ``async_mode: async``,
+against roll-ckpt's), writing DIR/torchtitan.{json,md}. The group ``scale`` runs :mod:`bench.scale` (T12-T14: DCP's and roll-ckpt's
 coordination simulated for N ranks, and real gloo jobs counting storage operations), which
 writes DIR/scale.{json,md,png}. Writes DIR/latest.json, DIR/latest.md, DIR/latest.png and
 DIR/tensors.png (default DIR: bench/results). Every run also times ``import roll_ckpt`` in fresh
@@ -514,6 +516,11 @@ def targets(rows: list[dict[str, Any]], limits: dict[str, Any], extra: dict[str,
         t = sc.get(k)
         out[k] = dict(t) if t else entry(None, limit, True, f"{what} (not run: the group scale)")
 
+    # T18: from bench.torchtitan (the group "torchtitan", opt-in: it needs torchtitan)
+    tt = (extra.get("torchtitan") or {}).get("target")
+    if tt:
+        out["T18"] = dict(tt)
+
     # import roll_ckpt in a fresh interpreter: its time, and neither numpy nor torch.distributed
     out["import"] = importcost.target(extra.get("import"))
     return out
@@ -537,7 +544,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--groups", default="small,target,many,loop,transformer,scale",
                    help="groups to run (small, target: state groups; many: T7's sweep; loop: T6's save CPU and "
                         "training loop; transformer: T10/T11, a Hugging Face Llama on FSDP2; scale: T12-T14, "
-                        "bench.scale's simulated ranks and real jobs)")
+                        "bench.scale's simulated ranks and real jobs; torchtitan, not run by default: T18, "
+                        "torchtitan's checkpoint manager against roll-ckpt's, bench.torchtitan, in an interpreter "
+                        "with torchtitan -- this one or the torchtitan leg's)")
     p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)
     args.out = os.path.abspath(args.out)  # the workers run from the repository root
@@ -630,6 +639,12 @@ def main(argv: list[str] | None = None) -> int:
         if "scale" in set(args.groups.split(",")):
             extra["scale"] = run_scale(mode, args.out, no_plot=args.no_plot)
             unavailable.update({f"scale:{m}": why for m, why in (extra["scale"].get("unavailable") or {}).items()})
+        if "torchtitan" in set(args.groups.split(",")):  # opt-in: it needs torchtitan (the torchtitan leg)
+            from . import torchtitan as tt_group
+
+            print("[bench] torchtitan: torchtitan's CheckpointManager against roll-ckpt's (bench.torchtitan)", flush=True)
+            extra["torchtitan"] = tt_group.run("smoke" if mode == "smoke" else "quick", args.out)
+            unavailable.update(extra["torchtitan"].get("unavailable") or {})
         for key, case in (("disk_write_gbps", "limit_write"), ("disk_write2_gbps", "limit_write2"),
                           ("disk_write_direct_gbps", "limit_write_direct"),
                           ("disk_read_gbps", "limit_read"), ("disk_read2_gbps", "limit_read2"),

@@ -2,7 +2,9 @@
 
 ROLL ships requirement sets for torch 2.6 (transformers 4.51), 2.8 (4.57) and 2.10
 (transformers 5.2), all with numpy < 2 on Python 3.10; verl pins torch 2.11. The default
-leg is ``make test``'s; the newest is the newest release of each that pip installs here.
+leg is ``make test``'s; the newest is the newest release of each that pip installs here. The
+torchtitan leg is the default's torch and Python with torchtitan 0.3.0 from PyPI beside it: the only
+leg where torchtitan is installed, so the only one that runs its integration's tests.
 """
 
 from __future__ import annotations
@@ -42,6 +44,10 @@ LEGS: tuple[Leg, ...] = (
         "Debian 12's system Python, 3.11.2 (images built on Debian 12)", interpreter="/usr/bin/python3.11"),
     Leg("newest", "3.13", ("torch==2.14.1", "transformers==5.25.0", "numpy==2.5.5", "ray==2.60.0"),
         "the newest of each that pip installs here"),
+    Leg("torchtitan", "3.11", ("torch==2.13.0", "torchtitan==0.3.0", "datasets==4.7.0", "transformers==5.2.0",
+                               "numpy==2.4.6", "ray==2.60.0"),
+        "torchtitan 0.3.0 from PyPI (datasets < 4.8 as it asks, hence huggingface_hub < 2 and transformers 5.2): "
+        "the suite, and torchtitan's own Trainer checkpointing through roll-ckpt (tests/integration_torchtitan)"),
 )
 
 DEFAULT = "default"

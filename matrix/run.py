@@ -28,7 +28,8 @@ __all__ = ["ROOT", "MATRIX", "venv_of", "find_python", "python_of", "build", "ru
 ROOT = Path(__file__).resolve().parent.parent
 MATRIX = ROOT / ".matrix"
 PROJECT = ("-e", "packages/core", "-e", "packages/backend-fs", "-e", "packages/strategy-fsdp2",
-           "-e", "packages/demo", "-e", "packages/integration-roll", "-e", ".[all,dev]")
+           "-e", "packages/demo", "-e", "packages/integration-roll", "-e", "packages/integration-torchtitan",
+           "-e", ".[all,dev]")
 _VERSIONS = ("import json, platform, torch, numpy, transformers, ray; print(json.dumps({"
              "'python': platform.python_version(), 'torch': torch.__version__, 'numpy': numpy.__version__, "
              "'transformers': transformers.__version__, 'ray': ray.__version__}))")

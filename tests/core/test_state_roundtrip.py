@@ -129,3 +129,24 @@ def test_bad_state_keys_and_orphan_optimizer(tmp_path: Path) -> None:
         opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
         with pytest.raises(RollCkptError, match="belong to no module"):
             m.save(1, {"model": model, "optimizer": opt})
+
+
+def test_a_state_dict_that_draws_from_the_rng_leaves_the_restored_rng_alone(tmp_path: Path) -> None:
+    """A stateful object whose ``state_dict()`` draws a random number (a ``StatefulDataLoader``
+    starts its iterator, drawing its base seed from torch's generator) is asked for its state
+    again after the resume restored the RNG (the layout of the next save is adopted then): the
+    RNG the resume hands back is the one saved."""
+
+    class Drawing(Stateful):
+        def state_dict(self):
+            torch.empty((), dtype=torch.int64).random_()
+            return {"position": 3}
+
+    state = {"model": torch.nn.Linear(2, 2), "loader": Drawing()}
+    with CheckpointManager.from_config(_cfg(tmp_path), quiet=True) as m:
+        saved = torch.get_rng_state().clone()  # what the save takes, before it asks the objects
+        path = m.save(1, state)
+    torch.rand(100)
+    with CheckpointManager.from_config(_cfg(tmp_path, resume_from_checkpoint=path), quiet=True) as m:
+        m.resume({"model": torch.nn.Linear(2, 2), "loader": Drawing()})
+    assert torch.equal(torch.get_rng_state(), saved)

@@ -112,3 +112,18 @@ def _output(procs: list[subprocess.Popen]) -> str:
             continue
         out.append(f"rank {rank} exited {p.returncode}:\n{(p.stdout.read() if p.stdout else '')[-3000:]}")
     return "\n".join(out)
+
+
+def test_a_peer_that_is_gone_is_not_called_a_timeout() -> None:
+    """gloo's "connection reset by peer" (the other process ended: killed, crashed) is said as
+    such, at once; a wait that ran out names the limit it ran out of."""
+    from roll_ckpt.errors import CollectiveTimeoutError
+    from roll_ckpt.runtime.timeouts import bounded
+
+    with pytest.raises(CollectiveTimeoutError, match=r"rank 0: save: writing of step 4 lost its connection to another "
+                                                     r"rank: that process ended \(killed, crashed\) or was cut off"):
+        with bounded(0, "save: writing", 4, 600.0):
+            raise RuntimeError("[pair.cc:537] Read error [127.0.0.1]:6796: Connection reset by peer.")
+    with pytest.raises(CollectiveTimeoutError, match=r"gave up waiting for the other ranks after 600 s"):
+        with bounded(0, "save: writing", 4, 600.0):
+            raise RuntimeError("[pair.cc:588] Timed out waiting 600000ms for recv operation to complete")

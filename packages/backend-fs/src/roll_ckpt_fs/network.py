@@ -136,6 +136,12 @@ def fault_kind(response: Any, exc: BaseException | None) -> str | None:
     return None
 
 
+def _unused(client: Any) -> bool:
+    """A botocore client whose HTTP session has opened no connection pool yet."""
+    sessions = getattr(getattr(getattr(client, "_endpoint", None), "http_session", None), "_sessions", None)
+    return isinstance(sessions, dict) and not sessions
+
+
 class FaultCounter:
     """The faults one storage met, counted thread-safely; also botocore's retry decision."""
 
@@ -163,7 +169,26 @@ class FaultCounter:
         (it would multiply the attempts), and on its client's events: the start of each
         call, the end of each attempt."""
         fs.retries = 1
-        events = fs.s3.meta.events
+        self._hook(fs.s3)
+        if getattr(fs.set_session, "__roll_ckpt__", False):
+            return
+        original = fs.set_session
+
+        async def set_session(refresh: bool = False, kwargs: Any = None) -> Any:
+            # s3fs up to 2026.2 (fsspec <= 2026.2: datasets < 4.8, hence torchtitan's stack) makes a
+            # new client in place of one that has sent nothing yet (its connection pool is empty):
+            # the first call would drop the client these events are on. 2026.9 keeps it; so does this.
+            if not refresh and fs._s3 is not None and _unused(fs._s3):
+                return fs._s3
+            client = await original(refresh=refresh, kwargs=kwargs or {})
+            self._hook(client)
+            return client
+
+        set_session.__roll_ckpt__ = True  # type: ignore[attr-defined]
+        fs.set_session = set_session
+
+    def _hook(self, client: Any) -> None:
+        events = client.meta.events  # (unique ids: a client is hooked once)
         events.register("before-call.s3", self._before_call, unique_id="roll-ckpt-before-call")
         events.register_first("needs-retry.s3", self.needs_retry, unique_id="roll-ckpt-needs-retry")
 

@@ -16,6 +16,7 @@ from .contracts import (BackendRecord, CommandRecord, CommitInfo, ConfigKeyRecor
                         FormatRecord, NetworkCounts, SaveContext, StagingPolicy, StagingPolicyRecord, Storage, Strategy,
                         StrategyRecord, TakesOver)
 from .format.driver_state import DriverState
+from .format.global_state import GlobalState
 from .hookspecs import hookimpl, hookspec
 from .format.layout import new_run_name
 from .runtime.preemption import Preempted
@@ -31,6 +32,7 @@ __all__ = [
     "NetworkCounts",
     "export_hf",
     "DriverState",
+    "GlobalState",
     "Preempted",
     "new_run_name",
     "load_config",

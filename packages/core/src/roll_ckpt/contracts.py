@@ -476,7 +476,12 @@ class ForeignCheckpoint(Protocol):
     step: int
     problems: list[str]
     """Why it cannot be resumed from, each naming its file (a save the framework never
-    finished); empty when it can."""
+    finished); empty when it can.
+
+    Optional member ``not_resumable`` (a string, read with ``getattr``): why a folder that *is*
+    whole is still not a resume point -- a model-only export a framework writes at the end of
+    a run (torchtitan's ``last_save_model_only``). ``latest`` passes over it naming the reason,
+    ``verify`` calls it whole, and an explicit resume of it is refused with that reason."""
 
     def components(self) -> list[str]:
         """The parts it holds, by roll-ckpt component name (``actor_train``, ``critic``, ``pipeline``)."""

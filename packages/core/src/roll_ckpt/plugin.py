@@ -16,6 +16,10 @@ should a third party's: every other module of ``roll_ckpt`` is private and may c
   of each optional member), :class:`SpaceEstimate`, and :class:`DCPStrategy`, the base class
   a strategy on DCP subclasses (imported on first use: it imports torch).
 * **Staging**: :class:`StagingPolicy`, :class:`SaveContext` and :class:`StagingGate`.
+* **State values**: :class:`GlobalState`, an object whose state dict is the job's (a
+  framework's wrapper of its sharded model parts or optimizers): saved as a module's is, as
+  global DCP entries under its key, resharded on resume, not per process (what an integration
+  hands the manager for such objects; also ``roll_ckpt.GlobalState``).
 * **Errors**: the whole hierarchy, from :class:`RollCkptError` down.
 * **torch across releases** (imported on first use): the accessors of
   ``roll_ckpt.runtime.torch_compat`` a plugin needs (:func:`local_tensor`,
@@ -50,6 +54,7 @@ from .contracts import (STORAGE_CAPABILITIES, AbortableWrite, BackendRecord, Com
 from .errors import (BackupError, CheckpointCorruptError, CheckpointNotFoundError, CollectiveTimeoutError,
                      ConfigError, PartlyLoadedError, PluginError, RollCkptError, SaveError, StorageError,
                      StorageFullError, TorchCompatError, UnknownPluginError, UnsafeCheckpointError)
+from .format.global_state import GlobalState
 from .format.layout import RUN_RE
 from .format.inspection import verify_checkpoint
 from .format.layout import committed as committed_checkpoints
@@ -78,6 +83,8 @@ __all__ = [
     "Strategy", "StrategyDefaults", "strategy_member", "SpaceEstimate", "DCPStrategy",
     # staging
     "StagingPolicy", "SaveContext", "StagingGate",
+    # state values
+    "GlobalState",
     # errors
     "RollCkptError", "ConfigError", "PluginError", "UnknownPluginError", "StorageError", "StorageFullError",
     "CheckpointNotFoundError", "CheckpointCorruptError", "PartlyLoadedError", "UnsafeCheckpointError",

@@ -9,6 +9,8 @@ A state is a mapping of names to:
 * ``torch.nn.Module`` — saved with ``get_model_state_dict`` (sharded when it is);
 * ``torch.optim.Optimizer`` — saved with ``get_optimizer_state_dict`` against the module
   in the same state that owns its parameters (keys are parameter names, not ids);
+* :class:`~roll_ckpt.GlobalState` -- an object whose state dict is the job's (sharded
+  tensors, values every process shares), saved as a module's is under ``<key>.``;
 * anything with ``state_dict()``/``load_state_dict()`` (LR scheduler, stateful
   dataloader, counters), a ``dict``, a tensor or a plain value — saved **per process**
   under ``per_rank.<rank>.<name>`` (one leaf each, so keys and empty containers come back
@@ -28,11 +30,12 @@ from .runtime.agreement import first_error
 from .runtime.collector import CollectorPause
 from .contracts import SpaceEstimate, Storage, StrategyDefaults
 from .errors import RollCkptError, carried_roll_error
+from .format.global_state import GlobalState
 from .format.layout import basename, parent, parse_step
 from .runtime.rng import capture_rng, restore_rng
 from .save.state_dict_cache import StateDictCache
 from .runtime.timeouts import bounded, checkpoint_group
-from .load.placeholders import placeholders, top_keys
+from .load.placeholders import placeholders, top_keys, without_hyperparameters_not_saved
 from .save.incremental import Increments
 from .runtime.torch_compat import collective, dcp_load, dcp_save, local_tensor
 
@@ -175,7 +178,9 @@ class DCPStrategy(StrategyDefaults):
         for key, obj in state.items():
             if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
                 continue
-            if _is_stateful(obj):
+            if isinstance(obj, GlobalState):  # the job's: global entries under its key, like a module's
+                out[key] = obj.state_dict()
+            elif _is_stateful(obj):
                 mine[key] = _box(obj.state_dict())
             else:
                 mine[key] = _box(obj)
@@ -329,8 +334,10 @@ class DCPStrategy(StrategyDefaults):
                 target[key] = get_model_state_dict(obj)
             elif isinstance(obj, torch.optim.Optimizer):
                 target[key] = get_optimizer_state_dict(state[owners[key]], obj)
+            elif isinstance(obj, GlobalState):  # its own dict: tensors loaded in place, values replaced
+                target[key] = obj.state_dict()
         for key in owners:
-            _without_hyperparameters_not_saved(target[key], key, md)
+            without_hyperparameters_not_saved(target[key], key, md)
         top, ranks = top_keys(md, PER_RANK)
         src = self._source_rank(ranks)
         target[PER_RANK] = {src: placeholders(md, (PER_RANK, src))}
@@ -350,9 +357,11 @@ class DCPStrategy(StrategyDefaults):
                 set_model_state_dict(obj, target[key])
             elif isinstance(obj, torch.optim.Optimizer):
                 set_optimizer_state_dict(state[owners[key]], obj, target[key])
+            elif isinstance(obj, GlobalState):
+                obj.load_state_dict(target[key])
         loaded = target[PER_RANK][src]
         for key, obj in list(state.items()):
-            if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
+            if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer, GlobalState)):
                 continue
             if key not in loaded:
                 warnings.warn(f"roll-ckpt: the checkpoint has no saved value for state['{key}']; "
@@ -410,17 +419,6 @@ class DCPStrategy(StrategyDefaults):
 
     def close(self) -> None:
         self._state_dicts.clear()
-
-
-def _without_hyperparameters_not_saved(osd: dict[str, Any], key: str, md: Any) -> None:
-    """Drop from an optimizer's target the hyperparameters its checkpoint does not hold: ones
-    a later torch added (AdamW's ``decoupled_weight_decay`` from 2.7 on, absent from a torch 2.6
-    checkpoint). The optimizer's ``load_state_dict`` gives each its default then, as it does
-    for any state dict an older torch wrote."""
-    saved = md.state_dict_metadata
-    for i, group in enumerate(osd.get("param_groups", [])):
-        for name in [n for n in group if n != "params" and f"{key}.param_groups.{i}.{n}" not in saved]:
-            del group[name]
 
 
 def _local_bytes(node: Any) -> int:

@@ -127,8 +127,10 @@ def foreign_verdict(found: Any) -> tuple[bool, str]:
         return False, (f"{found.path} is a {found.title} that was never finished (listed above); it is never resumed "
                        "from: use an earlier checkpoint")
     parts = ", ".join(found.components()) or "no parts"
+    refusal = getattr(found, "not_resumable", "")
     say(f"OK  {found.path}  {what} ({parts}): {len(files)} files, {human_bytes(sum(files.values()))}, every file it "
-        "needs is there with its size; NO checksums to verify (the framework wrote none): it is resumed read-only")
+        "needs is there with its size; NO checksums to verify (the framework wrote none): " +
+        (f"not a resume point: it {refusal}" if refusal else "it is resumed read-only"))
     return True, ""
 
 

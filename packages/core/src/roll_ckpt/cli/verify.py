@@ -147,7 +147,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         say(f"{foreign.path}", f"  {foreign.title}, step {foreign.step}: {len(files)} files, "
             f"{human_bytes(sum(files.values()))}; parts: {', '.join(foreign.components()) or 'none'}",
             "  written by another framework: no manifest, no checksums; roll-ckpt resumes it read-only",
-            *(f"  NOT RESUMABLE: {p}" for p in foreign.problems), "", *foreign.describe())
+            *(f"  NOT RESUMABLE: {p}" for p in foreign.problems),
+            *([f"  NOT A RESUME POINT: it {foreign.not_resumable}"] if getattr(foreign, "not_resumable", "") else []),
+            "", *foreign.describe())
         return 0
     target, note = resolve(storage, storage.root, args.component)
     manifest = read_manifest(storage, target)

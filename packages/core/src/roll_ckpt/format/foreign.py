@@ -32,7 +32,7 @@ LOOKS_LIKE = re.compile(r"^(?:checkpoint|global_step|step|iter)[-_]?(\d+)$")
 """Folder names training frameworks give checkpoints (``checkpoint-500``, ``global_step_500``,
 ``step-500``, ``iter_0000500``): such a folder that nothing can read is named when passed over."""
 
-FORMAT_EXTRAS = {"roll": 'pip install "roll-ckpt[roll]"'}
+FORMAT_EXTRAS = {"roll": 'pip install "roll-ckpt[roll]"', "torchtitan": 'pip install "roll-ckpt[torchtitan]"'}
 """The format plugins roll-ckpt ships, and what installs each (named when nothing reads a folder)."""
 
 
@@ -141,6 +141,9 @@ def _judge(storage: Storage, path: str, step: int, run: str, formats: Mapping[st
     if foreign.problems:
         return Found(path, step, run, False, foreign,
                      f"a {foreign.title} that was never finished: {'; '.join(foreign.problems)}", False)
+    refusal = getattr(foreign, "not_resumable", "")
+    if refusal:  # whole, but not a resume point (a model-only export)
+        return Found(path, step, run, False, foreign, f"a {foreign.title} that {refusal}", False)
     lacking = sorted(set(components or ()) - set(foreign.components()))
     if lacking:
         return Found(path, step, run, False, foreign,

@@ -26,6 +26,7 @@ from ..errors import CollectiveTimeoutError, RollCkptError, carried
 __all__ = ["checkpoint_group", "bounded", "lost_peer"]
 
 _SIGNS = ("timed out", "timeout", "connection closed by peer", "connection reset by peer", "broken pipe")
+_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe")
 
 
 def checkpoint_group(dist: Any, seconds: float) -> Any:
@@ -73,8 +74,10 @@ def _raise_if_lost(exc: BaseException, rank: int, phase: str, step: int | None, 
         return
     at = f" of step {step}" if step is not None else ""
     limit = f"{seconds:.0f} s (checkpoint_config.collective_timeout_s)" if seconds else "the process group's timeout"
+    gone = any(s in str(cause).lower() for s in _GONE)  # not a wait that ran out: a peer's connection closed
+    what = ("lost its connection to another rank: that process ended (killed, crashed) or was cut off" if gone else
+            f"gave up waiting for the other ranks after {limit}: one of them is stopped, hung or cut off")
     raise CollectiveTimeoutError(
-        f"rank {rank}: {phase}{at} gave up waiting for the other ranks after {limit}: one of them is "
-        f"stopped, hung or cut off ({type(cause).__name__}: {str(cause).strip()[:200]}). "
+        f"rank {rank}: {phase}{at} {what} ({type(cause).__name__}: {str(cause).strip()[:200]}). "
         f"{after or 'No checkpoint was committed or changed by it.'} Restart the job; "
         "resume('latest') picks the newest whole checkpoint") from exc
