@@ -32,7 +32,7 @@ LOOKS_LIKE = re.compile(r"^(?:checkpoint|global_step|step|iter)[-_]?(\d+)$")
 """Folder names training frameworks give checkpoints (``checkpoint-500``, ``global_step_500``,
 ``step-500``, ``iter_0000500``): such a folder that nothing can read is named when passed over."""
 
-FORMAT_EXTRAS = {"roll": 'pip install "roll-ckpt[roll]"'}
+FORMAT_EXTRAS = {"roll": 'pip install "roll-ckpt[roll]"', "verl": 'pip install "roll-ckpt[verl]"'}
 """The format plugins roll-ckpt ships, and what installs each (named when nothing reads a folder)."""
 
 
