@@ -11,8 +11,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 CORE = REPO / "packages" / "core" / "src" / "roll_ckpt"
-PLUGIN_SOURCES = [REPO / "packages" / d / "src" for d in ("backend-fs", "strategy-fsdp2", "demo", "integration-roll")]
-PLUGIN_PACKAGES = ("roll_ckpt_fs", "roll_ckpt_fsdp2", "roll_ckpt_demo", "roll_ckpt_roll")
+PLUGIN_SOURCES = [REPO / "packages" / d / "src" for d in ("backend-fs", "strategy-fsdp2", "demo", "integration-roll",
+                                                        "integration-verl")]
+PLUGIN_PACKAGES = ("roll_ckpt_fs", "roll_ckpt_fsdp2", "roll_ckpt_demo", "roll_ckpt_roll", "roll_ckpt_verl")
 BENCH = REPO / "bench"
 MAX_LINES = 450
 
