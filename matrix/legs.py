@@ -3,13 +3,19 @@
 ROLL ships requirement sets for torch 2.6 (transformers 4.51), 2.8 (4.57) and 2.10
 (transformers 5.2), all with numpy < 2 on Python 3.10; verl pins torch 2.11. The default
 leg is ``make test``'s; the newest is the newest release of each that pip installs here.
+
+A framework leg (:attr:`Leg.framework`) installs a framework roll-ckpt integrates with (verl,
+from PyPI) on the stack that framework resolves to, and runs that integration's tests
+(:attr:`Leg.tests`): it checks the integration inside the real framework, not the supported
+range, so its stack is not among the range's bounds (``tests/compat/test_seams.py`` checks it
+lies within them) nor among the releases the compat seams were checked on.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Leg", "LEGS", "DEFAULT", "CI_LEG", "by_name"]
+__all__ = ["Leg", "LEGS", "RANGE", "DEFAULT", "CI_LEG", "by_name"]
 
 
 @dataclass(frozen=True)
@@ -25,6 +31,11 @@ class Leg:
     interpreter: str = ""
     """One interpreter's absolute path, where the patch release matters (a system Python);
     else the leg's Python is found by :attr:`python`."""
+    framework: tuple[str, ...] = ()
+    """A framework leg: the framework's requirements, exact (``verl[verl-core]==0.9.1``),
+    installed with the pins (which are what the framework resolves to with them)."""
+    tests: tuple[str, ...] = ()
+    """What the leg's suite is (pytest paths); empty: the whole suite."""
 
 
 LEGS: tuple[Leg, ...] = (
@@ -42,7 +53,15 @@ LEGS: tuple[Leg, ...] = (
         "Debian 12's system Python, 3.11.2 (images built on Debian 12)", interpreter="/usr/bin/python3.11"),
     Leg("newest", "3.13", ("torch==2.14.1", "transformers==5.25.0", "numpy==2.5.5", "ray==2.60.0"),
         "the newest of each that pip installs here"),
+    # verl 0.9.1 from PyPI (verl-core: its FSDP engine, trainers, Ray); torch 2.13 is the CPU build
+    # here (verl asks for torch; pip keeps the pin), the others are what pip resolves verl to.
+    Leg("verl", "3.11", ("torch==2.13.0", "transformers==5.10.4", "numpy==2.4.6", "ray==2.60.0"),
+        "verl 0.9.1 (its FSDP2 engine, CheckpointHandler, PPO trainer) with roll-ckpt-verl",
+        framework=("verl[verl-core]==0.9.1",), tests=("tests/integration_verl", "tests/compat/test_seams.py")),
 )
+
+RANGE: tuple[Leg, ...] = tuple(leg for leg in LEGS if not leg.framework)
+"""The legs of the supported range: each runs the whole suite; their pins are the bounds."""
 
 DEFAULT = "default"
 CI_LEG = "roll-2.8"
