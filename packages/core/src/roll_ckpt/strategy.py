@@ -29,6 +29,7 @@ from .runtime.collector import CollectorPause
 from .contracts import SpaceEstimate, Storage, StrategyDefaults
 from .errors import RollCkptError, carried_roll_error
 from .format.layout import basename, parent, parse_step
+from .runtime.optimizers import fit_target, optimizer_state_dict
 from .runtime.rng import capture_rng, restore_rng
 from .save.state_dict_cache import StateDictCache
 from .runtime.timeouts import bounded, checkpoint_group
@@ -159,12 +160,12 @@ class DCPStrategy(StrategyDefaults):
 
     def state_dict(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """The DCP state dict of ``state``: live tensors, nothing copied."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         def build(key: str, obj: Any) -> dict[str, Any]:
             if isinstance(obj, torch.nn.Module):
                 return get_model_state_dict(obj)
-            return get_optimizer_state_dict(state[self._pairs(state)[key]], obj)
+            return optimizer_state_dict(state[self._pairs(state)[key]], obj)  # (a fresh one left fresh)
 
         for key in state:
             if not isinstance(key, str) or not key or "." in key or key == PER_RANK:
@@ -327,10 +328,10 @@ class DCPStrategy(StrategyDefaults):
         for key, obj in state.items():
             if isinstance(obj, torch.nn.Module):
                 target[key] = get_model_state_dict(obj)
-            elif isinstance(obj, torch.optim.Optimizer):
+            elif isinstance(obj, torch.optim.Optimizer):  # (its state made, if it had none: loaded into)
                 target[key] = get_optimizer_state_dict(state[owners[key]], obj)
         for key in owners:
-            _without_hyperparameters_not_saved(target[key], key, md)
+            fit_target(target[key], key, md)
         top, ranks = top_keys(md, PER_RANK)
         src = self._source_rank(ranks)
         target[PER_RANK] = {src: placeholders(md, (PER_RANK, src))}
@@ -410,17 +411,6 @@ class DCPStrategy(StrategyDefaults):
 
     def close(self) -> None:
         self._state_dicts.clear()
-
-
-def _without_hyperparameters_not_saved(osd: dict[str, Any], key: str, md: Any) -> None:
-    """Drop from an optimizer's target the hyperparameters its checkpoint does not hold: ones
-    a later torch added (AdamW's ``decoupled_weight_decay`` from 2.7 on, absent from a torch 2.6
-    checkpoint). The optimizer's ``load_state_dict`` gives each its default then, as it does
-    for any state dict an older torch wrote."""
-    saved = md.state_dict_metadata
-    for i, group in enumerate(osd.get("param_groups", [])):
-        for name in [n for n in group if n != "params" and f"{key}.param_groups.{i}.{n}" not in saved]:
-            del group[name]
 
 
 def _local_bytes(node: Any) -> int:
