@@ -34,9 +34,9 @@ def cpu_env(vendor: bool) -> dict[str, str]:
     return env
 
 
-def make_model(out: str) -> str:
-    """A tiny untied Llama (hidden 32, 2 layers, vocab 96: 24,736 parameters) and an offline
-    character tokenizer, saved with ``save_pretrained`` as verl's ``HFModelConfig`` loads them."""
+def make_model(out: str, *, hidden: int = 32, layers: int = 2) -> str:
+    """A tiny untied Llama (by default hidden 32, 2 layers, vocab 96: 24,736 parameters) and an
+    offline character tokenizer, saved with ``save_pretrained`` as verl's ``HFModelConfig`` loads them."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -49,8 +49,8 @@ def make_model(out: str) -> str:
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
                                   unk_token="<unk>")
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
+    cfg = LlamaConfig(vocab_size=96, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
                       bos_token_id=1, eos_token_id=2, pad_token_id=0)
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(out)
@@ -82,7 +82,7 @@ class Toy:
 
 
 def worker_config(model: str, *, async_save: bool = False, contents: tuple[str, ...] = ("model", "optimizer", "extra"),
-                  model_type: str = "language_model", seed: int = 7) -> Any:
+                  model_type: str = "language_model", seed: int = 7, total_steps: int = TOTAL_STEPS) -> Any:
     """verl's ``TrainingWorkerConfig`` of an FSDP2 engine on the CPU (AdamW, cosine schedule)."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
@@ -96,7 +96,7 @@ def worker_config(model: str, *, async_save: bool = False, contents: tuple[str, 
                                        micro_batch_size_per_gpu=2, seed=seed,
                                        mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32",
                                                         "buffer_dtype": "fp32"}),
-        optimizer_config=FSDPOptimizerConfig(lr=1e-2, lr_warmup_steps=2, total_training_steps=TOTAL_STEPS,
+        optimizer_config=FSDPOptimizerConfig(lr=1e-2, lr_warmup_steps=2, total_training_steps=total_steps,
                                              lr_scheduler_type="cosine", weight_decay=0.1),
         checkpoint_config=CheckpointConfig(save_contents=list(contents),
                                            load_contents=[c for c in contents if c != "hf_model"],
@@ -148,6 +148,18 @@ def same(a: Any, b: Any, path: str = "") -> list[str]:
     if isinstance(a, np.ndarray):
         return [] if isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b) else [path]
     return [] if a == b else [f"{path}: {a!r} != {b!r}"]
+
+
+def seed_everything(rank: int) -> None:
+    """Python's, NumPy's and torch's generators seeded by rank: two runs of a job draw the same
+    numbers, so a resumed run's RNG can be compared with another run's (unseeded, Python's and
+    NumPy's start from the OS's entropy)."""
+    import numpy as np
+    import torch
+
+    random.seed(1000 + rank)
+    np.random.seed(1000 + rank)
+    torch.manual_seed(1000 + rank)
 
 
 def install_kill(step: int, rank: int, vendor: bool) -> None:

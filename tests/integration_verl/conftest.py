@@ -91,10 +91,18 @@ class Jobs:
         """``_ppo_job.py``: verl's PPO trainer's checkpoint code on a Ray driver; its result."""
         cmd = [sys.executable, str(HERE / "_ppo_job.py"), str(self._spec(tag, ckpt, **spec))]
         t = time.monotonic()
-        code, output = _run(cmd, child_env(cpu_env(vendor), RAY_ADDRESS="local"), timeout, self.out / f"log-{tag}.txt")
+        for attempt in range(2):
+            code, output = _run(cmd, child_env(cpu_env(vendor), RAY_ADDRESS="local"), timeout,
+                                self.out / f"log-{tag}.txt")
+            result = json.loads((self.out / f"result-{tag}.json").read_text()) if code == 0 else {}
+            # verl's worker groups pick their rendezvous port as free, then bind it: another process of
+            # this machine may take it first (EADDRINUSE). Nothing was loaded or saved then: launch again.
+            if attempt == 0 and "EADDRINUSE" in output and "start" not in result:
+                print(f"[{tag}] verl's rendezvous port was taken meanwhile (EADDRINUSE): launched again")
+                continue
+            break
         assert code == 0, output[-8000:]
         print(f"[{tag}] {time.monotonic() - t:.1f} s")
-        result = json.loads((self.out / f"result-{tag}.json").read_text())
         result["output"] = output
         return result
 

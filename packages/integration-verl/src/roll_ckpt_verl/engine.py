@@ -30,7 +30,9 @@ def _with_manager(base: type) -> type:
     class Engine(base):  # type: ignore[misc, valid-type]
         def initialize(self) -> None:
             super().initialize()  # builds verl's FSDPCheckpointManager (cheap: nothing read or written), replaced
-            theirs = self.checkpoint_manager
+            theirs = getattr(self, "checkpoint_manager", None)
+            if theirs is None:  # an engine that keeps no checkpoints
+                return
             self.checkpoint_manager = RollCkptCheckpointManager(
                 model=theirs.model, optimizer=theirs.optimizer, lr_scheduler=theirs.lr_scheduler,
                 processing_class=theirs.processing_class, checkpoint_config=self.checkpoint_config,

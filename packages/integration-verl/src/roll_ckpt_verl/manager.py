@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from roll_ckpt import CheckpointManager, load_config
-from roll_ckpt.plugin import ConfigError, RollCkptError
+from roll_ckpt.plugin import ConfigError, PluginError, RollCkptError
 from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager
 
 from .steps import RoleSteps, clear_for_save
@@ -183,6 +183,11 @@ class RollCkptCheckpointManager(BaseCheckpointManager):
                 return self.manager  # (a load builds it with keep 0; the saves' value wins)
             self._close_manager()
         manager = CheckpointManager(self._config(where, keep), component=where.role, quiet=True)
+        if "verl" not in manager.plugins.formats():  # its hooks commit the PPO steps; its format reads verl's
+            manager.close()
+            raise PluginError("roll-ckpt's verl plugin (entry point 'verl' of roll-ckpt-verl) is not loaded in this "
+                              "process: ROLL_CKPT_PLUGINS or ROLL_CKPT_BLOCKED_PLUGINS leave it out, or "
+                              "ROLL_CKPT_DISABLE_PLUGIN_AUTOLOAD is set; let it load (add verl to ROLL_CKPT_PLUGINS)")
         if self.should_save_hf_model and self.processing_class is not None:
             manager.hf_files(self.processing_class)
         manager.bind(self._state(saving=True))  # every rank of the role, here (a collective)

@@ -52,6 +52,7 @@ MARKER_RE = re.compile(r"^\.verl-(.+)\.pending$")
 _STEP_RE = re.compile(r"^global_step_(\d+)$")
 _LIVE: dict[tuple[str, str], "RoleSteps"] = {}
 _LOCK = threading.Lock()
+_TRACKER_LOCK = threading.Lock()
 
 
 def marker_name(role: str) -> str:
@@ -222,22 +223,23 @@ def write_tracker(storage: Any, root: str, step: int) -> bool:
     file, fsynced, renamed over the old one, the folder fsynced (verl's own is a plain
     ``open("w")``). Not when the tracker names a step roll-ckpt committed later (a step committed
     late, after a newer one, never takes the tracker back). True when written."""
-    tracked = _read_tracker(root)
-    if tracked is not None and tracked != step:
-        theirs, mine = _committed_at(storage, root, tracked), _committed_at(storage, root, step)
-        if theirs is not None and mine is not None and (theirs, tracked) > (mine, step):
-            return False
-    tmp = os.path.join(root, f".{TRACKER}.{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    with open(tmp, "w") as f:
-        f.write(str(step))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(root, TRACKER))
-    fd = os.open(root, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    with _TRACKER_LOCK:  # this process's writer thread and its loop's look at earlier steps
+        tracked = _read_tracker(root)
+        if tracked is not None and tracked != step:
+            theirs, mine = _committed_at(storage, root, tracked), _committed_at(storage, root, step)
+            if theirs is not None and mine is not None and (theirs, tracked) > (mine, step):
+                return False
+        tmp = os.path.join(root, f".{TRACKER}.{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        with open(tmp, "w") as f:
+            f.write(str(step))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(root, TRACKER))
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     log.info("roll-ckpt: %s: %d", os.path.join(root, TRACKER), step)
     return True
 
