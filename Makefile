@@ -89,7 +89,7 @@ bench-leg:
 docs: venv
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
-# Pure-Python wheels of the five distributions and of the two the core needs that a GPU
+# Pure-Python wheels of the seven distributions and of the two the core needs that a GPU
 # machine's Python may lack (omegaconf and its parser), carried there by scripts/gpu_check.sh.
 wheels: venv
 	rm -rf dist && $(PIP) wheel -q --no-deps -w dist . packages/core packages/backend-fs packages/strategy-fsdp2 packages/demo packages/integration-roll packages/integration-verl

@@ -168,6 +168,24 @@ def run_scale(mode: str, out: str, no_plot: bool = False, timeout: float = 1800)
             "rc_source": res.get("rc_source"), "unavailable": res.get("unavailable", {})}
 
 
+def run_verl(mode: str, out: str, timeout: float = 2400) -> dict[str, Any]:
+    """The group ``verl``: :mod:`bench.verl` in a process of its own (verl's own manager against
+    roll-ckpt-verl's on verl's FSDP2 engine, T18), writing OUT/verl.{json,md}; what it found."""
+    path = os.path.join(out, "verl.json")
+    cmd = module("verl", "--smoke" if mode == "smoke" else "--quick", "--out", out)
+    print(f"[bench] {mode}: verl ({' '.join(cmd[1:])})", flush=True)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                              env=child_env(PYTHONWARNINGS="ignore"))
+    except subprocess.TimeoutExpired:
+        return {"error": f"bench.verl timed out after {timeout:.0f} s"}
+    if proc.returncode != 0 or not os.path.exists(path):
+        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
+        return {"error": f"bench.verl failed (exit {proc.returncode})"}
+    with open(path) as f:
+        return json.load(f)
+
+
 # ----------------------------------------------------------------------------- summarising
 
 
@@ -514,6 +532,15 @@ def targets(rows: list[dict[str, Any]], limits: dict[str, Any], extra: dict[str,
         t = sc.get(k)
         out[k] = dict(t) if t else entry(None, limit, True, f"{what} (not run: the group scale)")
 
+    # T18: verl's FSDP2 engine, verl's manager against roll-ckpt-verl async (the group verl, run on demand)
+    vr = extra.get("verl")
+    if vr is not None and not vr.get("unavailable"):
+        out["T18"] = entry(vr.get("ratio_blocked"), 0.2, True,
+                           "verl's FSDP2 engine (2 ranks): blocked time of roll-ckpt-verl with async saves / verl's own "
+                           "FSDPCheckpointManager", ours_s=(vr.get("roll_ckpt") or {}).get("blocked_s"),
+                           verl_s=(vr.get("verl") or {}).get("blocked_s"), durable_ratio=vr.get("ratio_durable"),
+                           error=vr.get("error"))
+
     # import roll_ckpt in a fresh interpreter: its time, and neither numpy nor torch.distributed
     out["import"] = importcost.target(extra.get("import"))
     return out
@@ -537,7 +564,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--groups", default="small,target,many,loop,transformer,scale",
                    help="groups to run (small, target: state groups; many: T7's sweep; loop: T6's save CPU and "
                         "training loop; transformer: T10/T11, a Hugging Face Llama on FSDP2; scale: T12-T14, "
-                        "bench.scale's simulated ranks and real jobs)")
+                        "bench.scale's simulated ranks and real jobs; verl: T18, verl's FSDP2 engine with verl's "
+                        "manager and with roll-ckpt-verl's, where verl is installed (the verl leg), not by default)")
     p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)
     args.out = os.path.abspath(args.out)  # the workers run from the repository root
@@ -630,6 +658,10 @@ def main(argv: list[str] | None = None) -> int:
         if "scale" in set(args.groups.split(",")):
             extra["scale"] = run_scale(mode, args.out, no_plot=args.no_plot)
             unavailable.update({f"scale:{m}": why for m, why in (extra["scale"].get("unavailable") or {}).items()})
+        if "verl" in set(args.groups.split(",")):
+            extra["verl"] = run_verl(mode, args.out)
+            if extra["verl"].get("unavailable"):
+                unavailable["verl"] = extra["verl"]["unavailable"]
         for key, case in (("disk_write_gbps", "limit_write"), ("disk_write2_gbps", "limit_write2"),
                           ("disk_write_direct_gbps", "limit_write_direct"),
                           ("disk_read_gbps", "limit_read"), ("disk_read2_gbps", "limit_read2"),
