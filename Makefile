@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 # The test-fixture backend (tests/plugins/example_backend) is not one of them: the tests that
 # need it install it for their run only (the example_backend fixture, tests/conftest.py).
 PACKAGES := -e packages/core -e packages/backend-fs -e packages/strategy-fsdp2 -e packages/demo \
-            -e packages/integration-roll -e packages/integration-torchtitan -e ".[all,dev]"
+            -e packages/integration-roll -e packages/integration-torchtitan -e packages/integration-verl -e ".[all,dev]"
 SOURCES := pyproject.toml packages/*/pyproject.toml matrix/legs.py
 
 .PHONY: venv demo test test-leg leg-venv test-matrix test-reliability bench bench-check bench-leg bench-torchtitan docs wheels clean
@@ -96,10 +96,10 @@ bench-torchtitan:
 docs: venv
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
-# Pure-Python wheels of the seven distributions and of the two the core needs that a GPU
+# Pure-Python wheels of the eight distributions and of the two the core needs that a GPU
 # machine's Python may lack (omegaconf and its parser), carried there by scripts/gpu_check.sh.
 wheels: venv
-	rm -rf dist && $(PIP) wheel -q --no-deps -w dist . packages/core packages/backend-fs packages/strategy-fsdp2 packages/demo packages/integration-roll packages/integration-torchtitan
+	rm -rf dist && $(PIP) wheel -q --no-deps -w dist . packages/core packages/backend-fs packages/strategy-fsdp2 packages/demo packages/integration-roll packages/integration-torchtitan packages/integration-verl
 	$(PIP) wheel -q --no-deps -w dist "omegaconf==$$($(PY) -c 'import omegaconf; print(omegaconf.__version__)')" "antlr4-python3-runtime==4.9.3"
 
 clean:

@@ -10,7 +10,9 @@ of each async save alone, children included, and a CPU-bound training loop's tim
 async save, :mod:`bench.loop`) and ``many`` (T7: blocked time against the number of tensors,
 :mod:`bench.many`). The group ``torchtitan`` (not run by default: ``--groups torchtitan``) runs
 :mod:`bench.torchtitan` (T18: torchtitan's own checkpoint manager, ``async_mode: async``,
-against roll-ckpt's), writing DIR/torchtitan.{json,md}. The group ``scale`` runs :mod:`bench.scale` (T12-T14: DCP's and roll-ckpt's
+against roll-ckpt's), writing DIR/torchtitan.{json,md}; the group ``verl`` (not run by default:
+``--groups verl``, in the verl leg's interpreter) runs :mod:`bench.verl` (T19: verl's own manager
+against roll-ckpt-verl's on verl's FSDP2 engine), writing DIR/verl.{json,md}. The group ``scale`` runs :mod:`bench.scale` (T12-T14: DCP's and roll-ckpt's
 coordination simulated for N ranks, and real gloo jobs counting storage operations), which
 writes DIR/scale.{json,md,png}. Writes DIR/latest.json, DIR/latest.md, DIR/latest.png and
 DIR/tensors.png (default DIR: bench/results). Every run also times ``import roll_ckpt`` in fresh
@@ -168,6 +170,24 @@ def run_scale(mode: str, out: str, no_plot: bool = False, timeout: float = 1800)
         res = json.load(f)
     return {"targets": res.get("targets", {}), "file": path, "duration_s": res.get("duration_s"),
             "rc_source": res.get("rc_source"), "unavailable": res.get("unavailable", {})}
+
+
+def run_verl(mode: str, out: str, timeout: float = 2400) -> dict[str, Any]:
+    """The group ``verl``: :mod:`bench.verl` in a process of its own (verl's own manager against
+    roll-ckpt-verl's on verl's FSDP2 engine, T19), writing OUT/verl.{json,md}; what it found."""
+    path = os.path.join(out, "verl.json")
+    cmd = module("verl", "--smoke" if mode == "smoke" else "--quick", "--out", out)
+    print(f"[bench] {mode}: verl ({' '.join(cmd[1:])})", flush=True)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                              env=child_env(PYTHONWARNINGS="ignore"))
+    except subprocess.TimeoutExpired:
+        return {"error": f"bench.verl timed out after {timeout:.0f} s"}
+    if proc.returncode != 0 or not os.path.exists(path):
+        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
+        return {"error": f"bench.verl failed (exit {proc.returncode})"}
+    with open(path) as f:
+        return json.load(f)
 
 
 # ----------------------------------------------------------------------------- summarising
@@ -521,6 +541,15 @@ def targets(rows: list[dict[str, Any]], limits: dict[str, Any], extra: dict[str,
     if tt:
         out["T18"] = dict(tt)
 
+    # T19: verl's FSDP2 engine, verl's manager against roll-ckpt-verl async (the group verl, run on demand)
+    vr = extra.get("verl")
+    if vr is not None and not vr.get("unavailable"):
+        out["T19"] = entry(vr.get("ratio_blocked"), 0.2, True,
+                           "verl's FSDP2 engine (2 ranks): blocked time of roll-ckpt-verl with async saves / verl's own "
+                           "FSDPCheckpointManager", ours_s=(vr.get("roll_ckpt") or {}).get("blocked_s"),
+                           verl_s=(vr.get("verl") or {}).get("blocked_s"), durable_ratio=vr.get("ratio_durable"),
+                           error=vr.get("error"))
+
     # import roll_ckpt in a fresh interpreter: its time, and neither numpy nor torch.distributed
     out["import"] = importcost.target(extra.get("import"))
     return out
@@ -544,9 +573,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--groups", default="small,target,many,loop,transformer,scale",
                    help="groups to run (small, target: state groups; many: T7's sweep; loop: T6's save CPU and "
                         "training loop; transformer: T10/T11, a Hugging Face Llama on FSDP2; scale: T12-T14, "
-                        "bench.scale's simulated ranks and real jobs; torchtitan, not run by default: T18, "
+                        "bench.scale's simulated ranks and real jobs; not run by default: torchtitan, T18, "
                         "torchtitan's checkpoint manager against roll-ckpt's, bench.torchtitan, in an interpreter "
-                        "with torchtitan -- this one or the torchtitan leg's)")
+                        "with torchtitan -- this one or the torchtitan leg's; verl, T19, verl's FSDP2 engine with "
+                        "verl's manager and with roll-ckpt-verl's, where verl is installed (the verl leg))")
     p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)
     args.out = os.path.abspath(args.out)  # the workers run from the repository root
@@ -645,6 +675,10 @@ def main(argv: list[str] | None = None) -> int:
             print("[bench] torchtitan: torchtitan's CheckpointManager against roll-ckpt's (bench.torchtitan)", flush=True)
             extra["torchtitan"] = tt_group.run("smoke" if mode == "smoke" else "quick", args.out)
             unavailable.update(extra["torchtitan"].get("unavailable") or {})
+        if "verl" in set(args.groups.split(",")):
+            extra["verl"] = run_verl(mode, args.out)
+            if extra["verl"].get("unavailable"):
+                unavailable["verl"] = extra["verl"]["unavailable"]
         for key, case in (("disk_write_gbps", "limit_write"), ("disk_write2_gbps", "limit_write2"),
                           ("disk_write_direct_gbps", "limit_write_direct"),
                           ("disk_read_gbps", "limit_read"), ("disk_read2_gbps", "limit_read2"),

@@ -1,10 +1,11 @@
 """Build a leg's virtual environment and run the whole suite in it.
 
 A leg's environment is ``.matrix/<leg>/``: its Python's ``venv``, pip, the leg's pins and the
-project's five distributions installed editable, as ``make venv`` installs them. It is built
+project's distributions installed editable, as ``make venv`` installs them (a framework leg:
+the framework too, :attr:`Leg.framework`). It is built
 again only when the leg's pins or the project's ``pyproject.toml`` files change (a stamp
-holds their digest). The suite runs as ``make test`` runs it (two xdist workers); its JUnit
-report gives the counts and every skip's reason.
+holds their digest). The suite runs as ``make test`` runs it (two xdist workers; a framework
+leg's suite is its :attr:`Leg.tests`); its JUnit report gives the counts and every skip's reason.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MATRIX = ROOT / ".matrix"
 PROJECT = ("-e", "packages/core", "-e", "packages/backend-fs", "-e", "packages/strategy-fsdp2",
            "-e", "packages/demo", "-e", "packages/integration-roll", "-e", "packages/integration-torchtitan",
+           "-e", "packages/integration-verl",
            "-e", ".[all,dev]")
 _VERSIONS = ("import json, platform, torch, numpy, transformers, ray; print(json.dumps({"
              "'python': platform.python_version(), 'torch': torch.__version__, 'numpy': numpy.__version__, "
@@ -70,7 +72,7 @@ def find_python(version: str) -> str:
 
 
 def _stamp(leg: Leg, python: str) -> str:
-    h = hashlib.sha256(json.dumps([leg.python, list(leg.pins), python]).encode())
+    h = hashlib.sha256(json.dumps([leg.python, list(leg.pins), python, list(leg.framework)]).encode())
     for f in sorted(ROOT.glob("packages/*/pyproject.toml")) + [ROOT / "pyproject.toml"]:
         h.update(f.read_bytes())
     return h.hexdigest()
@@ -103,7 +105,8 @@ def build(leg: Leg) -> Path:
     # the pins are constraints too: nothing the project asks for may move them
     constraints = venv / "constraints.txt"
     constraints.write_text("".join(p + "\n" for p in leg.pins))
-    _sh([str(exe), "-m", "pip", "install", "-q", "--no-compile", "-c", str(constraints), *leg.pins, *PROJECT], log)
+    _sh([str(exe), "-m", "pip", "install", "-q", "--no-compile", "-c", str(constraints), *leg.pins, *leg.framework,
+         *PROJECT], log)
     purelib = subprocess.run([str(exe), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
                              capture_output=True, text=True, check=True).stdout.strip()
     subprocess.run([str(exe), "-m", "compileall", "-q", "-j", "0", purelib], stdout=subprocess.DEVNULL,
@@ -113,11 +116,22 @@ def build(leg: Leg) -> Path:
     return exe
 
 
-def versions(exe: Path | str) -> dict[str, str]:
+def _distribution(requirement: str) -> str:
+    """``verl[verl-core]==0.9.1`` -> ``verl``."""
+    return requirement.split("==")[0].split("[")[0].strip()
+
+
+def versions(exe: Path | str, framework: tuple[str, ...] = ()) -> dict[str, str]:
+    """The leg's stack as installed (and each framework's distribution's version)."""
     out = subprocess.run([str(exe), "-c", _VERSIONS], capture_output=True, text=True, timeout=300)
     if out.returncode != 0:
         raise SystemExit(f"{exe} cannot import its stack:\n{out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    for name in map(_distribution, framework):
+        got = subprocess.run([str(exe), "-c", f"from importlib.metadata import version; print(version({name!r}))"],
+                             capture_output=True, text=True, timeout=120)
+        found[name] = got.stdout.strip() if got.returncode == 0 else "not installed"
+    return found
 
 
 def _counts(junit: Path) -> dict[str, object]:
@@ -150,7 +164,8 @@ def run_suite(leg: Leg, exe: Path, workers: int, extra: list[str], recording: bo
     junit = venv / "junit.xml"
     junit.unlink(missing_ok=True)
     dist = ["-n", str(workers), "--dist", "worksteal"] if workers else []
-    cmd = [str(exe), "-m", "pytest", "-q", *dist, "-p", "no:cacheprovider", f"--junitxml={junit}", *extra]
+    cmd = [str(exe), "-m", "pytest", "-q", *dist, "-p", "no:cacheprovider", f"--junitxml={junit}",
+           *(extra or leg.tests)]
     print(f"[{leg.name}] +", " ".join(cmd), flush=True)
     started = time.monotonic()
     env = {**os.environ, "ROLL_CKPT_TEST_LEG": leg.name}
@@ -161,7 +176,8 @@ def run_suite(leg: Leg, exe: Path, workers: int, extra: list[str], recording: bo
     elapsed = time.monotonic() - started
     if not junit.exists():
         raise SystemExit(f"[{leg.name}] pytest wrote no report (exit {proc.returncode})")
-    result = {"leg": leg.name, "who": leg.who, "pins": list(leg.pins), "versions": versions(exe),
+    result = {"leg": leg.name, "who": leg.who, "pins": list(leg.pins) + list(leg.framework),
+              "versions": versions(exe, leg.framework), "tests": list(leg.tests) or "the whole suite",
               **_counts(junit), "seconds": round(elapsed), "exit": proc.returncode,
               "date": time.strftime("%Y-%m-%d"), "whole_suite": not extra}
     (venv / "result.json").write_text(json.dumps(result, indent=1) + "\n")

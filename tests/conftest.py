@@ -64,8 +64,10 @@ def example_backend(_example_backend_site: Path) -> Iterator[Path]:
 # do. (xdist gives each worker a contiguous share first: make test uses --dist worksteal, so
 # the worker without these takes from the other's.)
 LONGEST_FIRST = (
-    "tests/integration_torchtitan/test_trainer.py", "tests/integration_roll/test_roll_integration.py",
-    "tests/integration_roll/test_roll_double.py", "tests/integration_torchtitan/test_manager.py",
+    "tests/integration_torchtitan/test_trainer.py",  # (the torchtitan leg)
+    "tests/integration_verl/test_ppo_trainer.py", "tests/integration_verl/test_sft.py",  # (the verl leg)
+    "tests/integration_roll/test_roll_integration.py", "tests/integration_roll/test_roll_double.py",
+    "tests/integration_torchtitan/test_manager.py",
     "tests/examples/test_ray_job.py", "tests/bench/test_bench_smoke.py", "tests/strategy_fsdp2/test_local_tier.py",
     "tests/backend_fs/test_network_faults.py", "tests/strategy_fsdp2/test_preemption_fsdp2.py",
     "tests/strategy_fsdp2/test_hf_fsdp2.py", "tests/strategy_fsdp2/test_fixed_layout_ranks.py",

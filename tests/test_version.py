@@ -1,6 +1,6 @@
 """One place for the version: ``[tool.bumpversion] current_version`` in the root pyproject.toml.
 
-The seven distributions are released in lockstep (a plugin is built against one core), so each
+The eight distributions are released in lockstep (a plugin is built against one core), so each
 one's version and every pin between them must be that version; ``bump-my-version`` writes them
 all, and this test fails on a hand edit that missed one. ``__version__`` is the installed
 metadata's, never a literal of its own.
@@ -16,7 +16,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PYPROJECTS = [REPO / "pyproject.toml", *sorted(REPO.glob("packages/*/pyproject.toml"))]
 DISTRIBUTIONS = {"roll-ckpt", "roll-ckpt-core", "roll-ckpt-fs", "roll-ckpt-fsdp2", "roll-ckpt-demo", "roll-ckpt-roll",
-                 "roll-ckpt-torchtitan"}
+                 "roll-ckpt-torchtitan", "roll-ckpt-verl"}
 
 
 def _current_version() -> str:

@@ -1,7 +1,11 @@
 """The supported range is declared and true: what the compat seams say they were checked on is
 the matrix that ran (``matrix/results/``), the packages' bounds are the legs' (``matrix/legs.py``),
 every accessor names the releases it ran on, and version-dependent transformers APIs are used
-in the transformers seam only."""
+in the transformers seam only.
+
+A framework leg (verl's) runs its integration's tests on the stack the framework resolves to:
+not part of the range (its releases are not among those the seams were checked on, nor its
+pins among the bounds), but that stack must lie within the range's bounds."""
 
 from __future__ import annotations
 
@@ -20,12 +24,13 @@ CORE = REPO / "packages" / "core" / "src" / "roll_ckpt"
 PYPROJECTS = [REPO / "pyproject.toml", *sorted(REPO.glob("packages/*/pyproject.toml"))]
 
 
-def _legs():
+def _legs(range_only: bool = True):
+    """The legs of the supported range (``range_only``), or every leg, framework legs included."""
     spec = importlib.util.spec_from_file_location("matrix_legs", REPO / "matrix" / "legs.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclass looks its module up there
     spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module.LEGS
+    return module.RANGE if range_only else module.LEGS
 
 
 def _pin(leg, name: str) -> tuple[int, ...]:
@@ -36,9 +41,11 @@ def _pin(leg, name: str) -> tuple[int, ...]:
 
 
 def _passed_results() -> list[dict]:
+    """The recorded results of the range's legs that passed their whole suite."""
     found = [json.loads(p.read_text()) for p in sorted((REPO / "matrix" / "results").glob("*.json"))]
     assert found, "no recorded matrix (make test-matrix writes matrix/results/)"
-    return [r for r in found if r["failed"] == 0 and r["errors"] == 0 and r["whole_suite"]]
+    names = {leg.name for leg in _legs()}
+    return [r for r in found if r["failed"] == 0 and r["errors"] == 0 and r["whole_suite"] and r["leg"] in names]
 
 
 def _minor(version: str) -> str:
@@ -116,6 +123,20 @@ def test_the_declared_bounds_are_the_legs() -> None:
     assert _requirement(REPO / "pyproject.toml", "ray") == f">={ray[0]}.{ray[1]}"
 
 
+def test_a_framework_legs_stack_lies_within_the_range() -> None:
+    """verl's leg is not part of the range, but what it runs on is: its Python and each pin
+    between the range's lowest and highest release (transformers and NumPy by major)."""
+    legs, framework = _legs(), [leg for leg in _legs(range_only=False) if leg.framework]
+    assert framework, "no framework leg (matrix/legs.py: verl's)"
+    for leg in framework:
+        assert min(_key(x.python) for x in legs) <= _key(leg.python) <= max(_key(x.python) for x in legs), leg.name
+        for name in ("torch", "transformers", "numpy", "ray"):
+            lo, hi = min(_pin(x, name) for x in legs), max(_pin(x, name) for x in legs)
+            by_major = name in ("transformers", "numpy", "ray")
+            assert lo <= _pin(leg, name) and (_pin(leg, name)[0] <= hi[0] if by_major else _pin(leg, name) <= hi), \
+                f"leg {leg.name}: {name} {_pin(leg, name)} is outside the supported range {lo}-{hi}"
+
+
 def test_this_environment_is_the_stack_of_its_leg() -> None:
     """A leg's suite runs on exactly its pins: ``make test`` on the default leg's (the Makefile
     asks ``python -m matrix pins default``), ``make test-leg`` on the leg's."""
@@ -125,9 +146,13 @@ def test_this_environment_is_the_stack_of_its_leg() -> None:
     name = os.environ.get("ROLL_CKPT_TEST_LEG")
     if not name:
         pytest.skip("not run as a leg of the matrix (make test, make test-leg, make test-matrix set it)")
-    leg = next(leg for leg in _legs() if leg.name == name)
-    wrong = {pin: metadata.version(pin.split("==")[0]) for pin in leg.pins
-             if metadata.version(pin.split("==")[0]).split("+")[0] != pin.split("==")[1]}
+    leg = next(leg for leg in _legs(range_only=False) if leg.name == name)
+
+    def dist(pin: str) -> str:
+        return pin.split("==")[0].split("[")[0]
+
+    wrong = {pin: metadata.version(dist(pin)) for pin in (*leg.pins, *leg.framework)
+             if metadata.version(dist(pin)).split("+")[0] != pin.split("==")[1]}
     assert not wrong, f"leg {name}: installed {wrong}"
 
 

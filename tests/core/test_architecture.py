@@ -11,9 +11,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 CORE = REPO / "packages" / "core" / "src" / "roll_ckpt"
-PLUGIN_SOURCES = [REPO / "packages" / d / "src"
-                  for d in ("backend-fs", "strategy-fsdp2", "demo", "integration-roll", "integration-torchtitan")]
-PLUGIN_PACKAGES = ("roll_ckpt_fs", "roll_ckpt_fsdp2", "roll_ckpt_demo", "roll_ckpt_roll", "roll_ckpt_torchtitan")
+PLUGIN_SOURCES = [REPO / "packages" / d / "src" for d in ("backend-fs", "strategy-fsdp2", "demo", "integration-roll",
+                                                        "integration-torchtitan", "integration-verl")]
+PLUGIN_PACKAGES = ("roll_ckpt_fs", "roll_ckpt_fsdp2", "roll_ckpt_demo", "roll_ckpt_roll", "roll_ckpt_torchtitan",
+                   "roll_ckpt_verl")
 BENCH = REPO / "bench"
 MAX_LINES = 450
 

@@ -210,3 +210,32 @@ def test_with_components_a_foreign_checkpoint_must_hold_every_one(tmp_path: Path
         assert m.resume({"driver": DriverState()}) == 0
     warning = "\n".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
     assert "holds driver but not actor" in warning
+
+
+def test_a_path_the_user_names_goes_first_to_the_formats_whose_folders_are_named_so(tmp_path: Path) -> None:
+    """Two frameworks write the same files (ROLL's older per-rank layout and verl's): a folder
+    named as one of them names it is that one's, whichever was registered first."""
+    from roll_ckpt.format.foreign import recognize
+    from roll_ckpt_fs.storage import LocalStorage
+
+    class Named(Toy):
+        format = "named"
+
+    class Both:
+        @hookimpl
+        def roll_ckpt_formats(self) -> list[FormatRecord]:
+            return [FormatRecord(name="toy", recognize=_recognize),
+                    FormatRecord(name="named", folder_pattern=r"^global_step_(\d+)$",
+                                 recognize=lambda s, p: (t := _recognize(s, p)) and Named(s, p, t.body))]
+
+    p = Plugins()
+    p.register(Both(), "both", "both-dist")
+    folder = tmp_path / "global_step_3"
+    folder.mkdir()
+    (folder / "toy.json").write_text(json.dumps({"step": 3, "values": {}}))
+    storage = LocalStorage(str(tmp_path))
+    assert recognize(storage, str(folder), p.formats(), any_name=True).format == "named"
+    assert recognize(storage, str(folder), p.formats()).format == "named"
+    other = tmp_path / "elsewhere"
+    folder.rename(other)
+    assert recognize(storage, str(other), p.formats(), any_name=True).format == "toy"  # no name matches: in order

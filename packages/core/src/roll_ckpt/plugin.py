@@ -23,7 +23,8 @@ should a third party's: every other module of ``roll_ckpt`` is private and may c
 * **Errors**: the whole hierarchy, from :class:`RollCkptError` down.
 * **torch across releases** (imported on first use): the accessors of
   ``roll_ckpt.runtime.torch_compat`` a plugin needs (:func:`local_tensor`,
-  :func:`set_local_tensor`, :func:`rewrap_dtensor`, :func:`collective`, :func:`fsdp2_options`)
+  :func:`set_local_tensor`, :func:`rewrap_dtensor`, :func:`local_chunk`, :func:`collective`,
+  :func:`fsdp2_options`)
   and :func:`exact_alias`; each works on every torch of the supported range.
 * **Reading DCP folders safely** (imported on first use): :func:`read_dcp_metadata` (the
   restricted unpickler), :func:`load_dcp` (a folder read into a state dict, resharded, byte
@@ -32,6 +33,12 @@ should a third party's: every other module of ``roll_ckpt`` is private and may c
   layout); what a format plugin reads another framework's checkpoints with;
   :func:`verify_checkpoint` (a committed checkpoint checked whole, its manifest returned), before
   a plugin reads one of roll-ckpt's.
+* **Reading ``torch.save`` files safely** (imported on first use): :func:`torch_load`
+  (``weights_only``, DTensors with their mesh and placements, NumPy arrays when asked,
+  memory-mapped where the backend hands out local files) and :func:`torch_file_problem` (is a
+  file a whole ``torch.save`` archive, its data unread): what a format plugin reads a
+  framework's per-rank ``torch.save`` files with (verl's); :func:`local_chunk` (where this
+  process's shard of a live DTensor lies in the global tensor), to reshard what it read.
 * **Helpers for commands**: :func:`get_plugins`, :func:`open_storage`, :func:`read_yaml`,
   :func:`committed_checkpoints`, :func:`latest_checkpoint`, :func:`human_bytes`, :data:`RUN_RE` (a run
   folder's name),
@@ -66,11 +73,13 @@ from .runtime.units import human_bytes
 if TYPE_CHECKING:  # for type checkers and the API reference; at run time _LAZY below imports them
     from .cli import main as cli_main
     from .runtime.memory import exact_alias
-    from .runtime.torch_compat import collective, fsdp2_options, local_tensor, rewrap_dtensor, set_local_tensor
+    from .runtime.torch_compat import (collective, fsdp2_options, local_chunk, local_tensor, rewrap_dtensor,
+                                       set_local_tensor)
     from .strategy import DCPStrategy
     from .tiers.job import open_storage
     from .load.placeholders import placeholders as dcp_placeholders
     from .load.dcp_folder import load_dcp, read_dcp_metadata, write_dcp
+    from .load.torch_file import torch_file_problem, torch_load
 
 __all__ = [
     # hooks and records
@@ -90,9 +99,11 @@ __all__ = [
     "CheckpointNotFoundError", "CheckpointCorruptError", "PartlyLoadedError", "UnsafeCheckpointError",
     "SaveError", "BackupError", "CollectiveTimeoutError", "TorchCompatError",
     # torch across releases
-    "local_tensor", "set_local_tensor", "rewrap_dtensor", "collective", "fsdp2_options", "exact_alias",
+    "local_tensor", "set_local_tensor", "rewrap_dtensor", "local_chunk", "collective", "fsdp2_options", "exact_alias",
     # reading DCP folders safely
     "read_dcp_metadata", "load_dcp", "dcp_placeholders", "write_dcp", "verify_checkpoint",
+    # reading torch.save files safely
+    "torch_load", "torch_file_problem",
     # helpers for commands
     "get_plugins", "open_storage", "read_yaml", "committed_checkpoints", "latest_checkpoint", "human_bytes", "RUN_RE",
     "cli_main",
@@ -103,6 +114,7 @@ _LAZY = {
     "local_tensor": "roll_ckpt.runtime.torch_compat",
     "set_local_tensor": "roll_ckpt.runtime.torch_compat",
     "rewrap_dtensor": "roll_ckpt.runtime.torch_compat",
+    "local_chunk": "roll_ckpt.runtime.torch_compat",
     "collective": "roll_ckpt.runtime.torch_compat",
     "fsdp2_options": "roll_ckpt.runtime.torch_compat",
     "exact_alias": "roll_ckpt.runtime.memory",
@@ -112,6 +124,8 @@ _LAZY = {
     "load_dcp": "roll_ckpt.load.dcp_folder",
     "write_dcp": "roll_ckpt.load.dcp_folder",
     "dcp_placeholders": "roll_ckpt.load.placeholders",
+    "torch_load": "roll_ckpt.load.torch_file",
+    "torch_file_problem": "roll_ckpt.load.torch_file",
 }
 """Names whose modules import torch (or much else): imported when first asked for."""
 

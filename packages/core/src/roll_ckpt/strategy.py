@@ -32,10 +32,11 @@ from .contracts import SpaceEstimate, Storage, StrategyDefaults
 from .errors import RollCkptError, carried_roll_error
 from .format.global_state import GlobalState
 from .format.layout import basename, parent, parse_step
+from .runtime.optimizers import fit_target, optimizer_state_dict
 from .runtime.rng import capture_rng, restore_rng
 from .save.state_dict_cache import StateDictCache
 from .runtime.timeouts import bounded, checkpoint_group
-from .load.placeholders import placeholders, top_keys, without_hyperparameters_not_saved
+from .load.placeholders import placeholders, top_keys
 from .save.incremental import Increments
 from .runtime.torch_compat import collective, dcp_load, dcp_save, local_tensor
 
@@ -162,12 +163,12 @@ class DCPStrategy(StrategyDefaults):
 
     def state_dict(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """The DCP state dict of ``state``: live tensors, nothing copied."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         def build(key: str, obj: Any) -> dict[str, Any]:
             if isinstance(obj, torch.nn.Module):
                 return get_model_state_dict(obj)
-            return get_optimizer_state_dict(state[self._pairs(state)[key]], obj)
+            return optimizer_state_dict(state[self._pairs(state)[key]], obj)  # (a fresh one left fresh)
 
         for key in state:
             if not isinstance(key, str) or not key or "." in key or key == PER_RANK:
@@ -332,12 +333,12 @@ class DCPStrategy(StrategyDefaults):
         for key, obj in state.items():
             if isinstance(obj, torch.nn.Module):
                 target[key] = get_model_state_dict(obj)
-            elif isinstance(obj, torch.optim.Optimizer):
+            elif isinstance(obj, torch.optim.Optimizer):  # (its state made, if it had none: loaded into)
                 target[key] = get_optimizer_state_dict(state[owners[key]], obj)
             elif isinstance(obj, GlobalState):  # its own dict: tensors loaded in place, values replaced
                 target[key] = obj.state_dict()
         for key in owners:
-            without_hyperparameters_not_saved(target[key], key, md)
+            fit_target(target[key], key, md)
         top, ranks = top_keys(md, PER_RANK)
         src = self._source_rank(ranks)
         target[PER_RANK] = {src: placeholders(md, (PER_RANK, src))}

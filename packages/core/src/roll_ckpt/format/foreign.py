@@ -32,7 +32,8 @@ LOOKS_LIKE = re.compile(r"^(?:checkpoint|global_step|step|iter)[-_]?(\d+)$")
 """Folder names training frameworks give checkpoints (``checkpoint-500``, ``global_step_500``,
 ``step-500``, ``iter_0000500``): such a folder that nothing can read is named when passed over."""
 
-FORMAT_EXTRAS = {"roll": 'pip install "roll-ckpt[roll]"', "torchtitan": 'pip install "roll-ckpt[torchtitan]"'}
+FORMAT_EXTRAS = {"roll": 'pip install "roll-ckpt[roll]"', "torchtitan": 'pip install "roll-ckpt[torchtitan]"',
+                 "verl": 'pip install "roll-ckpt[verl]"'}
 """The format plugins roll-ckpt ships, and what installs each (named when nothing reads a folder)."""
 
 
@@ -71,11 +72,13 @@ class Found:
 def recognize(storage: Storage, path: str, formats: Mapping[str, FormatRecord],
               any_name: bool = False) -> ForeignCheckpoint | None:
     """The checkpoint at ``path`` as the first format whose folder names match it recognizes it
-    (``any_name``: whatever the folder's name, as for a path the user gave)."""
+    (``any_name``: whatever the folder's name, as for a path the user gave; the formats whose
+    names match are asked first: two frameworks may write the same files, as ROLL's older
+    layout and verl's do, in folders named their own way)."""
     name = basename(path)
-    for record in formats.values():
-        if not any_name and not re.match(record.folder_pattern, name):
-            continue
+    matching = [r for r in formats.values() if re.match(r.folder_pattern, name)]
+    others = [r for r in formats.values() if r not in matching] if any_name else []
+    for record in matching + others:
         try:
             found = record.recognize(storage, path)
         except Exception as exc:  # a plugin's bug must not stop a resume from roll-ckpt's own checkpoints

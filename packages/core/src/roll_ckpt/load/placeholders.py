@@ -9,7 +9,7 @@ import torch
 
 from ..runtime.torch_compat import set_element
 
-__all__ = ["top_keys", "placeholders", "without_hyperparameters_not_saved"]
+__all__ = ["top_keys", "placeholders"]
 
 
 def top_keys(md: Any, per_rank: str) -> tuple[set[str], set[str]]:
@@ -41,14 +41,3 @@ def placeholders(md: Any, prefix: tuple[str, ...]) -> dict[str, Any]:
             value = None
         set_element(root, tuple(path[n:]), value)
     return root
-
-
-def without_hyperparameters_not_saved(osd: dict[str, Any], key: str, md: Any) -> None:
-    """Drop from an optimizer's target the hyperparameters its checkpoint does not hold: ones
-    a later torch added (AdamW's ``decoupled_weight_decay`` from 2.7 on, absent from a torch 2.6
-    checkpoint). The optimizer's ``load_state_dict`` gives each its default then, as it does
-    for any state dict an older torch wrote."""
-    saved = md.state_dict_metadata
-    for i, group in enumerate(osd.get("param_groups", [])):
-        for name in [n for n in group if n != "params" and f"{key}.param_groups.{i}.{n}" not in saved]:
-            del group[name]

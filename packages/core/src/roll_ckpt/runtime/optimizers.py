@@ -1,0 +1,45 @@
+"""A torch optimizer's state dict across a save and a load, through torch's state-dict helpers.
+
+``get_optimizer_state_dict`` makes the state of an optimizer that has none yet (never
+stepped: Adam creates it lazily at its first step) by running a step with zero gradients and
+a learning rate of 0 -- which leaves Adam's ``step`` at 1, so the first real step's bias
+correction is no longer a fresh optimizer's and training goes elsewhere. A save must not
+change the training state: :func:`optimizer_state_dict` gives such an optimizer back as it was
+(no state) and saves it so (its ``param_groups`` only); :func:`fit_target` loads a checkpoint
+saved so into a fresh optimizer again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["optimizer_state_dict", "fit_target"]
+
+
+def optimizer_state_dict(module: Any, optimizer: Any) -> dict[str, Any]:
+    """``get_optimizer_state_dict(module, optimizer)``; an optimizer with no state yet is left
+    without one, and its state dict holds its ``param_groups`` and an empty ``state``."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    fresh = not optimizer.state
+    osd = get_optimizer_state_dict(module, optimizer)
+    if fresh:
+        optimizer.state.clear()  # Optimizer.state is a defaultdict: lazily made again at the first step
+        osd = {**osd, "state": {}}
+    return osd
+
+
+def fit_target(osd: dict[str, Any], key: str, md: Any) -> None:
+    """An optimizer's load target (``osd``: ``get_optimizer_state_dict`` of the live one, its state
+    made if it had none, to be loaded into) made
+    to what the checkpoint under ``key`` holds: no ``state`` when it was saved with none (the
+    optimizer's ``load_state_dict`` then leaves the live one fresh), and none of the
+    hyperparameters it does not hold -- ones a later torch added (AdamW's
+    ``decoupled_weight_decay`` from 2.7 on, absent from a torch 2.6 checkpoint), which the
+    optimizer's ``load_state_dict`` gives their default, as for any state dict an older torch wrote."""
+    saved = md.state_dict_metadata
+    if not any(name.startswith(f"{key}.state.") for name in saved):
+        osd["state"] = {}
+    for i, group in enumerate(osd.get("param_groups", [])):
+        for name in [n for n in group if n != "params" and f"{key}.param_groups.{i}.{n}" not in saved]:
+            del group[name]
