@@ -338,9 +338,14 @@ def plot(res: dict[str, Any], path: str) -> None:
         ax.invert_yaxis()
         ax = axes[gi][3]
         held = [r for r in saves if r.get("kept") is not None]
-        ax.barh([r["case"] for r in held], [max(0.0, r["kept_frac"]) for r in held],
-                color=[_colour(r["case"]) for r in held])
-        ax.set_xlabel("host memory kept between saves / state bytes of the rank (its processes included)")
+        own = [max(0.0, r["kept_frac"]) * (1 - r.get("kept_children", 0) / r["kept"] if r["kept"] > 0 else 1)
+               for r in held]
+        ax.barh([r["case"] for r in held], own, color=[_colour(r["case"]) for r in held])
+        ax.barh([r["case"] for r in held], [max(0.0, r["kept_frac"]) - o for r, o in zip(held, own)], left=own,
+                color=[_colour(r["case"]) for r in held], alpha=0.4, hatch="//", label="in its processes")
+        if any(r.get("kept_children", 0) > 0 for r in held):
+            ax.legend(fontsize=7)
+        ax.set_xlabel("kept / state bytes of the rank")
         ax.set_title("memory kept between saves", fontsize=9)
         ax.invert_yaxis()
     passed = ", ".join(f"{k} {'PASS' if t['pass'] else 'FAIL'}" for k, t in res["targets"].items())
