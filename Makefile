@@ -15,7 +15,7 @@ PACKAGES := -e packages/core -e packages/backend-fs -e packages/strategy-fsdp2 -
             -e packages/integration-roll -e packages/integration-torchtitan -e packages/integration-verl -e ".[all,dev]"
 SOURCES := pyproject.toml packages/*/pyproject.toml matrix/legs.py
 
-.PHONY: venv demo test test-leg leg-venv test-matrix test-reliability bench bench-check bench-leg bench-torchtitan docs wheels clean
+.PHONY: venv demo test test-leg leg-venv test-matrix test-reliability bench bench-check bench-peers bench-leg bench-torchtitan docs wheels clean
 
 venv: $(STAMP)
 
@@ -67,16 +67,42 @@ RELIABILITY_SOAK_SAVES ?= 40
 test-reliability: venv
 	ROLL_CKPT_KILLS=$(RELIABILITY_KILLS) ROLL_CKPT_SOAK_SAVES=$(RELIABILITY_SOAK_SAVES) $(PY) -m pytest -q -n $(TEST_WORKERS) $(TEST_DIST) tests/reliability tests/backend_fs/test_network_faults.py $(PYTEST_ARGS)
 
-# Benchmark: stall, memory and throughput against DCP, torch.save and the disk, in one run
-# (--quick: <= 3 min on 2 cores; BENCH_ARGS=--full for larger states). Writes
+# Benchmark: stall, memory and throughput against DCP, torch.save, the peer libraries and the
+# disk, in one run (--quick; BENCH_ARGS=--full for larger states). Writes
 # bench/results/latest.{json,md,png}; bench-check exits non-zero when a target fails.
 # The package bench/ (python -m bench.<name> for the others: scale, recovery, soak, ...).
 BENCH_ARGS ?= --quick
-bench: venv
-	$(PY) -m bench $(BENCH_ARGS)
+bench: venv bench-peers
+	$(BENCH_PY) -m bench $(BENCH_ARGS)
 
-bench-check: venv
-	$(PY) -m bench --check $(BENCH_ARGS)
+bench-check: venv bench-peers
+	$(BENCH_PY) -m bench --check $(BENCH_ARGS)
+
+# The peer libraries the benchmark measures beside roll-ckpt (bench/peers.py). They are not
+# dependencies of roll-ckpt or of its tests, so they go into the benchmark's own venv,
+# .venv-bench, which sees .venv's packages beneath its own (a .pth file that adds .venv's
+# site-packages: torch and roll-ckpt are not installed twice). ByteCheckpoint declares
+# torch<=2.5 and pins protobuf 3.20, older than Ray's in .venv: it is installed without its
+# dependencies, which are named here from its metadata (torch left out).
+BENCH_VENV := .venv-bench
+BENCH_PY := $(BENCH_VENV)/bin/python
+BENCH_STAMP := $(BENCH_VENV)/.installed
+PEERS := torch-checkpointing==0.1.1
+PEERS_NO_DEPS := bytecheckpoint==0.0.2
+PEERS_DEPS := grpcio==1.69.0 protobuf==3.20.3 "mmh3>=4.1.0,<=4.2.0" "universal-pathlib>=0.2.2,<=1.0.0" \
+              "cachetools>=5.4.0,<=10.0.0"
+bench-peers: $(BENCH_STAMP)
+
+$(BENCH_STAMP): $(STAMP) Makefile
+	test -x $(BENCH_PY) || $(PYTHON) -m venv $(BENCH_VENV)
+	echo "import site; site.addsitedir('$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')')" \
+	  > "$$($(BENCH_PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/roll_ckpt_venv.pth"
+	$(BENCH_PY) -m pip install -q --upgrade pip
+	$(BENCH_PY) -m pip install -q --no-compile $(PEERS) $(PEERS_DEPS)
+	$(BENCH_PY) -m pip install -q --no-compile --no-deps $(PEERS_NO_DEPS)
+	$(BENCH_PY) -c 'import bench.peers as p, sys; bad = {k: c().why_not() for k, c in p.PEERS.items()}; \
+	  [print(k, why) for k, why in bad.items() if why]; sys.exit(any(bad.values()))'
+	touch $(BENCH_STAMP)
 
 # The same benchmark in one leg's venv (LEG=roll-2.8: ROLL's torch 2.8 stack), built first if
 # missing; into bench/results/<leg>/ (docs/benchmark.md compares it with the default leg's).
@@ -103,4 +129,4 @@ wheels: venv
 	$(PIP) wheel -q --no-deps -w dist "omegaconf==$$($(PY) -c 'import omegaconf; print(omegaconf.__version__)')" "antlr4-python3-runtime==4.9.3"
 
 clean:
-	rm -rf $(VENV) .matrix output .pytest_cache site
+	rm -rf $(VENV) $(BENCH_VENV) .matrix output .pytest_cache site

@@ -72,20 +72,28 @@ class Model(torch.nn.Module):
         return self.head(x)
 
 
+def build(tensors: int, device: str = "cpu") -> tuple[Model, torch.optim.Optimizer]:
+    """A :class:`Model` of about ``tensors`` tensors with AdamW (each block its own FSDP2 unit),
+    one step taken so that AdamW's state exists. Also the state of :mod:`bench.worker`'s
+    ``tensors`` group."""
+    blocks = max(1, round((tensors - FIXED) / PER_BLOCK))
+    mesh = init_device_mesh(device, (dist.get_world_size(),))
+    torch.manual_seed(0)
+    model = Model(blocks).to(device)
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh, **fsdp2_options(mesh.device_type))
+    fully_shard(model, mesh=mesh, **fsdp2_options(mesh.device_type))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model(torch.randn(2, 8192, device=device)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return model, opt
+
+
 class Point:
     def __init__(self, tensors: int, scratch: str, device: str = "cpu") -> None:
-        blocks = max(1, round((tensors - FIXED) / PER_BLOCK))
         self.dir = os.path.join(scratch, f"many-{tensors}")
-        mesh = init_device_mesh(device, (dist.get_world_size(),))
-        torch.manual_seed(0)
-        self.model = Model(blocks).to(device)
-        for b in self.model.blocks:
-            fully_shard(b, mesh=mesh, **fsdp2_options(mesh.device_type))
-        fully_shard(self.model, mesh=mesh, **fsdp2_options(mesh.device_type))
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
-        self.model(torch.randn(2, 8192, device=device)).pow(2).mean().backward()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+        self.model, self.opt = build(tensors, device)
         self.state = {"model": self.model, "optimizer": self.opt}
         self.tensors, self.state_bytes = state_size(self.model, self.opt)
         self.pg = dist.new_group(backend="gloo")

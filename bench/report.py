@@ -5,7 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 MB = 1 << 20
-GROUP_TITLES = {"target": "target state", "small": "small state", "small-1": "small state"}
+GROUP_TITLES = {"target": "target state", "small": "small state", "small-1": "small state", "target-1": "target state",
+                "tensors": "many-tensors state", "tensors-1": "many-tensors state"}
+COLOURS = {"rc_": "tab:blue", "tc_": "tab:orange", "bcp_": "tab:green"}
+"""roll-ckpt, torch-checkpointing, ByteCheckpoint; torch/DCP grey."""
+
+
+def _colour(case: str) -> str:
+    return next((c for p, c in COLOURS.items() if case.startswith(p)), "tab:gray")
 
 
 def _f(x: Any, fmt: str = "{:.3f}", none: str = "—") -> str:
@@ -38,11 +45,14 @@ def markdown(res: dict[str, Any]) -> str:
         f"(2 files at once {_f(lim.get('disk_read2_gbps'), '{:.2f}')} GB/s), "
         f"memcpy {_f(lim.get('memcpy_gbps'), '{:.1f}')} GB/s (into fresh memory {_f(lim.get('memcpy_fresh_gbps'), '{:.1f}')} GB/s).",
         "",
-        "| state | ranks | case | blocked | durable after | GB/s | extra peak RSS | copied at staging |",
-        "|---|---:|---|---:|---:|---:|---:|---:|",
+        "| state | ranks | case | blocked | durable after | GB/s | extra peak RSS | kept between saves | "
+        "copied at staging |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in res["cases"]:
         state = f"{GROUP_TITLES.get(r['group'], r['group'])} {r['state_bytes'] / MB:.0f} MiB"
+        if r["group"].startswith("tensors") and r.get("tensors"):
+            state += f", {r['tensors']:,} tensors"
         rss = f"{r['extra_rss'] / MB:.0f} MiB ({r['extra_rss_frac']:.2f}×)" if r.get("extra_rss") is not None else "—"
         copied = f"{r['copied'] / MB:.0f} MiB" if r.get("copied") else "0"
         blocked = _ms(r["blocked_s"]) if r["kind"] != "load" else "(load)"
@@ -50,8 +60,19 @@ def markdown(res: dict[str, Any]) -> str:
             blocked = f"(load; {r['read_per_byte']:.2f} B read from storage / B)"
         if r.get("staged_s") is not None:
             blocked += f" (copy done {_ms(r['staged_s'])})"
-        lines.append(f"| {state} | {r['ranks']} | `{r['case']}` {r['title']} | {blocked} | {_ms(r['durable_s'])} | "
-                     f"{_f(r.get('gbps'), '{:.2f}')} | {rss} | {copied} |")
+        if r.get("call_s") is not None:
+            blocked += f" (the call: {_ms(r['call_s'])})"
+        durable = _ms(r["durable_s"])
+        if r.get("written_s") is not None:
+            durable += f" (written, before the fsync: {_ms(r['written_s'])})"
+        kept = "—"
+        if r.get("kept") is not None:
+            kept = f"{max(0, r['kept']) / MB:.0f} MiB ({max(0.0, r['kept_frac']):.2f}×)"
+            if r.get("kept_children", 0) > MB:
+                kept += f", {r['kept_children'] / MB:.0f} MiB of it in its processes"
+        lines.append(f"| {state} | {r['ranks']} | `{r['case']}` {r['title']} | {blocked} | {durable} | "
+                     f"{_f(r.get('gbps'), '{:.2f}')} | {rss} | {kept} | {copied} |")
+    lines += _peers_md(res)
     if res.get("unavailable"):
         lines += ["", f"Not run on torch {m.get('torch')} (each a DCP option a newer release has; "
                   "the targets that compare with it are not reached here):", ""]
@@ -99,6 +120,15 @@ def markdown(res: dict[str, Any]) -> str:
                      f"{_f(t.get('extra_rss_frac'), '{:.2f}')}× (<= 1.1; dcp {_f(t.get('dcp_extra_rss_frac'), '{:.2f}')}×); "
                      f"cold (staging buffers dropped first): {_ms((t.get('cold') or {}).get('blocked_s'))}, extra RSS "
                      f"{_f((t.get('cold') or {}).get('extra_rss_frac'), '{:.2f}')}×")
+        if t.get("per_state") is not None:  # T20-T25: each state and rank count, the worst first
+            per = sorted(t["per_state"], key=lambda x: -x["ratio"])
+            extra = "; " + ", ".join(
+                f"{_state(x)}: {x['ratio']:.2f} ({_ms(x['ours_s'])} vs {_ms(x['peer_s'])}"
+                + (f", its call {_ms(x['peer_call_s'])}" if x.get("peer_call_s") else "") + ")" for x in per)
+            if t.get("not_run"):
+                extra += f"; not run: {t['not_run']}"
+            if t.get("open"):
+                extra += f"; **{t['open']}**"
         lines.append(f"| {k} | {_f(t['value'])} | {t['op']} {t['limit']} | {'PASS' if t['pass'] else '**FAIL**'} | "
                      f"{t['what']}{extra} |")
     for problem in res.get("invariants", []):
@@ -112,6 +142,32 @@ def markdown(res: dict[str, Any]) -> str:
               "extra peak RSS: max over ranks of the peak above the RSS just before the call (× the rank's state bytes).",
               ""]
     return "\n".join(lines)
+
+
+def _state(x: dict[str, Any]) -> str:
+    """A state and rank count of T20-T25, in words."""
+    what = f"{x['tensors']:,} tensors" if str(x["group"]).startswith("tensors") else f"{x['state_mib']:.0f} MiB"
+    return f"{what}, {x['ranks']} rank{'s' if x['ranks'] != 1 else ''}"
+
+
+def _peers_md(res: dict[str, Any]) -> list[str]:
+    """The peer libraries: the release and settings each ran with, those not run and why."""
+    pr = res.get("peers")
+    if not pr:
+        return []
+    out = ["", "**Peer libraries** (`tc_*`, `bcp_*`; bench/peers.py), each on its own public API in the same "
+               "alternation and on the same state:", ""]
+    for key, p in pr.get("peers", {}).items():
+        out.append(f"- {p['title']} {p['version']} (`{key}_*`): {p['settings']}.")
+    for name, why in (pr.get("cannot_run") or {}).items():
+        out.append(f"- {name}: {why}.")
+    if pr.get("unavailable"):
+        out += ["", "Peer cases not run in this run:", ""]
+        out += [f"- `{case}`: {why}" for case, why in sorted(pr["unavailable"].items())]
+    out += ["", "kept between saves: what the rank holds after two saves of the case, each alone and waited "
+                "for until durable, against before its first (RSS, plus the unique memory of the child processes "
+                "it started: a writer process, a gRPC server); freed heap is given back first."]
+    return out
 
 
 LIMITS_TEXT = [
@@ -245,15 +301,18 @@ def plot(res: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = [g for g in ("target", "small", "small-1") if any(r["group"] == g for r in res["cases"])]
-    fig, axes = plt.subplots(len(groups), 3, figsize=(17, 4.2 * len(groups)), squeeze=False)
+    order = ("target", "target-1", "tensors", "tensors-1", "small", "small-1")
+    groups = [g for g in order if any(r["group"] == g for r in res["cases"])]
+    fig, axes = plt.subplots(len(groups), 4, figsize=(22, 4.2 * len(groups)), squeeze=False)
     lim = res["limits"]
     for gi, g in enumerate(groups):
         rows = [r for r in res["cases"] if r["group"] == g]
         saves = [r for r in rows if r["kind"] == "save"]
-        colour = ["tab:blue" if r["case"].startswith("rc_") else "tab:gray" for r in saves]
+        colour = [_colour(r["case"]) for r in saves]
         names = [r["case"] for r in saves]
         title = f"{GROUP_TITLES.get(g, g)} {rows[0]['state_bytes'] / MB:.0f} MiB, {rows[0]['ranks']} rank(s)"
+        if g.startswith("tensors") and rows[0].get("tensors"):
+            title += f", {rows[0]['tensors']:,} tensors"
         ax = axes[gi][0]
         ax.barh(names, [max(r["blocked_s"], 1e-4) * 1e3 for r in saves], color=colour)
         ax.set_xscale("log")
@@ -262,8 +321,7 @@ def plot(res: dict[str, Any], path: str) -> None:
         ax.invert_yaxis()
         ax = axes[gi][1]
         allr = saves + [r for r in rows if r["kind"] == "load"]
-        ax.barh([r["case"] for r in allr], [r.get("gbps") or 0 for r in allr],
-                color=["tab:blue" if r["case"].startswith("rc_") else "tab:gray" for r in allr])
+        ax.barh([r["case"] for r in allr], [r.get("gbps") or 0 for r in allr], color=[_colour(r["case"]) for r in allr])
         if g == "target" and lim.get("disk_write_gbps"):
             ax.axvline(max(lim.get("disk_write_gbps") or 0, lim.get("disk_write2_gbps") or 0), color="tab:red",
                        ls="--", label="fdatasync write")
@@ -279,12 +337,24 @@ def plot(res: dict[str, Any], path: str) -> None:
         ax.axvline(0.05, color="tab:red", ls="--", label="T2 limit 0.05")
         ax.legend(fontsize=7)
         ax.set_xlabel("extra peak RSS / state bytes of the rank")
-        ax.set_title("memory", fontsize=9)
+        ax.set_title("memory during the save", fontsize=9)
+        ax.invert_yaxis()
+        ax = axes[gi][3]
+        held = [r for r in saves if r.get("kept") is not None]
+        own = [max(0.0, r["kept_frac"]) * (1 - r.get("kept_children", 0) / r["kept"] if r["kept"] > 0 else 1)
+               for r in held]
+        ax.barh([r["case"] for r in held], own, color=[_colour(r["case"]) for r in held])
+        ax.barh([r["case"] for r in held], [max(0.0, r["kept_frac"]) - o for r, o in zip(held, own)], left=own,
+                color=[_colour(r["case"]) for r in held], alpha=0.4, hatch="//", label="in its processes")
+        if any(r.get("kept_children", 0) > 0 for r in held):
+            ax.legend(fontsize=7)
+        ax.set_xlabel("kept / state bytes of the rank")
+        ax.set_title("memory kept between saves", fontsize=9)
         ax.invert_yaxis()
     passed = ", ".join(f"{k} {'PASS' if t['pass'] else 'FAIL'}" for k, t in res["targets"].items())
     m = res["machine"]
-    fig.suptitle(f"roll-ckpt ({'blue'}) vs torch/DCP (grey) — {res['mode']}, {m.get('cpus')} cores, "
-                 f"{m.get('device')}; {passed}", fontsize=11)
+    fig.suptitle(f"roll-ckpt (blue) vs torch/DCP (grey), torch-checkpointing (orange), ByteCheckpoint (green) — "
+                 f"{res['mode']}, {m.get('cpus')} cores, {m.get('device')}\n{passed}", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

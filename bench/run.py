@@ -1,4 +1,4 @@
-"""roll-ckpt benchmark: stall, memory and throughput against DCP, torch.save and the disk.
+"""roll-ckpt benchmark: stall, memory and throughput against DCP, torch.save, the peer libraries and the disk.
 
     python -m bench [--smoke|--quick|--full] [--check] [--device cpu|cuda] [--out DIR]   (or python -m bench.run)
 
@@ -18,6 +18,14 @@ writes DIR/scale.{json,md,png}. Writes DIR/latest.json, DIR/latest.md, DIR/lates
 DIR/tensors.png (default DIR: bench/results). Every run also times ``import roll_ckpt`` in fresh
 interpreters (:mod:`bench.importcost`: the row ``import``, which also fails when that import
 brings in numpy or torch.distributed). ``--check`` exits 1 when a target fails.
+
+The peer libraries a user would pick instead (:mod:`bench.peers`: torch-checkpointing,
+ByteCheckpoint) are cases of the same alternation on the same states: the target state on
+2 ranks (with every other case) and on 1, and the group ``tensors`` (3,000 small tensors) on
+both; T18-T23 are roll-ckpt / peer ratios (blocked, durable, resume), the worst state and rank
+count deciding. Every save case also reports the host memory it keeps between saves.
+``make bench`` runs in ``.venv-bench`` (``make bench-peers``), where the peers are installed;
+elsewhere their cases are listed as not run, and T18-T23 fail.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ import tempfile
 import time
 from typing import Any
 
-from . import importcost
+from . import importcost, peers
 from .common import median
 from .launch import RESULTS, ROOT, child_env, module, torchrun
 from .scale_limits import OPS_LIMIT, T12_LIMIT, T13_LIMIT
@@ -43,11 +51,19 @@ MB = 1 << 20
 
 # The cases of each group; the limits run inside the alternation of the "target" group.
 LIMITS = ["limit_write", "limit_write2", "limit_write_direct", "limit_read", "limit_read2", "limit_memcpy", "limit_memcpy_fresh"]
+# The peer libraries' cases (bench/peers.py; torch-checkpointing, ByteCheckpoint).
+PEER_CASES = ["tc_save", "tc_async", "tc_load", "bcp_save", "bcp_async", "bcp_load"]
 # Loads sit between saves, never next to each other: a load right after another one ran
 # measurably slower here (whichever came second), and the alternation would then favour
 # one of them.
-TARGET_CASES = ["dcp_async", "rc_load", "rc_async_zc_all", "dcp_save", "dcp_load", "rc_save", "rc_load_stream",
-                "rc_save_t1"]
+TARGET_CASES = ["dcp_async", "rc_load", "rc_async_zc_all", "tc_async", "dcp_load", "dcp_save", "tc_load", "rc_save",
+                "bcp_load", "bcp_async", "rc_load_stream", "rc_async", "rc_save_t1", "tc_save", "bcp_save"]
+# roll-ckpt, DCP and the peers on the same state: the 1-rank run of the target state and
+# both runs of the many-tensors state (T18-T23).
+COMPARE_CASES = ["dcp_async", "rc_load", "rc_async", "tc_async", "dcp_load", "rc_async_zc_all", "bcp_async",
+                 "tc_load", "rc_save", "dcp_save", "bcp_load", "tc_save", "bcp_save"]
+PEER_GROUPS = ["target", "target-1", "tensors", "tensors-1"]
+"""The groups the peers run in (a group on 1 rank is reported as ``<name>-1``)."""
 # T8: regular staging within a budget (x the rank's state), cold staging buffers.
 BUDGET_CASES = ["rc_budget_0.1", "rc_budget_0.25", "rc_budget_0.5", "rc_budget_none"]
 ALL_CASES = ["torch_save", "rc_load", "dcp_save", "dcp_async", "dcp_async_stager", "rc_save", "dcp_load",
@@ -64,17 +80,18 @@ MODES: dict[str, dict[str, Any]] = {
     # before as after its neighbours.
     # loop (T6): Linear(width, width) x depth + AdamW on 1 rank, ~100 MiB in 512 tensors;
     # many (T7): tensor counts of the sweep.
-    "quick": {"reps": 4, "target": (2048, 11), "small": (2048, 2), "warmup": False,
+    # tensors: the many-tensors state (bench.many.build) the peers are compared on too.
+    "quick": {"reps": 4, "target": (2048, 11), "small": (2048, 2), "warmup": False, "tensors": 3000,
               "loop": {"width": 368, "depth": 64, "reps": 4, "window_s": 1.5},
               "many": {"points": [100, 1000, 3000], "reps": 3},
               "transformer": TRANSFORMER},
-    "full": {"reps": 6, "target": (4096, 11), "small": (2048, 11), "warmup": True,
+    "full": {"reps": 6, "target": (4096, 11), "small": (2048, 11), "warmup": True, "tensors": 3000,
              "loop": {"width": 368, "depth": 64, "reps": 5, "window_s": 2.0},
              "many": {"points": [100, 1000, 3000, 10000], "reps": 5},
              "transformer": {**TRANSFORMER, "reps": 5}},
     # Every case once, in one 2-rank group: checks the harness end to end, not the speed
     # (a fixed K of 2 steps for the loop and transformer groups, 1 torch thread a rank in the loop).
-    "smoke": {"reps": 1, "target": (256, 2), "small": (256, 2), "warmup": False, "one_group": True,
+    "smoke": {"reps": 1, "target": (256, 2), "small": (256, 2), "warmup": False, "one_group": True, "tensors": 200,
               "ranks": "2", "loop": {"width": 64, "depth": 4, "reps": 1, "steps": 2, "threads": 1, "cpu_reps": 1},
               "many": {"points": [100, 300], "reps": 1},
               "transformer": {**TRANSFORMER, "layers": 2, "reps": 1, "steps": 2}},
@@ -213,6 +230,8 @@ def summarise(group: dict[str, Any], name: str, case: dict[str, Any]) -> dict[st
         hash_frac = max((x.get("hash_s") or 0.0) / (x.get("threads") or 1) / x["durable_s"] if x["durable_s"] else 0.0
                         for x in ranks)
         staged = [x["staged_s"] for x in ranks if x.get("staged_s") is not None]
+        call = [x["call_s"] for x in ranks if x.get("call_s") is not None]
+        written = [x["written_s"] for x in ranks if x.get("written_s") is not None]
         read = [x["read_bytes"] for x in ranks if x.get("read_bytes") is not None]
         per_rep.append({
             "blocked_s": blocked, "durable_s": durable, "bytes": r["bytes"],
@@ -220,14 +239,21 @@ def summarise(group: dict[str, Any], name: str, case: dict[str, Any]) -> dict[st
             "extra_rss": max(x["extra_rss"] for x in ranks), "extra_rss_frac": frac,
             "copied": sum(x.get("copied") or 0 for x in ranks), "hash_frac": hash_frac,
             "staged_s": max(staged) if staged else None,
+            "call_s": max(call) if call else None, "written_s": max(written) if written else None,
             "policies": ranks[0].get("policies"),
             # bytes fetched from storage (all ranks) per byte of the checkpoint: 1.0 = one pass
             "read_per_byte": sum(read) / r["bytes"] if read and r["bytes"] else None,
         })
     for key in ("blocked_s", "durable_s", "bytes", "gbps", "extra_rss", "extra_rss_frac", "copied", "hash_frac",
-                "staged_s", "read_per_byte"):
+                "staged_s", "call_s", "written_s", "read_per_byte"):
         row[key] = median([p[key] for p in per_rep])
     row["state_bytes"] = sum(x["state_bytes"] for x in reps[0]["ranks"])
+    row["tensors"] = group.get("tensors")
+    if case.get("kept"):  # host memory kept between saves (max over ranks; child processes' USS included)
+        row["kept"] = max(k["rss"] + k["children"] for k in case["kept"])
+        row["kept_children"] = max(k["children"] for k in case["kept"])
+        row["kept_frac"] = max((k["rss"] + k["children"]) / x["state_bytes"] if x["state_bytes"] else 0.0
+                               for k, x in zip(case["kept"], reps[0]["ranks"]))
     row["policies"] = per_rep[0]["policies"]
     row["raw"] = per_rep
     return row
@@ -550,9 +576,56 @@ def targets(rows: list[dict[str, Any]], limits: dict[str, Any], extra: dict[str,
                            verl_s=(vr.get("verl") or {}).get("blocked_s"), durable_ratio=vr.get("ratio_durable"),
                            error=vr.get("error"))
 
+    # T20-T25: against the peer libraries (bench/peers.py), on every state and number of ranks
+    # both ran on; the worst ratio of them decides. Never absolute times: ratios of the same run.
+    peer_why = (extra.get("peers") or {}).get("unavailable") or {}
+    for key, (ours, peer, field, limit, what, open_) in PEER_TARGETS.items():
+        per = []
+        for g in PEER_GROUPS:
+            a, b = find(rows, g, ours), find(rows, g, peer)
+            if a and b and a.get(field) is not None and b.get(field):
+                per.append({"group": g, "ranks": a["ranks"], "state_mib": a["state_bytes"] / MB,
+                            "tensors": a.get("tensors"), "ours_s": a[field], "peer_s": b[field],
+                            "ratio": a[field] / b[field], **({"peer_call_s": b["call_s"]} if b.get("call_s") else {})})
+        worst = max(per, key=lambda x: x["ratio"]) if per else None
+        t = entry(worst and worst["ratio"], limit, True, what, ours=ours, peer=peer, field=field, per_state=per,
+                  worst=worst and {k: worst[k] for k in ("group", "ranks", "state_mib", "tensors")})
+        if not per:
+            t["not_run"] = (peer_why.get(peer) or peer_why.get(ours)
+                            or "its cases did not run (the groups target, tensors)")
+        if open_:
+            t["open"] = open_
+        out[key] = t
+
     # import roll_ckpt in a fresh interpreter: its time, and neither numpy nor torch.distributed
     out["import"] = importcost.target(extra.get("import"))
     return out
+
+
+LOAD_OPEN = ("known open target (issue 38 item 2): roll-ckpt's resume of a state of many tensors is slower than "
+             "the peers'; it fails until that work lands")
+PEER_TARGETS: dict[str, tuple[str, str, str, float, str, str | None]] = {
+    "T20": ("rc_async", "tc_async", "blocked_s", 1.0,
+            "blocked time, roll-ckpt async regular staging / torch-checkpointing async counted until its staging "
+            "lock is free (the next optimizer.step() may run; its call alone returns sooner), worst state and rank "
+            "count", None),
+    "T21": ("rc_async", "bcp_async", "blocked_s", 1.0,
+            "blocked time, roll-ckpt async regular staging / ByteCheckpoint fast_saving, worst state and rank count",
+            None),
+    "T22": ("rc_async", "tc_async", "durable_s", 1.0,
+            "async save until durable, roll-ckpt / torch-checkpointing (its write future, then an fsync of its "
+            "files: it never fsyncs), worst state and rank count", None),
+    "T23": ("rc_async", "bcp_async", "durable_s", 1.0,
+            "async save until durable, roll-ckpt / ByteCheckpoint fast_saving (it fsyncs its files), worst state "
+            "and rank count", None),
+    "T24": ("rc_load", "tc_load", "durable_s", 1.0,
+            "resume time (cold page cache), roll-ckpt (verify, then load) / torch-checkpointing load + "
+            "set_state_dict, worst state and rank count", LOAD_OPEN),
+    "T25": ("rc_load", "bcp_load", "durable_s", 1.0,
+            "resume time (cold page cache), roll-ckpt (verify, then load) / ByteCheckpoint load, worst state and "
+            "rank count", LOAD_OPEN),
+}
+"""Target -> (roll-ckpt's case, the peer's case, the figure compared, limit (ratio <=), what, open)."""
 
 
 # ----------------------------------------------------------------------------- main
@@ -570,8 +643,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scratch", default=None, help="where checkpoints are written (default: next to --out)")
     p.add_argument("--reps", type=int, default=None)
     p.add_argument("--ranks", default=None, help="world sizes to run (default 2,1)")
-    p.add_argument("--groups", default="small,target,many,loop,transformer,scale",
-                   help="groups to run (small, target: state groups; many: T7's sweep; loop: T6's save CPU and "
+    p.add_argument("--groups", default="small,target,tensors,many,loop,transformer,scale",
+                   help="groups to run (small, target, tensors: state groups, tensors the many-tensors state the peers "
+                        "are compared on too; many: T7's sweep; loop: T6's save CPU and "
                         "training loop; transformer: T10/T11, a Hugging Face Llama on FSDP2; scale: T12-T14, "
                         "bench.scale's simulated ranks and real jobs; not run by default: torchtitan, T18, "
                         "torchtitan's checkpoint manager against roll-ckpt's, bench.torchtitan, in an interpreter "
@@ -599,7 +673,9 @@ def main(argv: list[str] | None = None) -> int:
     limits: dict[str, Any] = {}
     invariants: list[str] = []
     unavailable: dict[str, str] = {}
-    extra: dict[str, Any] = {"hash": hash_cost(), "import": importcost.measure(), "skipped": []}
+    peers_unavailable: dict[str, str] = {}
+    extra: dict[str, Any] = {"hash": hash_cost(), "import": importcost.measure(), "skipped": [],
+                             "peers": {**peers.describe(), "unavailable": peers_unavailable}}
     if mode == "full":
         ok, why = cgroup_memory()
         if not ok:
@@ -626,17 +702,24 @@ def main(argv: list[str] | None = None) -> int:
                 cases = list(dict.fromkeys(TARGET_CASES + ALL_CASES + BUDGET_CASES + LIMITS))
                 groups.append({"name": "target", "width": w, "depth": d, "reps": reps, "warmup": False,
                                "cases": cases})
+                groups.append({"name": "tensors", "tensors": cfg["tensors"], "reps": reps, "warmup": False,
+                               "cases": COMPARE_CASES})
                 groups.append({"name": "many", "kind": "many", **cfg["many"]})
                 groups.append({"name": "loop", "kind": "loop", **cfg["loop"]})
                 groups.append({"name": "transformer", "kind": "transformer", **cfg["transformer"]})
             if "small" in wanted:
                 groups.append({"name": "small", "width": w, "depth": d, "reps": reps, "warmup": warm,
                                "cases": ALL_CASES})
-            if nproc == max(ranks) and "target" in wanted:
+            if "target" in wanted:
+                # the whole target group on the most ranks; roll-ckpt, DCP and the peers on the
+                # same state on fewer
                 w, d = cfg["target"]
                 groups.append({"name": "target", "width": w, "depth": d, "reps": reps,
                                "warmup": warm and "small" not in wanted,
-                               "cases": TARGET_CASES + BUDGET_CASES + LIMITS})
+                               "cases": TARGET_CASES + BUDGET_CASES + LIMITS if nproc == max(ranks) else COMPARE_CASES})
+            if "tensors" in wanted:
+                groups.append({"name": "tensors", "tensors": cfg["tensors"], "reps": reps, "warmup": warm,
+                               "cases": COMPARE_CASES})
             # T6 and T7 are 1-rank measurements; T10/T11 run on the most ranks
             more = {"reps": args.reps} if args.reps else {}
             if nproc == max(ranks) and "transformer" in wanted:
@@ -650,7 +733,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[bench] {mode}: {nproc} rank(s), groups {[g['name'] for g in groups]}, {reps} rep(s)", flush=True)
             res = run_worker(nproc, spec, scratch, timeout=1800)
             for group in res["groups"]:
-                unavailable.update(group.get("unavailable") or {})
+                for case, why in (group.get("unavailable") or {}).items():
+                    # a peer not installed is not a torch that lacks an option
+                    (peers_unavailable if case in PEER_CASES else unavailable)[case] = why
                 if group.get("kind") == "loop":
                     extra["loop"] = summarise_loop(group)
                     continue
@@ -664,7 +749,7 @@ def main(argv: list[str] | None = None) -> int:
                 for name, case in group["cases"].items():
                     row = summarise(group, name, case)
                     if group["world_size"] == 1:
-                        row["group"] = "small-1"
+                        row["group"] = f"{group['name']}-1"
                     rows.append(row)
         if "scale" in set(args.groups.split(",")):
             extra["scale"] = run_scale(mode, args.out, no_plot=args.no_plot)

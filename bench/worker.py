@@ -2,11 +2,15 @@
 
     python -m torch.distributed.run --standalone --nproc_per_node N -m bench.worker SPEC.json OUT.json
 
-SPEC lists groups (a state size and the cases to run on it). Every case of a group runs
-on the same FSDP2 model + AdamW state, ``reps`` times, the order reversed on every other
+SPEC lists groups (a state and the cases to run on it: ``width`` x ``depth`` Linear layers,
+or ``tensors``, :func:`bench.many.build`'s many small ones). Every case of a group runs on the
+same FSDP2 model + AdamW state, ``reps`` times, the order reversed on every other
 repetition. Per case and repetition each rank measures its own blocking time, time until
 durable, extra peak RSS (sampled every millisecond, plus the kernel's high-water mark)
-and the bytes it copied while staging; rank 0 gathers them and writes OUT.json.
+and the bytes it copied while staging; rank 0 gathers them and writes OUT.json. Before the
+repetitions each save case of :data:`KEPT_CASES` saves twice alone: the host memory it then
+keeps between saves (:func:`kept`) is measured, and it is warm for the repetitions. The peer
+libraries' cases (``tc_*``, ``bcp_*``) drive :mod:`bench.peers`' adapters.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ from roll_ckpt.runtime.torch_compat import TorchCompatError, default_stager, fsd
 from roll_ckpt import CheckpointManager, load_config
 from roll_ckpt.format import digest as _digest
 
-from .common import PeakRSS, drop_cache, io_read_bytes, state_size, tree_bytes, tree_files
+from . import peers
+from .common import PeakRSS, drop_cache, io_read_bytes, rss_bytes, state_size, tree_bytes, tree_files
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 warnings.filterwarnings("ignore", message=".*Detected an existing checkpoint.*")
@@ -109,11 +114,18 @@ class Group:
         self.spec = spec
         self.rank = dist.get_rank()
         self.dir = os.path.join(scratch, self.name)
-        self.model, self.opt = build(spec["width"], spec["depth"])
+        if spec.get("tensors"):
+            from .many import build as build_blocks
+
+            self.model, self.opt = build_blocks(spec["tensors"], DEVICE)
+        else:
+            self.model, self.opt = build(spec["width"], spec["depth"])
         self.state = {"model": self.model, "optimizer": self.opt}
-        self.state_bytes = local_bytes(self.model, self.opt)
+        self.tensors, self.state_bytes = state_size(self.model, self.opt)
         self.pg = dist.new_group(backend="gloo")  # checkpoint collectives off FSDP's group
         self.step = 0
+        _trim()
+        held0 = held()
         cfg = {"checkpoint_config": {"output_dir": os.path.join(self.dir, "rc"), "timestamp_subdir": False},
                "strategy_config": {"async_save_ckpt": True}}
         self.m = CheckpointManager.from_config(load_config(cfg), quiet=True)
@@ -125,9 +137,14 @@ class Group:
         self.stager: Any = None
         self.dedup: tuple[Any, ...] | None = None
         self.invariants: list[str] = []
+        self.peer_paths: dict[str, str] = {}  # the checkpoint each peer's load reads, written once
         # The checkpoint both loaders read (roll-ckpt's dcp/ folder is a plain DCP folder).
         self.load_path = self.m.save(self.next_step(), self.state, final=True)
         self.load_bytes = tree_bytes(self.load_path) if self.rank == 0 else 0
+        _trim()
+        # what self.m's first save kept (its writer's buffers): counted in the kept memory of
+        # the cases that save through self.m
+        self.init_kept = {k: held()[k] - held0[k] for k in held0}
 
     def next_step(self) -> int:
         self.step += 1
@@ -190,6 +207,13 @@ class Case:
         self.g = g
         self.written: str | None = None
 
+    uses_group_manager = False
+    """Saves through ``g.m``, whose first save (in :class:`Group`) its kept memory includes."""
+
+    def setup(self) -> None:
+        """Once, before the group's repetitions and after :func:`kept` (a peer's load writes
+        the checkpoint it then reads)."""
+
     def prepare(self) -> None:
         pass
 
@@ -209,6 +233,19 @@ class Case:
 
     def state_bytes(self) -> int:
         return self.g.state_bytes
+
+    def load_bytes(self) -> int:
+        """A load's checkpoint bytes (rank 0; 0 elsewhere)."""
+        return self.g.load_bytes
+
+    def owned(self) -> set[int] | None:
+        """The processes whose memory this case's library keeps for it (a peer's), or ``None``:
+        then :func:`kept` counts the children that appeared during its saves."""
+        return None
+
+    def before_kept(self) -> None:
+        """Before :func:`kept` measures this case: drop what another case of the same library
+        made and this one would reuse (else whichever is measured second looks free)."""
 
 
 class TorchSave(Case):
@@ -292,6 +329,7 @@ class DCPAsyncStager(Case):
 class RCSave(Case):
     name, title = "rc_save", "roll-ckpt sync save"
     threads: int | None = None
+    uses_group_manager = True
 
     def run(self):
         g = self.g
@@ -318,6 +356,10 @@ class RCSaveT1(RCSave):
 class RCAsync(Case):
     name, title = "rc_async", "roll-ckpt async, regular staging (reused buffers)"
     offload: bool | None = None  # None: live state; False: model in the store; True: model + optimizer
+
+    @property
+    def uses_group_manager(self) -> bool:  # type: ignore[override]
+        return self.offload is not None
 
     def manager(self) -> tuple[Any, dict[str, Any]]:
         if self.offload is None:
@@ -442,6 +484,7 @@ class RCDedup(RCAsync):
     name, title = "rc_dedup", "roll-ckpt async, local_dedup store (HSDP, rebuilt + staged)"
     offload = True
     ranks_min = 2
+    uses_group_manager = False  # its own manager, on its own state
 
     def manager(self):
         m, state, _ = self.g.dedup_group()
@@ -544,10 +587,14 @@ class LimitMemcpyFresh(_Limit):
 class _Load(Case):
     kind = "load"
 
+    def source(self) -> str:
+        """The checkpoint this load reads."""
+        return self.g.load_path
+
     def prepare(self):
         dist.barrier()
         if self.g.rank == 0:
-            drop_cache(tree_files(self.g.load_path))  # cold: read from the disk, not the page cache
+            drop_cache(tree_files(self.source()))  # cold: read from the disk, not the page cache
         dist.barrier()
 
 
@@ -595,10 +642,167 @@ class DCPLoad(_Load):
         return dt, dt, {"read_bytes": io_read_bytes() - io0}
 
 
+# ----------------------------------------------------------------------------- peers
+#
+# The libraries a user would pick instead of roll-ckpt (bench/peers.py: how each saves, waits
+# and loads, its settings here). Timed as the cases above: the state dict built in the call,
+# blocked = until the training loop may change the state again, durable = until the files
+# are on the disk.
+
+
+class _Peer(Case):
+    peer = ""
+    """Its key in :data:`bench.peers.PEERS`."""
+    processes = ""
+    """Which of the adapter's processes serve this case (:meth:`bench.peers.Peer.processes`)."""
+
+    def owned(self):
+        return self.adapter().processes(self.processes)
+
+    def adapter(self) -> Any:
+        return peers.get(self.peer)
+
+    def unavailable(self):
+        return peers.PEERS[self.peer]().why_not()
+
+    def save_once(self, path: str) -> None:
+        """A save of the group's state at ``path``, waited for until durable (the load's checkpoint)."""
+        a = self.adapter()
+        if self.peer == "tc":
+            a.async_save(path, self.g.sd()).written()
+        else:
+            a.async_save(path, self.g.model, self.g.opt).written()
+        a.durable(path, self.g.rank)
+
+
+class TCSave(_Peer):
+    name, title = "tc_save", "torch-checkpointing sync save; durable: + fsync (it never fsyncs)"
+    peer, processes = "tc", "sync"
+
+    def run(self):
+        g, a = self.g, self.adapter()
+        path = g.path("tc_save")
+        t0 = time.perf_counter()
+        a.save(path, g.sd())
+        written = time.perf_counter() - t0
+        a.durable(path, g.rank)
+        self.written = path
+        return written, time.perf_counter() - t0, {"written_s": written}
+
+
+class TCAsync(_Peer):
+    name, title = ("tc_async", "torch-checkpointing async (its default; blocked: until its staging lock is free, "
+                   "i.e. the next optimizer.step() may run); durable: + fsync")
+    peer, processes = "tc", "async"
+
+    def run(self):
+        g, a = self.g, self.adapter()
+        path = g.path("tc_async")
+        t0 = time.perf_counter()
+        pending = a.async_save(path, g.sd())
+        call = time.perf_counter() - t0
+        pending.staged()
+        blocked = time.perf_counter() - t0
+        pending.written()
+        written = time.perf_counter() - t0
+        a.durable(path, g.rank)
+        self.written = path
+        return blocked, time.perf_counter() - t0, {"call_s": call, "written_s": written, "copied": g.state_bytes}
+
+
+class _BCP(_Peer):
+    peer, processes = "bcp", "server"
+
+    def before_kept(self):
+        # its staging pool and gRPC server serve its sync and async saves alike: each is
+        # measured from none, as a job that uses only that one would start
+        self.adapter().close()
+
+
+class BCPSave(_BCP):
+    name, title = "bcp_save", "ByteCheckpoint sync save (bytecheckpoint.save, fsdp2)"
+
+    def run(self):
+        g, a = self.g, self.adapter()
+        path = g.path("bcp_save")
+        t0 = time.perf_counter()
+        a.save(path, g.model, g.opt)
+        dt = time.perf_counter() - t0
+        self.written = path
+        return dt, dt, {}
+
+
+class BCPAsync(_BCP):
+    name, title = "bcp_async", "ByteCheckpoint async (fast_saving=True: the call copies the state, threads write)"
+
+    def run(self):
+        g, a = self.g, self.adapter()
+        path = g.path("bcp_async")
+        t0 = time.perf_counter()
+        pending = a.async_save(path, g.model, g.opt)
+        blocked = time.perf_counter() - t0
+        pending.written()
+        self.written = path
+        return blocked, time.perf_counter() - t0, {"copied": g.state_bytes}
+
+
+class _PeerLoad(_Load, _Peer):
+    def setup(self):
+        if self.peer not in self.g.peer_paths:
+            path = os.path.join(self.g.dir, f"{self.peer}-load")
+            self.save_once(path)
+            dist.barrier()
+            self.g.peer_paths[self.peer] = path
+
+    def source(self) -> str:
+        return self.g.peer_paths[self.peer]
+
+    def load_bytes(self) -> int:
+        return tree_bytes(self.source()) if self.g.rank == 0 else 0
+
+
+class TCLoad(_PeerLoad):
+    name, title = "tc_load", "torch-checkpointing load (mmap, into get_state_dict's tensors) + set_state_dict"
+    peer = "tc"
+
+    def run(self):
+        g = self.g
+        io0 = io_read_bytes()
+        t0 = time.perf_counter()
+        msd, osd = get_state_dict(g.model, g.opt)
+        self.adapter().load(self.source(), {"model": msd, "optimizer": osd})
+        set_state_dict(g.model, g.opt, model_state_dict=msd, optim_state_dict=osd)
+        sync()
+        dt = time.perf_counter() - t0
+        return dt, dt, {"read_bytes": io_read_bytes() - io0}
+
+
+class BCPLoad(_PeerLoad):
+    name, title = "bcp_load", "ByteCheckpoint load (bytecheckpoint.load, fsdp2)"
+    peer = "bcp"
+
+    def run(self):
+        g = self.g
+        io0 = io_read_bytes()
+        t0 = time.perf_counter()
+        self.adapter().load(self.source(), g.model, g.opt)
+        sync()
+        dt = time.perf_counter() - t0
+        return dt, dt, {"read_bytes": io_read_bytes() - io0}
+
+
+PEER_CASES = ["tc_save", "tc_async", "tc_load", "bcp_save", "bcp_async", "bcp_load"]
+
 CASES: dict[str, type[Case]] = {c.name: c for c in (
     TorchSave, DCPSave, DCPAsync, DCPAsyncStager, RCSave, RCSaveT1, RCAsync, RCAsyncZCModel, RCAsyncZCAll,
     RCDedup, RCDedupCold, DCPAsyncHSDP, RCBudget010, RCBudget025, RCBudget050, RCBudgetNone, DCPLoad, RCLoad, RCLoadStream,
-    LimitWrite, LimitWrite2, LimitWriteDirect, LimitRead, LimitRead2, LimitMemcpy, LimitMemcpyFresh)}
+    LimitWrite, LimitWrite2, LimitWriteDirect, LimitRead, LimitRead2, LimitMemcpy, LimitMemcpyFresh,
+    TCSave, TCAsync, TCLoad, BCPSave, BCPAsync, BCPLoad)}
+
+KEPT_CASES = ["torch_save", "dcp_save", "dcp_async", "rc_save", "rc_async", "rc_async_zc_all", "tc_save",
+              "tc_async", "bcp_save", "bcp_async"]
+"""The saves whose kept host memory is measured (:func:`kept`): the warm ones each library
+is used with (the budgets and the cold local_dedup case drop their buffers on purpose)."""
 
 
 # ----------------------------------------------------------------------------- driver
@@ -617,6 +821,53 @@ def _trim() -> None:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def uss(pids: set[int] | None = None) -> int:
+    """The unique memory (USS) of this process's children (``pids``: of those only)."""
+    total = 0
+    try:
+        import psutil
+
+        for child in psutil.Process().children(recursive=True):
+            if pids is None or child.pid in pids:
+                try:
+                    total += child.memory_full_info().uss
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    pass
+    except ImportError:
+        pass
+    return total
+
+
+def held() -> dict[str, int]:
+    """Host memory this rank holds: its RSS, and the USS of its child processes."""
+    return {"rss": rss_bytes(), "children": uss()}
+
+
+def kept(case: Case, saves: int = 2) -> dict[str, int]:
+    """Host memory ``case`` keeps between saves: what this rank holds after ``saves`` saves of
+    it, alone and waited for until durable, against before its first (with its manager's first
+    save in :class:`Group` where it saves through ``g.m``). Freed heap is given back first
+    (:func:`_trim`), so what is left is what the library holds on to: staging buffers, pools,
+    its processes."""
+    case.before_kept()
+    _trim()
+    dist.barrier()
+    before = held()
+    for _ in range(saves):
+        case.prepare()
+        case.run()
+        case.cleanup()
+    _trim()
+    after = held()
+    out = {k: after[k] - before[k] for k in before}
+    if case.uses_group_manager:
+        out = {k: out[k] + case.g.init_kept[k] for k in out}
+    own = case.owned()
+    if own is not None:  # a peer's processes, started by this case or an earlier one of its library
+        out["children"] = uss(own)
+    return out
 
 
 def log(msg: str) -> None:
@@ -642,7 +893,7 @@ def measure(case: Case) -> dict[str, Any]:
     nbytes = 0
     if dist.get_rank() == 0:
         if case.kind == "load":
-            nbytes = case.g.load_bytes
+            nbytes = case.load_bytes()
         elif written:
             nbytes = tree_bytes(written)
     case.cleanup()
@@ -663,7 +914,18 @@ def run_group(spec: dict[str, Any], scratch: str, out: dict[str, Any]) -> None:
     for n, why in unavailable.items():
         log(f"{g.name}: {n} not available: {why}")
     results: dict[str, list[Any]] = {n: [] for n in names}
-    log(f"{g.name}: state {g.state_bytes / 2**20:.0f} MiB/rank built in {build_s:.1f} s")
+    log(f"{g.name}: state {g.state_bytes / 2**20:.0f} MiB/rank, {g.tensors} tensors, built in {build_s:.1f} s")
+    held_kept: dict[str, list[Any]] = {}
+    t_kept = time.perf_counter()
+    for n in names:
+        if n in KEPT_CASES:
+            everyone: list[Any] = [None] * ws
+            dist.all_gather_object(everyone, kept(cases[n]))
+            held_kept[n] = everyone
+    for n in names:
+        cases[n].setup()
+    log(f"{g.name}: kept memory of {len(held_kept)} saves measured, loads set up in "
+        f"{time.perf_counter() - t_kept:.1f} s")
     if spec.get("warmup", True):
         for n in names:  # first calls pay for thread pools, process groups, staging buffers
             measure(cases[n])
@@ -675,11 +937,13 @@ def run_group(spec: dict[str, Any], scratch: str, out: dict[str, Any]) -> None:
             results[n].append(measure(cases[n]))
         log(f"{g.name}: repetition {rep + 1} took {time.perf_counter() - t_rep:.1f} s")
     g.close()
+    peers.close_all()
     out["groups"].append({
-        "name": g.name, "world_size": ws, "width": spec["width"], "depth": spec["depth"],
-        "state_bytes": g.state_bytes, "build_s": build_s,
+        "name": g.name, "world_size": ws, "width": spec.get("width"), "depth": spec.get("depth"),
+        "tensors": g.tensors, "state_bytes": g.state_bytes, "build_s": build_s,
         "checkpoint_bytes": g.load_bytes, "invariants": g.invariants,
-        "cases": {n: {"title": cases[n].title, "kind": cases[n].kind, "reps": results[n]} for n in names},
+        "cases": {n: {"title": cases[n].title, "kind": cases[n].kind, "reps": results[n],
+                      **({"kept": held_kept[n]} if n in held_kept else {})} for n in names},
         "unavailable": unavailable,
     })
     if dist.get_rank() == 0:
@@ -721,6 +985,7 @@ def main() -> None:
             with open(out_path, "w") as f:
                 json.dump(out, f)
     finally:
+        peers.shutdown_all()  # the peers' processes (a writer, a gRPC server), ended by their pids
         dist.destroy_process_group()
 
 
