@@ -277,3 +277,38 @@ def test_the_cached_state_dict_survives_storage_resized_in_place_and_not_a_swap(
     m.wait()
     assert m.strategy._state_dicts.builds == builds + 1
     m.close()
+
+
+@pytest.mark.parametrize("tier", ["persistent", "local"])
+def test_a_save_staged_in_waves_reports_the_caller_blocked_until_the_last_wave(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tier: str) -> None:
+    """Staged in waves (``max_staging_bytes``), an async save's call returns only once the last
+    wave is in, while the writer already writes: the blocked time the writer reports is the
+    whole call, recorded by the caller, not the staging alone. (The caller stays 0.4 s
+    after its last wave; the writer finishes this tiny state well before.)"""
+    from roll_ckpt import load_config
+    from roll_ckpt.save.regular_copy import WaveGate
+
+    fill, filled = WaveGate.fill, []
+
+    def slow_fill(self: WaveGate) -> None:
+        fill(self)
+        filled.append(len(self.waves))
+        time.sleep(0.4)
+
+    monkeypatch.setattr(WaveGate, "fill", slow_fill)
+    cfg = load_config({
+        "save_steps": 1 if tier == "persistent" else 100,
+        "strategy_config": {"async_save_ckpt": True, "max_staging_bytes": 1024},
+        "checkpoint_config": {"output_dir": str(tmp_path / "ckpt"),
+                              **({"local": {"dir": str(tmp_path / "local")}} if tier == "local" else {})}})
+    with CheckpointManager(cfg, quiet=True) as m:
+        t0 = time.perf_counter()
+        m.maybe_save(1, tiny_state())
+        call_s = time.perf_counter() - t0
+        m.wait()
+        last = m.last_save if tier == "persistent" else m.local_last_save
+        assert last is not None, tier
+        blocked = last.blocked_s if tier == "persistent" else last["blocked_s"]
+        assert filled and filled[0] > 1, filled  # staged in waves
+        assert blocked >= 0.4, (tier, blocked, call_s)

@@ -265,7 +265,8 @@ class SaveContext:
     bytes_copied: int = 0
     """Bytes copied while staging (0 for zero-copy tensors)."""
     blocked_s: float = 0.0
-    """Seconds the caller was blocked by this save."""
+    """Seconds an asynchronous save blocked its caller, measured by the save pipeline alone
+    (from the call until control went back to the caller)."""
     strategy: Any = None
     """The :class:`Strategy` doing the save."""
     reuse: MutableMapping[str, Any] = field(default_factory=dict)

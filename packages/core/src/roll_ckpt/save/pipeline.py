@@ -122,7 +122,7 @@ class SavePipeline:
             finally:
                 ctx.run_finished_callbacks()
                 job.plugins.hook.roll_ckpt_save_finished(save=ctx, error=error)
-            blocked = ctx.blocked_s if ctx.is_async else time.perf_counter() - t0
+            blocked = _blocked_s(ctx, time.perf_counter() - t0)
             job.local.last_save = {**(job.local.last_save or {}), "blocked_s": blocked,
                                    "policies": dict(Counter(ctx.staging.values()))}
 
@@ -132,7 +132,12 @@ class SavePipeline:
             self._policies = self.job.plugins.staging_order()
         return stage_state_dict(sd, ctx, self._policies)
     def _launch(self, ctx: SaveContext, t0: float, write: Any) -> None:
-        """Run ``write`` now, or in the writer thread for an asynchronous save."""
+        """Run ``write`` now, or in the writer thread for an asynchronous save.
+
+        The one place that measures how long an asynchronous save blocked its caller
+        (``ctx.blocked_s``, from ``t0``, the call, until control goes back to it): before the
+        write is submitted, or, staged in waves, once the last wave is in (the writer reads it
+        after ``caller_done``, :func:`_blocked_s`). A synchronous save blocks for all of it."""
         if not ctx.is_async:
             write()
             return
@@ -269,11 +274,9 @@ class SavePipeline:
             self.committed_steps.add(ctx.step)
             if (increments := strategy_member(strategy, "increments")) is not None:
                 increments.committed(storage, ctx.path, strategy.data_dir)
-        if ctx.gate is not None:  # the caller records how long it was blocked once the last wave is in
-            ctx.gate.caller_done.wait(60)
-        stats = SaveStats(step=ctx.step, path=ctx.path, is_async=ctx.is_async,
-                          blocked_s=ctx.blocked_s if ctx.is_async else time.perf_counter() - save.t0,
-                          total_s=time.perf_counter() - save.t0, bytes=attempt.total, bytes_copied=ctx.bytes_copied,
+        total_s = time.perf_counter() - save.t0
+        stats = SaveStats(step=ctx.step, path=ctx.path, is_async=ctx.is_async, blocked_s=_blocked_s(ctx, total_s),
+                          total_s=total_s, bytes=attempt.total, bytes_copied=ctx.bytes_copied,
                           policies=dict(Counter(ctx.staging.values())),
                           network=_since(read_counts(storage), attempt.counts), bytes_taken_over=attempt.taken)
         report_save(f"checkpoint-{ctx.step}", strategy.rank, stats.network)
@@ -389,6 +392,18 @@ class _Attempt:
     total: int = 0
     taken: int = 0
 
+
+
+def _blocked_s(ctx: SaveContext, total_s: float) -> float:
+    """The writer's reading of how long the caller was blocked: a synchronous save's whole
+    time (``total_s``, the caller waited for the write); an asynchronous one's as
+    :meth:`SavePipeline._launch` measured it (staged in waves: once the caller says it has
+    recorded it, after the last wave)."""
+    if not ctx.is_async:
+        return total_s
+    if ctx.gate is not None:
+        ctx.gate.caller_done.wait(60)
+    return ctx.blocked_s
 
 
 def _since(now: NetworkCounts | None, before: NetworkCounts | None) -> NetworkCounts | None:

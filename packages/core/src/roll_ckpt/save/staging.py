@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import sys
-import time
 from collections.abc import Mapping
 from typing import Any, Callable, Sequence
 
@@ -32,11 +31,11 @@ __all__ = ["stage_state_dict"]
 
 def stage_state_dict(sd: Mapping[str, Any], save: SaveContext, policies: Sequence[StagingPolicy]) -> dict[str, Any]:
     """What the write of ``sd`` reads: each tensor captured by the first policy claiming it
-    (``policies`` in order, a ``RegularCopy`` last); adds the time to ``save.blocked_s``.
+    (``policies`` in order, a ``RegularCopy`` last). The time it takes counts in the
+    caller's blocked time, which the save pipeline measures around the whole call.
 
     Each policy that staged something is released once the write has finished or failed
     (``save.run_finished_callbacks``)."""
-    t0 = time.perf_counter()
     torch = sys.modules.get("torch")  # a process that never imported torch holds no tensors (a driver)
     tensor_type: Any = torch.Tensor if torch is not None else ()
     claimed: list[list[tuple[str, Any]]] = [[] for _ in policies]
@@ -78,7 +77,6 @@ def stage_state_dict(sd: Mapping[str, Any], save: SaveContext, policies: Sequenc
             container[key] = result
     claimed.clear()  # visit() refers to itself: its cycle must not keep the tensors alive
     places.clear()
-    save.blocked_s += time.perf_counter() - t0
     return staged
 
 
