@@ -1,6 +1,6 @@
 """The layout shows the architecture: contracts in one module, core knows nothing of its
 plugins, no import cycle (the benchmark package included), private torch APIs in one compat
-module (the benchmark too goes through it), small modules."""
+module (the benchmark too goes through it), no module using another's private names, small modules."""
 
 from __future__ import annotations
 
@@ -192,6 +192,80 @@ def test_core_modules_stay_small() -> None:
     big = {m: n for m, p in CORE_MODULES.items()
            if m not in SEAMS and (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not big, f"modules over {MAX_LINES} lines: {big}"
+
+
+PRIVATE_IMPORT_EXCEPTIONS: dict[str, str] = {}
+"""``"module: name"`` -> why ``module`` may use another core module's private ``name`` (none today)."""
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _private_core_uses(module: str, path: Path) -> list[str]:
+    """Another core module's private names that ``module`` uses: ``from roll_ckpt.x import _y``
+    (a private module of a package is the package's own: ``roll_ckpt.plugins`` may import
+    ``roll_ckpt._builtin``, nothing outside ``roll_ckpt.cli`` ``roll_ckpt.cli._common``), and
+    ``x._y`` where ``x`` names an imported core module (``import roll_ckpt.x as x``, ``from . import x``)."""
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    tree = ast.parse(path.read_text())
+    modules: dict[str, str] = {}  # local name -> core module
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "roll_ckpt":
+                    if any(_is_private(part) and not module.startswith(".".join(alias.name.split(".")[:i]) + ".")
+                           for i, part in enumerate(alias.name.split(".")) if i):
+                        found.append(f"import {alias.name}")
+                    if alias.asname:
+                        modules[alias.asname] = alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                target = ".".join(package[: len(package) - (node.level - 1)] + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != "roll_ckpt":
+                continue
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                if sub in CORE_MODULES:
+                    modules[alias.asname or alias.name] = sub
+                    if _is_private(alias.name) and not module.startswith(target + "."):
+                        found.append(f"from {target} import {alias.name}")
+                elif _is_private(alias.name):
+                    found.append(f"from {target} import {alias.name}")
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and _is_private(node.attr)):
+            continue
+        chain, value = [], node.value
+        while isinstance(value, ast.Attribute):
+            chain.append(value.attr)
+            value = value.value
+        if isinstance(value, ast.Name) and value.id in modules:
+            owner = ".".join([modules[value.id], *reversed(chain)])
+            if owner in CORE_MODULES and owner != module:
+                found.append(f"{owner}.{node.attr} (line {node.lineno})")
+    return found
+
+
+def test_no_core_module_uses_another_modules_private_names() -> None:
+    """A name with a leading underscore is its module's own: what another module needs is
+    public (``tiers.replication`` and ``tiers.space`` use ``retention.live_foreign_runs``)."""
+    uses = [f"{m}: {u}" for m, p in CORE_MODULES.items() for u in _private_core_uses(m, p)]
+    wrong = [u for u in uses if u not in PRIVATE_IMPORT_EXCEPTIONS]
+    assert not wrong, "private names used across core modules:\n" + "\n".join(wrong)
+    stale = sorted(set(PRIVATE_IMPORT_EXCEPTIONS) - set(uses))
+    assert not stale, f"exceptions no longer needed: {stale}"
+
+
+def test_the_private_names_check_sees_both_forms(tmp_path: Path) -> None:
+    source = tmp_path / "m.py"
+    source.write_text("from ..format.layout import _hidden, scan\nfrom ..format import layout as lay\n"
+                      "from . import _own\nfrom .. import _builtin\nlay._x()\nlay.scan()\n")
+    uses = _private_core_uses("roll_ckpt.tiers.m", source)
+    assert uses == ["from roll_ckpt.format.layout import _hidden", "from roll_ckpt.tiers import _own",
+                    "roll_ckpt.format.layout._x (line 5)"], uses
 
 
 def _private_torch_uses(path: Path) -> list[str]:

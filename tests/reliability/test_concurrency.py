@@ -101,7 +101,7 @@ def test_a_run_folder_dropped_while_it_is_claimed_is_made_again(tmp_path: Path) 
     empty, and another launch's retention drops empty run folders (found by the test above
     in the torch-2.11 leg: the claim failed with FileNotFoundError). The claim makes it again."""
     from roll_ckpt.format.runs import claim_run_folder
-    from roll_ckpt.tiers.retention import _drop_empty_runs
+    from roll_ckpt.tiers.retention import drop_empty_runs
 
     root = str(tmp_path / "ckpt")
 
@@ -110,7 +110,7 @@ def test_a_run_folder_dropped_while_it_is_claimed_is_made_again(tmp_path: Path) 
 
         def write_create(self, path: str, data: bytes) -> None:
             if path.endswith(layout.RUN_RECORD) and not self.dropped:
-                _drop_empty_runs(LocalStorage(root), root)  # the other launch's retention, just then
+                drop_empty_runs(LocalStorage(root), root)  # the other launch's retention, just then
                 type(self).dropped += 1
             super().write_create(path, data)
 

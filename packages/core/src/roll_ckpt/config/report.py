@@ -146,12 +146,12 @@ def _strategy_group(cfg: Any, raw: Mapping[str, Any], worker: str | None, plugin
 
 def config_report(source: Any, *, plugins: Any = None, defaults: str | None = None) -> ConfigReport:
     """The resolved checkpoint settings of ``source`` (a path, a mapping or a DictConfig)."""
-    from .schema import _plugin_keys, load_config, read_source
+    from .schema import load_config, plugin_keys, read_source
     from .roll_defaults import roll_workers
 
     raw = read_source(source)
     cfg = load_config(raw, plugins=plugins, defaults=defaults)
-    keys = _plugin_keys(plugins)
+    keys = plugin_keys(plugins)
     top = [Setting(shown, _plain(_attr(cfg, attr)), _source(raw, where, shown, cfg.roll_defaults))
            for shown, where, attr in _TOP]
     top += _strategy_group(cfg, raw, None, keys, {})

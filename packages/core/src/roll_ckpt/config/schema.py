@@ -206,7 +206,7 @@ class Config:
         A config without that section is returned unchanged.
         """
         strategy, opts = worker_overrides(self.extra, name, self.strategy_config, self.options,
-                                          _plugin_keys(plugins), roll=self.defaults == ROLL)
+                                          plugin_keys(plugins), roll=self.defaults == ROLL)
         return dataclasses.replace(self, strategy_config=strategy, options=opts)
 
     @property
@@ -235,7 +235,7 @@ def load_config(source: str | os.PathLike[str] | Mapping[str, Any], *, plugins: 
     which = recognize(raw, defaults)
     given, applied = (apply_roll_defaults(raw) if which == ROLL else (raw, {}))
     try:
-        cfg = _build(interpolate(given), _plugin_keys(plugins))
+        cfg = _build(interpolate(given), plugin_keys(plugins))
     except RecursionError:
         raise ConfigError("<config>", "is nested too deeply, or its ${...} references chain too far") from None
     cfg = dataclasses.replace(cfg, defaults=which, roll_defaults=applied)
@@ -272,7 +272,8 @@ def _is_omegaconf(source: Any) -> bool:
     return omegaconf is not None and isinstance(source, omegaconf.DictConfig)
 
 
-def _plugin_keys(plugins: Any) -> Mapping[str, Any]:
+def plugin_keys(plugins: Any) -> Mapping[str, Any]:
+    """The config keys the plugins declare (``plugins``, or the installed ones when ``None``)."""
     if plugins is None:
         from ..plugins import get_plugins
 

@@ -30,10 +30,11 @@ from .digest import hash_bytes
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError, RollCkptError
 from ..runtime.rng import plain_rng_state, restore_plain_rng_state
 
-__all__ = ["DriverState", "JSONStrategy", "STATE_FILE"]
+__all__ = ["DriverState", "JSONStrategy", "STATE_FILE", "STATE_FORMAT"]
 
 STATE_FILE = "state.json"
-_FORMAT = "roll-ckpt-driver-state"
+STATE_FORMAT = "roll-ckpt-driver-state"
+"""The ``format`` field of :data:`STATE_FILE`."""
 
 
 class DriverState(dict):
@@ -123,7 +124,7 @@ class JSONStrategy(StrategyDefaults):
                                     "with a component of their own")
             body[key] = value.state_dict()
         # Insertion order is kept (no sort_keys): the dicts come back as they were.
-        data = json.dumps({"format": _FORMAT, "version": 1, "state": body}, allow_nan=True).encode()
+        data = json.dumps({"format": STATE_FORMAT, "version": 1, "state": body}, allow_nan=True).encode()
         return {STATE_FILE: data}
 
     def estimate(self, sd: dict[str, Any], user: Mapping[str, Any] | None = None) -> SpaceEstimate:
@@ -161,7 +162,7 @@ class JSONStrategy(StrategyDefaults):
             body = json.loads(data.decode("utf-8"))
         except (UnicodeDecodeError, ValueError) as exc:
             raise CheckpointCorruptError(where, [(name, f"not valid JSON ({exc})")]) from None
-        saved = body.get("state") if isinstance(body, dict) and body.get("format") == _FORMAT else None
+        saved = body.get("state") if isinstance(body, dict) and body.get("format") == STATE_FORMAT else None
         if not isinstance(saved, dict):
             raise CheckpointCorruptError(where, [(name, "not a roll-ckpt driver state")])
         missing = sorted(set(state) - set(saved))

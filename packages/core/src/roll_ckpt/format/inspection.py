@@ -270,7 +270,7 @@ def read_driver_state(storage: Storage, path: str) -> dict[str, Any]:
 
     Call it on a verified part: a file that is not a driver state is reported as damage.
     """
-    from .driver_state import _FORMAT
+    from .driver_state import STATE_FORMAT
 
     try:
         with storage.open_read(storage.join(path, *DRIVER_STATE.split("/"))) as f:
@@ -281,7 +281,7 @@ def read_driver_state(storage: Storage, path: str) -> dict[str, Any]:
         body = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise CheckpointCorruptError(path, [(DRIVER_STATE, f"not valid JSON ({exc})")]) from None
-    state = body.get("state") if isinstance(body, dict) and body.get("format") == _FORMAT else None
+    state = body.get("state") if isinstance(body, dict) and body.get("format") == STATE_FORMAT else None
     if not isinstance(state, dict):
         raise CheckpointCorruptError(path, [(DRIVER_STATE, "not a roll-ckpt driver state")])
     return state

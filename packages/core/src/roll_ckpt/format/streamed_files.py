@@ -16,7 +16,7 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 from .digest import hash_chunk
-from .verified_files import _WindowReader, pread_into
+from .verified_files import WindowReader, pread_into
 
 __all__ = ["StreamedFile", "MAX_PIECE", "AHEAD", "ENDS"]
 
@@ -143,7 +143,7 @@ class StreamedFile:
         self.read_into(buf, offset, release=False)
         return buf
 
-    def stream(self, offset: int, length: int) -> _WindowReader:
+    def stream(self, offset: int, length: int) -> WindowReader:
         return _PieceReader(self, offset, length)
 
     def close(self) -> None:
@@ -160,7 +160,7 @@ class StreamedFile:
         self.file.close()
 
 
-class _PieceReader(_WindowReader):
+class _PieceReader(WindowReader):
     """A seekable stream over ``length`` bytes of a :class:`StreamedFile` from ``base``
     (torch's zip reader reads an item's directory, then its pickle, through it)."""
 

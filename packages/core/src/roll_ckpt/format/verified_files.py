@@ -17,10 +17,10 @@ import torch
 from ..runtime import torch_compat
 from ..runtime.memory import writable_view
 
-__all__ = ["Verified", "MemoryReader", "load_tensor", "pread_into", "verify_budget", "READ_CHUNK",
+__all__ = ["Verified", "WindowReader", "MemoryReader", "load_tensor", "pread_into", "verify_budget", "READ_CHUNK",
            "CHECK_STREAMS", "piece_pool"]
 
-class _WindowReader(io.RawIOBase):
+class WindowReader(io.RawIOBase):
     """A seekable read-only stream over ``length`` bytes; subclasses say where they come from."""
 
     def __init__(self, length: int) -> None:
@@ -54,7 +54,7 @@ class _WindowReader(io.RawIOBase):
         raise NotImplementedError
 
 
-class MemoryReader(_WindowReader):
+class MemoryReader(WindowReader):
     """Over bytes already in memory (``readinto``: one copy)."""
 
     def __init__(self, data: memoryview) -> None:
@@ -113,7 +113,7 @@ def pread_into(fd: int, dst: memoryview, offset: int) -> None:
         done += n
 
 
-class _FdReader(_WindowReader):
+class _FdReader(WindowReader):
     """Over ``length`` bytes of an open file from ``base`` (pread)."""
 
     def __init__(self, fd: int, base: int, length: int) -> None:

@@ -46,7 +46,7 @@ from ..errors import (BackupError, CheckpointCorruptError, CheckpointNotFoundErr
 from ..format.layout import basename, committed, parse_step
 from ..format.manifest import MANIFEST_NAME
 from ..format.owners import clean_stale
-from .retention import _drop_empty_runs, _live_foreign_runs, remove_checkpoint
+from .retention import drop_empty_runs, live_foreign_runs, remove_checkpoint
 from ..runtime.background import lower_priority
 from ..contracts import Storage
 from .transfer import CopyInterrupted, committed_manifest, copy_checkpoint, relative_path, same_checkpoint
@@ -293,7 +293,7 @@ class Replicator:
                 self.submit(ref.path, ref.step)
 
     def _local_refs(self) -> list:
-        live = _live_foreign_runs(self.local, self.local_root, self._own_run())
+        live = live_foreign_runs(self.local, self.local_root, self._own_run())
         return [r for r in committed(self.local, self.local_root) if not (r.run and r.run in live)]
 
     def _replica_matches(self, path: str) -> bool:
@@ -400,4 +400,4 @@ class Replicator:
                 log.info("roll-ckpt: removed local %s (keep_local=%d; its replica %s is committed)", ref.path,
                          keep, replica_url(self.replica, replica_path(self.local, self.local_root, self.replica,
                                                                       ref.path)))
-            _drop_empty_runs(self.local, self.local_root)
+            drop_empty_runs(self.local, self.local_root)

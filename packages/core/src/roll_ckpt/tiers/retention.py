@@ -19,7 +19,8 @@ from ..format.manifest import MANIFEST_NAME
 from ..format.holds import held
 from ..format.owners import MARKER_PREFIX, is_mine, live_writers, owner_gone, write_marker
 
-__all__ = ["plan_retention", "remove_checkpoint", "apply_retention", "note_open_run"]
+__all__ = ["plan_retention", "remove_checkpoint", "apply_retention", "note_open_run", "live_foreign_runs",
+           "drop_empty_runs"]
 
 _open_runs: dict[str, "weakref.ref[Any]"] = {}
 """Run folders of this process's jobs: a run of this process is live while its job is open."""
@@ -66,8 +67,10 @@ def remove_checkpoint(storage: Storage, path: str) -> None:
     storage.remove(marker)
 
 
-def _live_foreign_runs(storage: Storage, output_dir: str, own_run: str | None) -> set[str]:
-    """Run folders whose owner process still runs: another job's checkpoints are its own."""
+def live_foreign_runs(storage: Storage, output_dir: str, own_run: str | None) -> set[str]:
+    """Names of the run folders under ``output_dir`` (``own_run`` aside) whose owner process
+    still runs: another job's checkpoints are its own. Retention, the backup's pruning of the
+    local copy (:mod:`.replication`) and the space check (:mod:`.space`) leave them alone."""
     import json
 
     from ..format.layout import RUN_RECORD, run_folders
@@ -102,7 +105,7 @@ def apply_retention(storage: Storage, output_dir: str, keep: int, protect: set[s
     caller's run folder.
     """
     removed = []
-    live = _live_foreign_runs(storage, output_dir, own_run)
+    live = live_foreign_runs(storage, output_dir, own_run)
     refs = [r for r in scan(storage, output_dir) if not r.run or r.run not in live]
     for ref in plan_retention(refs, keep, protect):
         if held(storage, ref.path, clean=True):  # another launch resumed from it (roll_ckpt.format.holds)
@@ -113,7 +116,7 @@ def apply_retention(storage: Storage, output_dir: str, keep: int, protect: set[s
     for ref in _abandoned_steps(storage, refs, protect):
         remove_checkpoint(storage, ref.path)
         removed.append(ref.path)
-    _drop_empty_runs(storage, output_dir, keep_runs=live | {basename(own_run)} if own_run else live)
+    drop_empty_runs(storage, output_dir, keep_runs=live | {basename(own_run)} if own_run else live)
     return removed
 
 
@@ -144,7 +147,7 @@ def _abandoned_steps(storage: Storage, refs: list[CheckpointRef], protect: set[s
     return out
 
 
-def _drop_empty_runs(storage: Storage, output_dir: str, keep_runs: set[str] | None = None) -> None:
+def drop_empty_runs(storage: Storage, output_dir: str, keep_runs: set[str] | None = None) -> None:
     """Remove run folders left empty; with ``keep_runs`` (the live runs), also those that
     hold nothing but their owner record (a launch that stopped before its first step)."""
     from ..format.layout import RESUME_RECORD, RUN_RECORD, run_folders

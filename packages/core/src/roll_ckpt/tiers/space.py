@@ -296,9 +296,9 @@ def committed_sizes(storage: Storage, root: str, own_run: str | None) -> list[in
     """Sizes (from their manifests) of the committed checkpoints retention may remove, oldest first."""
     from ..format.layout import committed
     from ..format.manifest import MANIFEST_NAME, Manifest
-    from .retention import _live_foreign_runs
+    from .retention import live_foreign_runs
 
-    live = _live_foreign_runs(storage, root, own_run)
+    live = live_foreign_runs(storage, root, own_run)
     out = []
     for ref in committed(storage, root):
         if ref.run and ref.run in live:
