@@ -157,3 +157,41 @@ def test_manifest_path_escaping_the_checkpoint(saved: Path, ckpt_config) -> None
     err, untouched = _resume(ckpt_config, saved)
     assert isinstance(err, CheckpointCorruptError) and "leaves the checkpoint folder" in str(err)
     assert untouched
+
+
+@pytest.mark.parametrize("entry", ["listed", "unlisted", "size", "checksum"])
+def test_both_readers_of_metadata_judge_it_alike(saved: Path, entry: str) -> None:
+    """``.metadata`` is read by the job's coordinator (``load.job_load.job_metadata``) or by
+    DCP's reader (``SafeReader.read_metadata``): the same bytes and manifest entry give the
+    same verdict (``format.verify.content_fault``, the one comparison)."""
+    import dataclasses
+    import types
+
+    from roll_ckpt.format.verify import read_manifest
+    from roll_ckpt.load.job_load import job_metadata
+    from roll_ckpt.load.reader import SafeReader
+    from roll_ckpt_fs import LocalStorage
+
+    storage = LocalStorage(str(saved.parent))
+    files = {k[len("dcp/"):]: v for k, v in read_manifest(storage, str(saved)).files.items() if k.startswith("dcp/")}
+    md = files[".metadata"]
+    if entry == "unlisted":
+        del files[".metadata"]
+    elif entry == "size":
+        files[".metadata"] = dataclasses.replace(md, size=md.size + 1)
+    elif entry == "checksum":
+        files[".metadata"] = dataclasses.replace(md, checksum="0" * len(md.checksum))
+    coordinator = types.SimpleNamespace(is_coordinator=True, rank=0, broadcast=lambda value: value,
+                                        collective_timeout_s=60.0)
+    dcp = str(saved / "dcp")
+    verdicts = []
+    for read in (lambda: job_metadata(coordinator, storage, dcp, files, str(saved))[0],
+                 lambda: SafeReader(storage, dcp, files=files, checkpoint=str(saved)).read_metadata()):
+        try:
+            verdicts.append(type(read()).__name__)
+        except CheckpointCorruptError as exc:
+            verdicts.append(exc.faults)
+    expected = {"listed": "Metadata", "unlisted": [("dcp/.metadata", "not listed in the manifest")],
+                "size": [("dcp/.metadata", f"read {md.size} bytes, the manifest says {md.size + 1}")],
+                "checksum": [("dcp/.metadata", "checksum mismatch (the content changed after it was written)")]}
+    assert verdicts == [expected[entry]] * 2, verdicts

@@ -9,10 +9,10 @@ from typing import Callable
 from .commit import require_committed
 from .digest import hash_stream
 from ..errors import CheckpointCorruptError, UnsafeCheckpointError
-from .manifest import MANIFEST_NAME, Manifest, UnsafeManifestError, beside
+from .manifest import MANIFEST_NAME, FileEntry, Manifest, UnsafeManifestError, beside
 from ..contracts import Storage
 
-__all__ = ["verify", "read_manifest", "list_files", "VerifyReport"]
+__all__ = ["verify", "read_manifest", "list_files", "VerifyReport", "content_fault"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,20 @@ def unsafe_read_fault(exc: OSError) -> str:
     if exc.errno == errno.ELOOP:
         return "is a symbolic link, refused (a checkpoint holds regular files inside its folder)"
     return f"cannot be read safely ({exc.strerror or exc})"
+
+
+def content_fault(entry: FileEntry | None, size: int, digest: str) -> str | None:
+    """What is wrong with a file's bytes as read (``size`` bytes hashing to ``digest``)
+    compared with its manifest ``entry`` (``None``: the manifest does not list it); ``None``
+    when they match. The one comparison of read bytes with the manifest: :func:`verify`
+    and the readers of a resume (``load.job_load``, ``load.reader``) use it."""
+    if entry is None:
+        return "not listed in the manifest"
+    if size != entry.size:
+        return f"read {size} bytes, the manifest says {entry.size}"
+    if digest != entry.checksum:
+        return "checksum mismatch (the content changed after it was written)"
+    return None
 
 
 def read_manifest(storage: Storage, path: str) -> Manifest:
@@ -99,10 +113,8 @@ def verify(storage: Storage, path: str, *, checksums: bool = True,
             except OSError as exc:  # e.g. a link, refused by O_NOFOLLOW
                 faults.append((name, unsafe_read_fault(exc)))
                 continue
-            if size != ent.size:
-                faults.append((name, f"read {size} bytes, the manifest says {ent.size}"))
-            elif digest != ent.checksum:
-                faults.append((name, "checksum mismatch (the content changed after it was written)"))
+            if (fault := content_fault(ent, size, digest)) is not None:
+                faults.append((name, fault))
     if faults:
         raise CheckpointCorruptError(path, faults)
     return VerifyReport(path, manifest, len(manifest.files), total, [n for n in others if beside(manifest, n)])

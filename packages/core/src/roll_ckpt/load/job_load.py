@@ -30,6 +30,7 @@ from ..format.digest import hash_bytes
 from ..errors import CheckpointCorruptError
 from ..format.layout import basename, parent, parse_step, writer_rank
 from ..format.unpickle import METADATA_NAME, safe_load_metadata
+from ..format.verify import content_fault
 
 __all__ = ["load_job", "job_metadata", "assigned_files", "writer_rank"]  # writer_rank: format.layout's, used here
 
@@ -49,13 +50,8 @@ def job_metadata(strategy: Any, storage: Any, dcp_path: str, files: Mapping[str,
         with storage.open_read(path) as f:
             data = f.read()
         if files is not None:
-            entry = files.get(METADATA_NAME)
-            if entry is None:
-                raise CheckpointCorruptError(checkpoint, [(f"dcp/{METADATA_NAME}", "not listed in the manifest")])
-            size, digest, *_ = hash_bytes(data)
-            if size != entry.size or digest != entry.checksum:
-                raise CheckpointCorruptError(checkpoint, [(f"dcp/{METADATA_NAME}", "checksum mismatch (the "
-                                                           "content changed after it was written)")])
+            if (fault := content_fault(files.get(METADATA_NAME), *hash_bytes(data))) is not None:
+                raise CheckpointCorruptError(checkpoint, [(f"dcp/{METADATA_NAME}", fault)])
         return data
 
     data = decide(strategy, read, where=f"cannot read {path}", phase="resume: reading .metadata")

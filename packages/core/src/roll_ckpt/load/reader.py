@@ -28,6 +28,7 @@ from ..runtime.torch_compat import narrow_tensor_by_index, transform_descriptors
 from ..format.unpickle import METADATA_NAME, pickle_reason, safe_load_metadata
 from ..format.streamed_files import MAX_PIECE, StreamedFile
 from ..format.verified_files import CHECK_STREAMS, Verified, load_tensor, piece_pool, read_hashed, verify_budget
+from ..format.verify import content_fault
 
 __all__ = ["SafeReader"]
 
@@ -125,11 +126,9 @@ class SafeReader(FileSystemReader):
         return data
 
     def _check(self, name: str, size: int, digest: str) -> None:
-        entry = self._expected(name)
-        if size != entry.size:
-            raise self._fault(name, f"read {size} bytes, the manifest says {entry.size}")
-        if digest != entry.checksum:
-            raise self._fault(name, "checksum mismatch (the content changed after it was written)")
+        assert self._files is not None
+        if (fault := content_fault(self._files.get(name), size, digest)) is not None:
+            raise self._fault(name, fault)
 
     def _read_verified(self, name: str, keep: bool) -> Verified | None:
         """Read ``name`` once, hashing it; returns the checked file (``None``: read it again)."""
