@@ -22,10 +22,10 @@ brings in numpy or torch.distributed). ``--check`` exits 1 when a target fails.
 The peer libraries a user would pick instead (:mod:`bench.peers`: torch-checkpointing,
 ByteCheckpoint) are cases of the same alternation on the same states: the target state on
 2 ranks (with every other case) and on 1, and the group ``tensors`` (3,000 small tensors) on
-both; T18-T23 are roll-ckpt / peer ratios (blocked, durable, resume), the worst state and rank
+both; T20-T25 are roll-ckpt / peer ratios (blocked, durable, resume), the worst state and rank
 count deciding. Every save case also reports the host memory it keeps between saves.
 ``make bench`` runs in ``.venv-bench`` (``make bench-peers``), where the peers are installed;
-elsewhere their cases are listed as not run, and T18-T23 fail.
+elsewhere their cases are listed as not run, and T20-T25 fail.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ PEER_CASES = ["tc_save", "tc_async", "tc_load", "bcp_save", "bcp_async", "bcp_lo
 TARGET_CASES = ["dcp_async", "rc_load", "rc_async_zc_all", "tc_async", "dcp_load", "dcp_save", "tc_load", "rc_save",
                 "bcp_load", "bcp_async", "rc_load_stream", "rc_async", "rc_save_t1", "tc_save", "bcp_save"]
 # roll-ckpt, DCP and the peers on the same state: the 1-rank run of the target state and
-# both runs of the many-tensors state (T18-T23).
+# both runs of the many-tensors state (T20-T25).
 COMPARE_CASES = ["dcp_async", "rc_load", "rc_async", "tc_async", "dcp_load", "rc_async_zc_all", "bcp_async",
                  "tc_load", "rc_save", "dcp_save", "bcp_load", "tc_save", "bcp_save"]
 PEER_GROUPS = ["target", "target-1", "tensors", "tensors-1"]

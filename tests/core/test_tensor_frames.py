@@ -1,4 +1,4 @@
-"""Kept torch.save frames (roll_ckpt.save.tensor_frames): the bytes are torch.save's, for every
+"""Kept torch.save frames (roll_ckpt.format.tensor_frames): the bytes are torch.save's, for every
 tensor that takes the fast path and every one that does not."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import io
 import pytest
 import torch
 
-from roll_ckpt.save.tensor_frames import TensorFrames
+from roll_ckpt.format.tensor_frames import TensorFrames
 from roll_ckpt.runtime.torch_compat import save_tensor_without_crc, serializes_plainly
 
 
@@ -114,10 +114,78 @@ def test_a_zero_tensor_never_reads_memory_it_does_not_have() -> None:
 
 
 def test_the_frames_start_over_past_their_bound(monkeypatch: pytest.MonkeyPatch) -> None:
-    import roll_ckpt.save.tensor_frames as tf
+    import roll_ckpt.format.tensor_frames as tf
 
     monkeypatch.setattr(tf, "_MAX_FRAMES", 3)
     frames = TensorFrames()
     for n in range(1, 6):
         frames.write(torch.zeros(n), io.BytesIO())
     assert 1 <= len(frames) <= 3
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+def _file_of(*parts: bytes, tmp_path) -> tuple:
+    """A Verified file of ``parts`` laid end to end, and each part's (offset, length)."""
+    from roll_ckpt.format.verified_files import Verified
+
+    path = tmp_path / "items.distcp"
+    path.write_bytes(b"".join(parts))
+    spans, at = [], 0
+    for p in parts:
+        spans.append((at, len(p)))
+        at += len(p)
+    return Verified(open(path, "rb")), spans
+
+
+@pytest.mark.parametrize("k", range(len(_plain_cases())))
+def test_an_item_in_a_kept_frame_is_read_without_unpickling(k: int, tmp_path, monkeypatch) -> None:
+    """The reader takes an item that is exactly the frame of the target's layout as the target's
+    bytes: nothing unpickled, the values bit-equal, straight into the target's memory."""
+    import roll_ckpt.format.verified_files as vf
+
+    src = _plain_cases()[k]
+    blob = io.BytesIO()
+    TensorFrames().write(src, blob)
+    data, spans = _file_of(b"x" * 7, blob.getvalue(), tmp_path=tmp_path)
+
+    def no_unpickling(*a, **kw):
+        raise AssertionError("unpickled")
+
+    monkeypatch.setattr(vf.torch_compat, "weights_only_load", no_unpickling)
+    target = torch.empty_like(src, memory_format=torch.contiguous_format)
+    got = vf.load_tensor(data, *spans[1], target)
+    assert got is target
+    assert torch.equal(_raw(got), _raw(src))
+    data.file.close()
+
+
+def test_an_item_in_another_frame_is_loaded_the_general_way(tmp_path) -> None:
+    """An item whose ends are not the kept frame's (torch.save with its CRC-32 on, or a shape
+    other than the target's) is unpickled as before, and still gives the right values."""
+    import roll_ckpt.format.verified_files as vf
+
+    src = torch.arange(12, dtype=torch.float32).view(3, 4)
+    with_crc = io.BytesIO()
+    torch.save(src, with_crc)
+    other_shape = io.BytesIO()
+    TensorFrames().write(src.view(4, 3), other_shape)
+    data, spans = _file_of(with_crc.getvalue(), other_shape.getvalue(), tmp_path=tmp_path)
+    calls = []
+    real = vf.torch_compat.weights_only_load
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    import unittest.mock as mock
+
+    with mock.patch.object(vf.torch_compat, "weights_only_load", counting):
+        a = vf.load_tensor(data, *spans[0], torch.empty(3, 4))
+        after_first = len(calls)
+        b = vf.load_tensor(data, *spans[1], torch.empty(3, 4))
+    assert after_first >= 1 and len(calls) > after_first  # each unpickled
+    assert torch.equal(a, src) and torch.equal(b, src.view(4, 3))
+    data.file.close()

@@ -16,6 +16,7 @@ import torch
 
 from ..runtime import torch_compat
 from ..runtime.memory import writable_view
+from .tensor_frames import tensor_frame
 
 __all__ = ["Verified", "WindowReader", "MemoryReader", "load_tensor", "pread_into", "verify_budget", "READ_CHUNK",
            "CHECK_STREAMS", "piece_pool"]
@@ -209,6 +210,10 @@ def load_tensor(data: Any, offset: int, length: int, target: torch.Tensor | None
     check_ends = getattr(data, "check_ends", None)
     if check_ends is not None:
         check_ends(offset, length)
+    if target is not None and data.view is None:
+        framed = _read_framed(data, offset, length, target)
+        if framed is not None:
+            return framed
     try:
         reader = torch_compat.file_reader(data.stream(offset, length))
         if data.view is not None:
@@ -230,6 +235,25 @@ def load_tensor(data: Any, offset: int, length: int, target: torch.Tensor | None
         return tensor
     except (AttributeError, TypeError):  # torch's loader is not what this was written against
         return plain()
+
+
+def _read_framed(data: Any, offset: int, length: int, target: torch.Tensor) -> torch.Tensor | None:
+    """``target`` filled with the item's tensor bytes when the item is exactly ``torch.save``'s
+    frame of a tensor of the target's layout (what roll-ckpt's writer writes:
+    :mod:`roll_ckpt.format.tensor_frames`) -- its ends compared byte for byte, nothing
+    unpickled; ``None`` for anything else, which is loaded the general way."""
+    if target.device.type != "cpu" or not target.is_contiguous() or target.storage_offset() != 0:
+        return None
+    frame = tensor_frame(target.dtype, tuple(target.shape), target.stride())
+    nbytes = target.numel() * target.element_size()
+    if frame is None or len(frame[0]) + nbytes + len(frame[1]) != length:
+        return None
+    prefix, suffix = frame
+    if (bytes(data.bytes(offset, len(prefix))) != prefix
+            or bytes(data.bytes(offset + length - len(suffix), len(suffix))) != suffix):
+        return None
+    data.read_into(writable_view(target.untyped_storage(), nbytes), offset + len(prefix))
+    return target
 
 
 CHECK_THREADS = 4

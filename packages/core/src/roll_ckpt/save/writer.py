@@ -5,7 +5,7 @@
 files are written by this module's loop instead of DCP's: the same layout (one
 ``__<rank>_<n>.distcp`` per writer thread, byte values first, then tensors, each
 ``torch.save``-framed), but each file is hashed while written, each tensor's frame is kept
-for the next tensor of its shape (:mod:`roll_ckpt.save.tensor_frames`), and the tensors skip
+for the next tensor of its shape (:mod:`roll_ckpt.format.tensor_frames`), and the tensors skip
 torch's CRC-32 (the manifest's xxh3-128 covers every byte). Each rank's checksums ride
 back to the coordinator inside DCP's own gather of write results (no extra collective)
 and are taken out again before ``.metadata`` is written.
@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ..runtime.collector import CollectorPause
 from ..contracts import Storage
 from ..format.dcp_fs import StorageFileSystem
-from .tensor_frames import write_tensor
+from ..format.tensor_frames import write_tensor
 from ..runtime.torch_compat import create_write_items, dcp_format_version, local_tensor, storage_info, storage_prefix
 from ..format.unpickle import METADATA_NAME
 from ..format.digest import CHUNK_SIZE

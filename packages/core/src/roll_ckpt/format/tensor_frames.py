@@ -13,6 +13,12 @@ result is byte for byte what ``torch.save`` (with roll-ckpt's CRC-32 setting) wr
 (``tests/core/test_tensor_frames.py`` compares them), so ``dcp.load`` and ``torch.load``
 read it as before.
 
+The same frames make the way back short: :func:`tensor_frame` gives the frame of a key (kept,
+or made once from an uninitialised tensor of that layout), and a reader whose item is exactly
+that frame around the target's size takes the bytes between as the tensor's, unpickling
+nothing (:func:`roll_ckpt.format.verified_files.load_tensor`); anything else is loaded the
+general way.
+
 Only plain tensors are framed from memory (:func:`roll_ckpt.runtime.torch_compat.serializes_plainly`:
 contiguous, strided, on the CPU, no subclass, no conjugate or negative bit); anything else
 goes through ``torch.save`` every time.
@@ -26,7 +32,7 @@ from typing import Any
 from ..runtime.memory import exact_alias, writable_view
 from ..runtime.torch_compat import save_tensor_without_crc, serializes_plainly
 
-__all__ = ["TensorFrames", "write_tensor"]
+__all__ = ["TensorFrames", "write_tensor", "tensor_frame"]
 
 _LOCAL_HEADER = b"PK\x03\x04"
 _HEADER_SIZE = 30  # a zip local file header before its name and extra field
@@ -102,6 +108,22 @@ class TensorFrames:
             stream.write(writable_view(tensor, nbytes))
             stream.write(frame[1])
 
+    def frame(self, dtype: Any, shape: tuple, stride: tuple) -> tuple[bytes, bytes] | None:
+        """``(prefix, suffix)`` that ``torch.save`` writes around a plain tensor of this layout;
+        ``None`` where it is not framed so (made once per key from an uninitialised tensor:
+        with CRC-32 off the frame does not depend on the values)."""
+        key = (dtype, tuple(shape), tuple(stride))
+        frame = self._frames.get(key, False)
+        if frame is False:
+            import torch
+
+            tensor = torch.empty_strided(key[1], key[2], dtype=dtype)
+            if not serializes_plainly(tensor):
+                return None
+            self._first(key, tensor, tensor.nbytes, _Discard())
+            frame = self._frames.get(key)
+        return frame
+
     def _first(self, key: tuple, tensor: Any, nbytes: int, stream: Any) -> None:
         recorder = _Recorder(stream, nbytes)
         save_tensor_without_crc(_own_storage(tensor), recorder)
@@ -110,6 +132,13 @@ class TensorFrames:
             if len(self._frames) >= _MAX_FRAMES:
                 self._frames.clear()
             self._frames[key] = frame
+
+
+class _Discard:
+    """A stream that keeps nothing: a frame is made from what ``torch.save`` writes around."""
+
+    def write(self, b: Any) -> int:
+        return memoryview(b).nbytes
 
 
 def _own_storage(tensor: Any) -> Any:
@@ -127,3 +156,8 @@ _FRAMES = TensorFrames()
 def write_tensor(tensor: Any, stream: Any) -> None:
     """Write ``tensor`` as ``torch.save`` would (CRC-32 off), through the process's kept frames."""
     _FRAMES.write(tensor, stream)
+
+
+def tensor_frame(dtype: Any, shape: tuple, stride: tuple) -> tuple[bytes, bytes] | None:
+    """The frame ``torch.save`` (CRC-32 off) writes around a plain tensor of this layout, or ``None``."""
+    return _FRAMES.frame(dtype, shape, stride)
