@@ -38,7 +38,9 @@ should a third party's: every other module of ``roll_ckpt`` is private and may c
   memory-mapped where the backend hands out local files) and :func:`torch_file_problem` (is a
   file a whole ``torch.save`` archive, its data unread): what a format plugin reads a
   framework's per-rank ``torch.save`` files with (verl's); :func:`local_chunk` (where this
-  process's shard of a live DTensor lies in the global tensor), to reshard what it read.
+  process's shard of a live DTensor lies in the global tensor), to reshard what it read;
+  :func:`safetensors_problems` (are a folder's Hugging Face weights whole: each shard by its own
+  header, every shard its index names), before a format plugin calls a checkpoint whole.
 * **Helpers for commands**: :func:`get_plugins`, :func:`open_storage`, :func:`read_yaml`,
   :func:`committed_checkpoints`, :func:`latest_checkpoint`, :func:`human_bytes`, :data:`RUN_RE` (a run
   folder's name),
@@ -80,6 +82,7 @@ if TYPE_CHECKING:  # for type checkers and the API reference; at run time _LAZY 
     from .load.placeholders import placeholders as dcp_placeholders
     from .load.dcp_folder import load_dcp, read_dcp_metadata, write_dcp
     from .load.torch_file import torch_file_problem, torch_load
+    from .format.hf_files import safetensors_problems
 
 __all__ = [
     # hooks and records
@@ -103,13 +106,14 @@ __all__ = [
     # reading DCP folders safely
     "read_dcp_metadata", "load_dcp", "dcp_placeholders", "write_dcp", "verify_checkpoint",
     # reading torch.save files safely
-    "torch_load", "torch_file_problem",
+    "torch_load", "torch_file_problem", "safetensors_problems",
     # helpers for commands
     "get_plugins", "open_storage", "read_yaml", "committed_checkpoints", "latest_checkpoint", "human_bytes", "RUN_RE",
     "cli_main",
 ]
 
 _LAZY = {
+    "safetensors_problems": "roll_ckpt.format.hf_files",
     "DCPStrategy": "roll_ckpt.strategy",
     "local_tensor": "roll_ckpt.runtime.torch_compat",
     "set_local_tensor": "roll_ckpt.runtime.torch_compat",

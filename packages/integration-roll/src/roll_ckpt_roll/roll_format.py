@@ -28,11 +28,10 @@ driver's JSON. No checksums: ROLL writes none.
 from __future__ import annotations
 
 import json
-import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-from roll_ckpt.plugin import CheckpointCorruptError, Storage, UnsafeCheckpointError, human_bytes
+from roll_ckpt.plugin import CheckpointCorruptError, Storage, UnsafeCheckpointError, human_bytes, safetensors_problems
 
 __all__ = ["ROLL_COMMIT", "ROOT_PART", "PIPELINE", "WORKER_STATE", "RollCheckpoint", "recognize"]
 
@@ -218,33 +217,8 @@ def _dcp_problems(storage: Storage, dcp: str, rel: str) -> tuple[list[str], Any]
 
 def _safetensors_problems(storage: Storage, folder: str, rel: str) -> list[str]:
     """Each ``*.safetensors`` file whole by its own header; every shard its index names there."""
-    entries = {e.name: e.size for e in storage.list(folder) if not e.is_dir}
-    out = []
-    for name, size in sorted(entries.items()):
-        if not name.endswith(".safetensors"):
-            continue
-        try:
-            with storage.open_read(storage.join(folder, name)) as f:
-                head = f.read(8)
-                n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
-                header = json.loads(f.read(n)) if 0 < n < (100 << 20) else None
-        except (OSError, ValueError, struct.error):
-            header = None
-        if not isinstance(header, dict):
-            out.append(f"{rel}{name} has no readable safetensors header (cut short?)")
-            continue
-        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
-        if size < 8 + n + end:
-            out.append(f"{rel}{name} is cut short: {human_bytes(size)} of {human_bytes(8 + n + end)}")
-    index = entries.get("model.safetensors.index.json")
-    if index is not None:
-        try:
-            with storage.open_read(storage.join(folder, "model.safetensors.index.json")) as f:
-                shards = set(json.loads(f.read())["weight_map"].values())
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            return out + [f"{rel}model.safetensors.index.json is unreadable ({exc})"]
-        out.extend(f"{rel}{s} is missing (model.safetensors.index.json names it)" for s in sorted(shards - set(entries)))
-    return out
+    sizes = {e.name: e.size for e in storage.list(folder) if not e.is_dir}
+    return [f"{rel}{problem}" for problem in safetensors_problems(storage, folder, sizes)]
 
 
 def _pipeline_problems(storage: Storage, folder: str, rel: str) -> list[str]:

@@ -31,13 +31,11 @@ weights (``--checkpoint.initial_load_path``).
 
 from __future__ import annotations
 
-import json
 import re
-import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-from roll_ckpt.plugin import CheckpointCorruptError, Storage, UnsafeCheckpointError, human_bytes
+from roll_ckpt.plugin import CheckpointCorruptError, Storage, UnsafeCheckpointError, human_bytes, safetensors_problems
 
 from .state_map import OWN_PREFIXES, model_only_keys
 
@@ -150,7 +148,7 @@ def recognize(storage: Storage, path: str) -> TorchtitanCheckpoint | None:
         found.problems.append("its step is unknown: the folder is not named step-<N>; rename it step-<N>")
     if hf and not distcp and ".metadata" not in sizes:
         found.kind = "hf"
-        found.problems.extend(_safetensors_problems(storage, path, sizes))
+        found.problems.extend(safetensors_problems(storage, path, sizes))
         found.not_resumable = ("holds the model only, as Hugging Face safetensors (torchtitan's last_save_in_hf): "
                                "not a training state; load it with --checkpoint.initial_load_in_hf")
         return found
@@ -193,32 +191,3 @@ def _dcp_problems(storage: Storage, path: str, sizes: dict[str, int]) -> tuple[l
             out.append(f"{name} is cut short: {human_bytes(have)} of at least {human_bytes(end)} (a re-save of this "
                        "step that never finished, under the old .metadata)")
     return out, md
-
-
-def _safetensors_problems(storage: Storage, path: str, sizes: dict[str, int]) -> list[str]:
-    """Each ``*.safetensors`` file whole by its own header; every shard its index names there."""
-    out = []
-    for name, size in sorted(sizes.items()):
-        if not name.endswith(".safetensors"):
-            continue
-        try:
-            with storage.open_read(storage.join(path, name)) as f:
-                head = f.read(8)
-                n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
-                header = json.loads(f.read(n)) if 0 < n < (100 << 20) else None
-        except (OSError, ValueError, struct.error):
-            header = None
-        if not isinstance(header, dict):
-            out.append(f"{name} has no readable safetensors header (cut short?)")
-            continue
-        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
-        if size < 8 + n + end:
-            out.append(f"{name} is cut short: {human_bytes(size)} of {human_bytes(8 + n + end)}")
-    if _HF_INDEX in sizes:
-        try:
-            with storage.open_read(storage.join(path, _HF_INDEX)) as f:
-                shards = set(json.loads(f.read())["weight_map"].values())
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            return out + [f"{_HF_INDEX} is unreadable ({exc})"]
-        out.extend(f"{s} is missing ({_HF_INDEX} names it)" for s in sorted(shards - set(sizes)))
-    return out

@@ -9,11 +9,12 @@ the caller says how to read module tensors and where each shard goes.
 from __future__ import annotations
 
 import json
+import struct
 from typing import Any, Callable, Mapping
 
 from .hub_layout import HubLayout, hub_layout, identity_layout, meta_model
 
-__all__ = ["INDEX_NAME", "SINGLE_NAME", "layout_of", "write_shards", "index_bytes", "shard_bytes"]
+__all__ = ["INDEX_NAME", "SINGLE_NAME", "layout_of", "write_shards", "index_bytes", "shard_bytes", "safetensors_problems"]
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -61,3 +62,38 @@ def shard_bytes(tensors: dict[str, Any]) -> bytes:
     from safetensors.torch import save
 
     return save(tensors, metadata={"format": "pt"})
+
+
+def safetensors_problems(storage: Any, folder: str, sizes: Mapping[str, int]) -> list[str]:
+    """What makes the Hugging Face weights of ``folder`` incomplete (``sizes``: its files' names
+    and sizes, as listed): a ``*.safetensors`` file without a readable header or shorter than its
+    header says, and a shard that ``model.safetensors.index.json`` names but the folder lacks.
+    Names relative to ``folder``; empty when every file is whole. Another framework's checkpoint
+    (a format plugin's) is judged by it before it is called whole."""
+    from ..runtime.units import human_bytes
+
+    out = []
+    for name, size in sorted(sizes.items()):
+        if not name.endswith(".safetensors"):
+            continue
+        try:
+            with storage.open_read(storage.join(folder, name)) as f:
+                head = f.read(8)
+                n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+                header = json.loads(f.read(n)) if 0 < n < (100 << 20) else None
+        except (OSError, ValueError, struct.error):
+            header = None
+        if not isinstance(header, dict):
+            out.append(f"{name} has no readable safetensors header (cut short?)")
+            continue
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+        if size < 8 + n + end:
+            out.append(f"{name} is cut short: {human_bytes(size)} of {human_bytes(8 + n + end)}")
+    if INDEX_NAME in sizes:
+        try:
+            with storage.open_read(storage.join(folder, INDEX_NAME)) as f:
+                shards = set(json.loads(f.read())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            return out + [f"{INDEX_NAME} is unreadable ({exc})"]
+        out.extend(f"{s} is missing ({INDEX_NAME} names it)" for s in sorted(shards - set(sizes)))
+    return out
