@@ -29,7 +29,8 @@ should a third party's: every other module of ``roll_ckpt`` is private and may c
 * **Reading DCP folders safely** (imported on first use): :func:`read_dcp_metadata` (the
   restricted unpickler), :func:`load_dcp` (a folder read into a state dict, resharded, byte
   values with ``weights_only``), :func:`dcp_placeholders` (a structure to load into, from the
-  metadata alone), :func:`write_dcp` (a plain DCP folder, for an export to a framework's own
+  metadata alone), :func:`dcp_folder_problems` (what keeps another framework's DCP folder from
+  loading: its ``.metadata`` refused, a data file missing or cut short), :func:`write_dcp` (a plain DCP folder, for an export to a framework's own
   layout); what a format plugin reads another framework's checkpoints with;
   :func:`verify_checkpoint` (a committed checkpoint checked whole, its manifest returned), before
   a plugin reads one of roll-ckpt's.
@@ -80,7 +81,7 @@ if TYPE_CHECKING:  # for type checkers and the API reference; at run time _LAZY 
     from .strategy import DCPStrategy
     from .tiers.job import open_storage
     from .load.placeholders import placeholders as dcp_placeholders
-    from .load.dcp_folder import load_dcp, read_dcp_metadata, write_dcp
+    from .load.dcp_folder import dcp_folder_problems, load_dcp, read_dcp_metadata, write_dcp
     from .load.torch_file import torch_file_problem, torch_load
     from .format.hf_files import safetensors_problems
 
@@ -104,7 +105,7 @@ __all__ = [
     # torch across releases
     "local_tensor", "set_local_tensor", "rewrap_dtensor", "local_chunk", "collective", "fsdp2_options", "exact_alias",
     # reading DCP folders safely
-    "read_dcp_metadata", "load_dcp", "dcp_placeholders", "write_dcp", "verify_checkpoint",
+    "read_dcp_metadata", "dcp_folder_problems", "load_dcp", "dcp_placeholders", "write_dcp", "verify_checkpoint",
     # reading torch.save files safely
     "torch_load", "torch_file_problem", "safetensors_problems",
     # helpers for commands
@@ -125,6 +126,7 @@ _LAZY = {
     "open_storage": "roll_ckpt.tiers.job",
     "cli_main": "roll_ckpt.cli",
     "read_dcp_metadata": "roll_ckpt.load.dcp_folder",
+    "dcp_folder_problems": "roll_ckpt.load.dcp_folder",
     "load_dcp": "roll_ckpt.load.dcp_folder",
     "write_dcp": "roll_ckpt.load.dcp_folder",
     "dcp_placeholders": "roll_ckpt.load.placeholders",

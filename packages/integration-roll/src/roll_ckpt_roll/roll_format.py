@@ -31,7 +31,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from roll_ckpt.plugin import CheckpointCorruptError, Storage, UnsafeCheckpointError, human_bytes, safetensors_problems
+from roll_ckpt.plugin import Storage, safetensors_problems
 
 __all__ = ["ROLL_COMMIT", "ROOT_PART", "PIPELINE", "WORKER_STATE", "RollCheckpoint", "recognize"]
 
@@ -187,32 +187,14 @@ def _ours(storage: Storage, entries: dict[str, Any]) -> bool:
 
 
 def _dcp_problems(storage: Storage, dcp: str, rel: str) -> tuple[list[str], Any]:
-    """What keeps the DCP folder at ``dcp`` from being loaded -- ``.metadata`` missing or
-    refused, a data file it names missing or shorter than the bytes it names there -- and the
-    metadata (``None`` when unreadable)."""
-    from roll_ckpt.plugin import read_dcp_metadata
+    """What keeps the DCP folder at ``dcp`` from being loaded, and its metadata (``None`` when unreadable)."""
+    from roll_ckpt.plugin import dcp_folder_problems
 
     sizes = {e.name: e.size for e in storage.list(dcp) if not e.is_dir}
     if ".metadata" not in sizes:
         return [f"{rel}.metadata is missing: DCP never finished writing this part (or its upload was cut short)"], None
-    try:
-        md = read_dcp_metadata(storage, dcp)
-    except (UnsafeCheckpointError, CheckpointCorruptError) as exc:
-        return [f"{rel}.metadata cannot be read safely: {exc}"], None
-    except Exception as exc:  # a torn pickle: EOFError, UnpicklingError...
-        return [f"{rel}.metadata is unreadable ({type(exc).__name__}: {exc}): cut short?"], None
-    needed: dict[str, int] = {}
-    for info in (md.storage_data or {}).values():
-        name = str(getattr(info, "relative_path", ""))
-        needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
-    out = []
-    for name, end in sorted(needed.items()):
-        have = sizes.get(name)
-        if have is None:
-            out.append(f"{rel}{name} is missing (.metadata names it)")
-        elif have < end:
-            out.append(f"{rel}{name} is cut short: {human_bytes(have)} of at least {human_bytes(end)}")
-    return out, md
+    problems, md = dcp_folder_problems(storage, dcp, sizes)
+    return [f"{rel}{p}" for p in problems], md
 
 
 def _safetensors_problems(storage: Storage, folder: str, rel: str) -> list[str]:

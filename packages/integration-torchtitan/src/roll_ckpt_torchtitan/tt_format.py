@@ -35,7 +35,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from roll_ckpt.plugin import CheckpointCorruptError, Storage, UnsafeCheckpointError, human_bytes, safetensors_problems
+from roll_ckpt.plugin import CheckpointCorruptError, Storage, safetensors_problems
 
 from .state_map import OWN_PREFIXES, model_only_keys
 
@@ -168,26 +168,9 @@ def recognize(storage: Storage, path: str) -> TorchtitanCheckpoint | None:
 def _dcp_problems(storage: Storage, path: str, sizes: dict[str, int]) -> tuple[list[str], Any]:
     """What keeps the DCP folder from being loaded -- ``.metadata`` missing or refused, a data
     file it names missing or shorter than the bytes it names there -- and the metadata."""
-    from roll_ckpt.plugin import read_dcp_metadata
+    from roll_ckpt.plugin import dcp_folder_problems
 
     if ".metadata" not in sizes:
         return [".metadata is missing: torchtitan never finished writing this step (a save cut short)"], None
-    try:
-        md = read_dcp_metadata(storage, path)
-    except (UnsafeCheckpointError, CheckpointCorruptError) as exc:
-        return [f".metadata cannot be read safely: {exc}"], None
-    except Exception as exc:  # a torn pickle: EOFError, UnpicklingError...
-        return [f".metadata is unreadable ({type(exc).__name__}: {exc}): cut short?"], None
-    needed: dict[str, int] = {}
-    for info in (md.storage_data or {}).values():
-        name = str(getattr(info, "relative_path", ""))
-        needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
-    out = []
-    for name, end in sorted(needed.items()):
-        have = sizes.get(name)
-        if have is None:
-            out.append(f"{name} is missing (.metadata names it)")
-        elif have < end:
-            out.append(f"{name} is cut short: {human_bytes(have)} of at least {human_bytes(end)} (a re-save of this "
-                       "step that never finished, under the old .metadata)")
-    return out, md
+    return dcp_folder_problems(storage, path, sizes, cut_short_hint=" (a re-save of this step that never finished, "
+                                                                   "under the old .metadata)")

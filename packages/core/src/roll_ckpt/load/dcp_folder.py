@@ -21,7 +21,7 @@ from ..runtime.collector import CollectorPause
 from ..runtime.torch_compat import dcp_load, dcp_save, numpy_arrays_admitted
 from .reader import SafeReader
 
-__all__ = ["read_dcp_metadata", "load_dcp", "write_dcp"]
+__all__ = ["read_dcp_metadata", "dcp_folder_problems", "load_dcp", "write_dcp"]
 
 
 def read_dcp_metadata(storage: Storage, dcp_path: str) -> Metadata:
@@ -30,6 +30,36 @@ def read_dcp_metadata(storage: Storage, dcp_path: str) -> Metadata:
     path = storage.join(dcp_path, METADATA_NAME)
     with storage.open_read(path) as f:
         return safe_load_metadata(f.read(), path)
+
+
+def dcp_folder_problems(storage: Storage, dcp_path: str, sizes: dict[str, int], *,
+                        cut_short_hint: str = "") -> tuple[list[str], Metadata | None]:
+    """What keeps another framework's DCP folder from being loaded -- its ``.metadata`` refused or
+    unreadable, a data file it names missing or shorter than the bytes it names there -- and the
+    metadata (``None`` when unreadable). ``sizes``: the folder's files and sizes, as listed, with
+    ``.metadata`` among them (a folder without one is the caller's to word: it knows what never
+    finished). ``cut_short_hint`` ends each cut-short problem. Names relative to ``dcp_path``."""
+    from ..errors import CheckpointCorruptError, UnsafeCheckpointError
+    from ..runtime.units import human_bytes
+
+    try:
+        md = read_dcp_metadata(storage, dcp_path)
+    except (UnsafeCheckpointError, CheckpointCorruptError) as exc:
+        return [f"{METADATA_NAME} cannot be read safely: {exc}"], None
+    except Exception as exc:  # a torn pickle: EOFError, UnpicklingError...
+        return [f"{METADATA_NAME} is unreadable ({type(exc).__name__}: {exc}): cut short?"], None
+    needed: dict[str, int] = {}
+    for info in (md.storage_data or {}).values():
+        name = str(getattr(info, "relative_path", ""))
+        needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
+    out = []
+    for name, end in sorted(needed.items()):
+        have = sizes.get(name)
+        if have is None:
+            out.append(f"{name} is missing ({METADATA_NAME} names it)")
+        elif have < end:
+            out.append(f"{name} is cut short: {human_bytes(have)} of at least {human_bytes(end)}{cut_short_hint}")
+    return out, md
 
 
 def load_dcp(target: dict[str, Any], storage: Storage, dcp_path: str, *, numpy: bool = False) -> None:
