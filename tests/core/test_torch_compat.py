@@ -73,3 +73,54 @@ def test_a_real_collective_leaves_its_tensors_to_python(tmp_path) -> None:
     finally:
         if group is not None:
             dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- loaded_in_place
+
+
+def test_a_state_dict_over_the_live_tensors_is_loaded_in_place() -> None:
+    from roll_ckpt.runtime.torch_compat import loaded_in_place
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))  # BatchNorm: torch.nn's own override
+    assert loaded_in_place(model, model.state_dict())
+    copied = {k: v.clone() for k, v in model.state_dict().items()}
+    assert not loaded_in_place(model, copied)  # other memory: the hand-over must copy
+    assert not loaded_in_place(model, {**model.state_dict(), "extra": 3})  # a value only a load hands over
+
+
+def test_a_user_load_hook_or_override_keeps_the_hand_over() -> None:
+    from roll_ckpt.runtime.torch_compat import loaded_in_place
+
+    model = torch.nn.Linear(3, 4)
+    model.register_load_state_dict_post_hook(lambda module, keys: None)
+    assert not loaded_in_place(model, model.state_dict())
+
+    class Custom(torch.nn.Linear):
+        def _load_from_state_dict(self, *args, **kwargs):  # e.g. recomputes a cache from the weights
+            super()._load_from_state_dict(*args, **kwargs)
+
+    custom = Custom(3, 4)
+    assert not loaded_in_place(custom, custom.state_dict())
+
+
+def test_a_resume_still_runs_a_modules_load_hook(tmp_path) -> None:
+    """The hand-over is skipped only where it would copy each tensor onto itself: a module
+    with a load hook of its own has it run, with the checkpoint's values in place."""
+    from roll_ckpt import CheckpointManager, load_config
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 4)
+    seen: list[torch.Tensor] = []
+    model.register_load_state_dict_post_hook(lambda module, keys: seen.append(module.weight.detach().clone()))
+    opt = torch.optim.AdamW(model.parameters())
+    cfg = load_config({"checkpoint_config": {"output_dir": str(tmp_path), "timestamp_subdir": False}})
+    m = CheckpointManager.from_config(cfg, quiet=True)
+    m.save(1, {"model": model, "optimizer": opt})
+    m.wait()
+    saved = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    assert m.resume({"model": model, "optimizer": opt}, target="latest") == 1
+    m.close()
+    assert torch.equal(model.weight, saved)
+    assert len(seen) == 1 and torch.equal(seen[0], saved)

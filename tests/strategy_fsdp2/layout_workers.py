@@ -110,7 +110,7 @@ def layout_resume(out: str, step: str, kind: str) -> None:
     got = m.resume(state)
     LocalStorage.open_read = real_open
     job_load.safe_load_metadata = real_load
-    adopted = m.strategy.layouts.layout is not None
+    kept = m.strategy.layouts.resumed is not None  # for the first save to adopt where it holds
     loaded = {"params": full(model), "optim": optim_full(model, opt)}
     data = [torch.randn(8, 16)]
     fast = []
@@ -123,7 +123,7 @@ def layout_resume(out: str, step: str, kind: str) -> None:
     if dist.get_rank() == 0:
         torch.save(loaded, os.path.join(out, f"loaded-{step}-{dist.get_world_size()}.pt"))
     _result(out, f"resume-{step}-{dist.get_world_size()}", {
-        "step": got, "adopted": adopted, "fast": fast, "metadata_opens": opened.count(".metadata"),
+        "step": got, "kept": kept, "fast": fast, "metadata_opens": opened.count(".metadata"),
         "manifest_opens": opened.count("manifest.json"), "unpickles": unpickles})
 
 

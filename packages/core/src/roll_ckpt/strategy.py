@@ -32,13 +32,13 @@ from .contracts import SpaceEstimate, Storage, StrategyDefaults
 from .errors import RollCkptError, carried_roll_error
 from .format.global_state import GlobalState
 from .format.layout import basename, parent, parse_step
-from .runtime.optimizers import fit_target, optimizer_state_dict
+from .runtime.optimizers import fit_target, optimizer_state_dict, owners_of, sole_optimizer
 from .runtime.rng import capture_rng, restore_rng
 from .save.state_dict_cache import StateDictCache
 from .runtime.timeouts import bounded, checkpoint_group
 from .load.placeholders import placeholders, top_keys
 from .save.incremental import Increments
-from .runtime.torch_compat import collective, dcp_load, dcp_save, local_tensor
+from .runtime.torch_compat import collective, dcp_load, dcp_save, loaded_in_place, local_tensor
 
 __all__ = ["DCPStrategy", "PER_RANK", "RNG_KEY"]
 
@@ -141,26 +141,6 @@ class DCPStrategy(StrategyDefaults):
 
     # ------------------------------------------------------------ state dicts
 
-    def _pairs(self, state: Mapping[str, Any]) -> dict[str, str]:
-        """For each optimizer key, the key of the module that owns its parameters."""
-        modules = {k: v for k, v in state.items() if isinstance(v, torch.nn.Module)}
-        owners: dict[str, str] = {}
-        for key, opt in state.items():
-            if not isinstance(opt, torch.optim.Optimizer):
-                continue
-            first = next((p for g in opt.param_groups for p in g["params"]), None)
-            for mkey, mod in modules.items():
-                if first is not None and any(p is first for p in mod.parameters()):
-                    owners[key] = mkey
-                    break
-            else:
-                raise RollCkptError(
-                    f"state['{key}'] is an optimizer whose parameters belong to no module in the "
-                    "state; put the model in the same state dict (e.g. state={'model': model, "
-                    f"'{key}': optimizer}})"
-                )
-        return owners
-
     def state_dict(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """The DCP state dict of ``state``: live tensors, nothing copied."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -168,7 +148,7 @@ class DCPStrategy(StrategyDefaults):
         def build(key: str, obj: Any) -> dict[str, Any]:
             if isinstance(obj, torch.nn.Module):
                 return get_model_state_dict(obj)
-            return optimizer_state_dict(state[self._pairs(state)[key]], obj)  # (a fresh one left fresh)
+            return optimizer_state_dict(state[owners_of(state)[key]], obj)  # (a fresh one left fresh)
 
         for key in state:
             if not isinstance(key, str) or not key or "." in key or key == PER_RANK:
@@ -240,10 +220,14 @@ class DCPStrategy(StrategyDefaults):
         from .save.writer import ReusingSavePlanner
 
         layouts = self.layouts
-        if layouts.layout is None:  # then on no process: DCP's protocol (nothing to agree on)
+        if layouts.layout is None and layouts.resumed is None:  # then on no process: DCP's protocol
             return None
         planner = ReusingSavePlanner(self._write_items.setdefault(False, {}))
         planner.set_up_planner(sd, None, self.is_coordinator)
+        if layouts.layout is None:  # the first save after a resume: the checkpoint's layout, if it fits
+            layouts.adopt(planner, threads, self.process_group)
+            if layouts.layout is None:
+                return None
         try:
             fast = layouts.prepare(planner, threads, gate)
         except Exception:  # a state this rank cannot lay out as before: DCP's full path, on every rank
@@ -288,20 +272,20 @@ class DCPStrategy(StrategyDefaults):
         (:mod:`roll_ckpt.format.streamed_files`); damage then raises
         :class:`~roll_ckpt.errors.PartlyLoadedError`.
         """
-        from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
-
         from .load.reader import SafeReader
 
         reader = SafeReader(storage, dcp_path, on_bytes, files=files, checkpoint=checkpoint, stream=stream)
         try:
-            if alone:
-                self._load_alone(state, reader, dcp_path, files)
-            else:
-                from .load.job_load import load_job
+            # the collector is held off as during a save: the load's planning and state dicts
+            # allocate per tensor, and set off full collections (roll_ckpt.runtime.collector)
+            with CollectorPause(self.config.checkpoint_config.pause_gc):
+                if alone:
+                    self._load_alone(state, reader, dcp_path, files)
+                else:
+                    from .load.job_load import load_job
 
-                load_job(self, state, reader, storage, dcp_path, files, checkpoint or dcp_path)
-                self.increments.seed(storage, dcp_path, files or {})
+                    load_job(self, state, reader, storage, dcp_path, files, checkpoint or dcp_path)
+                    self.increments.seed(storage, dcp_path, files or {})
         finally:
             reader.release()  # the checked files, kept open across the loads below
 
@@ -314,26 +298,27 @@ class DCPStrategy(StrategyDefaults):
         self.read_into(target, reader, dcp_path, True)
         self.hand_over(state, target, src)
 
-    def adopt_layout(self, state: Mapping[str, Any], md: Any, md_bytes: bytes, checksum: str) -> None:
-        """Start the next save from a resumed checkpoint's layout (its ``.metadata``)."""
-        from .save.writer import ReusingSavePlanner
-
-        sd = self.state_dict(state)
-        planner = ReusingSavePlanner(self._write_items.setdefault(False, {}))
-        planner.set_up_planner(sd, None, self.is_coordinator)
-        self.layouts.adopt(md, md_bytes, checksum, planner, self.writer_threads(_local_bytes(sd)), self.process_group)
+    def adopt_layout(self, md: Any, md_bytes: bytes, checksum: str) -> None:
+        """Start the next save from a resumed checkpoint's layout (its ``.metadata``): taken
+        by that save (:meth:`FixedLayouts.adopt`), which has the state dict and planner at hand."""
+        self.layouts.adopt_later(md, md_bytes, checksum)
 
     def load_targets(self, state: Mapping[str, Any], md: Any, dcp_path: str) -> tuple[dict[str, Any], str]:
         """A load's first step (then :meth:`read_into`, :meth:`hand_over`; ``load/job_load.py``):
         the state dict to load into, and the rank whose per-process values this process takes."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict, get_optimizer_state_dict, get_state_dict)
 
-        owners = self._pairs(state)
+        owners = owners_of(state)
         target: dict[str, Any] = {}
         for key, obj in state.items():
-            if isinstance(obj, torch.nn.Module):
+            if isinstance(obj, torch.nn.Module) and (opt := sole_optimizer(owners, key)) is not None:
+                # one call for the module and its optimizer: torch maps the parameters once
+                target[key], target[opt] = get_state_dict(obj, state[opt])
+            elif isinstance(obj, torch.nn.Module):
                 target[key] = get_model_state_dict(obj)
-            elif isinstance(obj, torch.optim.Optimizer):  # (its state made, if it had none: loaded into)
+            elif isinstance(obj, torch.optim.Optimizer) and sole_optimizer(owners, owners[key]) != key:
+                # (its state made, if it had none: loaded into)
                 target[key] = get_optimizer_state_dict(state[owners[key]], obj)
             elif isinstance(obj, GlobalState):  # its own dict: tensors loaded in place, values replaced
                 target[key] = obj.state_dict()
@@ -350,13 +335,21 @@ class DCPStrategy(StrategyDefaults):
 
     def hand_over(self, state: MutableMapping[str, Any], target: dict[str, Any], src: str) -> None:
         """A load's last step: hand the loaded values to the modules, optimizers and objects of ``state``."""
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            set_model_state_dict, set_optimizer_state_dict, set_state_dict)
 
-        owners = self._pairs(state)
+        owners = owners_of(state)
         for key, obj in state.items():
             if isinstance(obj, torch.nn.Module):
-                set_model_state_dict(obj, target[key])
-            elif isinstance(obj, torch.optim.Optimizer):
+                in_place = loaded_in_place(obj, target[key])  # then loaded already: its load would copy onto itself
+                opt = sole_optimizer(owners, key)
+                if opt is not None and not in_place:  # one call: torch maps the parameters once
+                    set_state_dict(obj, state[opt], model_state_dict=target[key], optim_state_dict=target[opt])
+                elif opt is not None:
+                    set_optimizer_state_dict(obj, state[opt], target[opt])
+                elif not in_place:
+                    set_model_state_dict(obj, target[key])
+            elif isinstance(obj, torch.optim.Optimizer) and sole_optimizer(owners, owners[key]) != key:
                 set_optimizer_state_dict(state[owners[key]], obj, target[key])
             elif isinstance(obj, GlobalState):
                 obj.load_state_dict(target[key])

@@ -25,7 +25,6 @@ from typing import Any, Mapping, MutableMapping
 
 from ..runtime.collector import CollectorPause
 from ..runtime.collective import decide
-from ..runtime.rng import capture_rng, restore_rng
 from ..format.digest import hash_bytes
 from ..errors import CheckpointCorruptError
 from ..format.layout import basename, parent, parse_step, writer_rank
@@ -100,9 +99,5 @@ def _load_job(strategy: Any, state: MutableMapping[str, Any], reader: Any, stora
         error = exc
     strategy.agree(error, "resume: handing the values over", step)
     if files is not None and METADATA_NAME in files:
-        # RNG-neutral: adopting the layout asks the state for its state dicts again, and one
-        # may draw from the RNG just restored (a StatefulDataLoader starts its iterator)
-        rng = capture_rng()
-        strategy.adopt_layout(state, md, md_bytes, files[METADATA_NAME].checksum)
-        restore_rng(rng)
+        strategy.adopt_layout(md, md_bytes, files[METADATA_NAME].checksum)
 

@@ -11,9 +11,11 @@ saved so into a fresh optimizer again.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
-__all__ = ["optimizer_state_dict", "fit_target"]
+from ..errors import RollCkptError
+
+__all__ = ["optimizer_state_dict", "fit_target", "owners_of", "sole_optimizer"]
 
 
 def optimizer_state_dict(module: Any, optimizer: Any) -> dict[str, Any]:
@@ -43,3 +45,33 @@ def fit_target(osd: dict[str, Any], key: str, md: Any) -> None:
     for i, group in enumerate(osd.get("param_groups", [])):
         for name in [n for n in group if n != "params" and f"{key}.param_groups.{i}.{n}" not in saved]:
             del group[name]
+
+
+def owners_of(state: Mapping[str, Any]) -> dict[str, str]:
+    """For each optimizer key of ``state``, the key of the module that owns its parameters."""
+    import torch
+
+    modules = {k: v for k, v in state.items() if isinstance(v, torch.nn.Module)}
+    owners: dict[str, str] = {}
+    for key, opt in state.items():
+        if not isinstance(opt, torch.optim.Optimizer):
+            continue
+        first = next((p for g in opt.param_groups for p in g["params"]), None)
+        for mkey, mod in modules.items():
+            if first is not None and any(p is first for p in mod.parameters()):
+                owners[key] = mkey
+                break
+        else:
+            raise RollCkptError(
+                f"state['{key}'] is an optimizer whose parameters belong to no module in the "
+                "state; put the model in the same state dict (e.g. state={'model': model, "
+                f"'{key}': optimizer}})"
+            )
+    return owners
+
+
+def sole_optimizer(owners: Mapping[str, str], module_key: str) -> str | None:
+    """The key of the one optimizer of the module under ``module_key`` (``owners``: :func:`owners_of`);
+    ``None`` for none or several."""
+    mine = [opt for opt, mod in owners.items() if mod == module_key]
+    return mine[0] if len(mine) == 1 else None

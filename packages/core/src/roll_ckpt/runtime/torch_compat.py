@@ -15,7 +15,7 @@ import functools
 import pickle
 import time
 import types
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -25,7 +25,7 @@ __all__ = ["TorchCompatError", "fsdp2_options", "gloo_averages", "local_tensor",
            "serializes_plainly", "create_write_items",
            "weights_only_load", "file_reader", "storage_info", "transform_descriptors", "dcp_format_version", "set_element", "get_element",
            "dcp_save", "dcp_load", "load_state_dict_no_dist", "module_tensor_ids", "empty_state_dict_load_planner", "planner_set_value", "storage_prefix",
-           "narrow_tensor_by_index", "local_chunk", "collective", "all_reduce_ints", "CHECKED_ON",
+           "narrow_tensor_by_index", "local_chunk", "loaded_in_place", "collective", "all_reduce_ints", "CHECKED_ON",
            "default_stager", "process_mode", "caching_save_planner", "without_collectives", "compare_save_plans", "storage_prefix_record",
            "set_plan_cache_key", "cached_local_plan", "forget_cached_plans", "numpy_arrays_admitted"]
 
@@ -107,6 +107,40 @@ def local_chunk(t: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
         raise _missing("DTensor.__create_chunk_list__ (one chunk per process)",
                        ValueError(f"{len(chunks)} chunks"))
     return tuple(chunks[0].offsets), tuple(chunks[0].sizes)
+
+
+def loaded_in_place(module: Any, sd: Mapping[str, Any]) -> bool:
+    """True when ``module.load_state_dict(sd)`` would only copy each tensor onto itself: every
+    value of ``sd`` a tensor over the memory of one of the module's own parameters or buffers
+    (its live state dict, which a load filled in place), no module overriding
+    ``_load_from_state_dict`` outside ``torch.nn``, and no load hook but FSDP2's, which
+    re-point its shards after a load that replaced them (none did). A resume then skips the
+    hand-over: at 3,000 DTensors, 35 ms of ``copy_`` through DTensor's dispatch.
+    ``nn.Module._parameters``/``_buffers``/``_load_state_dict_pre_hooks``/``_load_state_dict_post_hooks``
+    (a pre hook wrapped in ``_WrappedHook.hook``), ``DTensor._local_tensor``: torch 2.6-2.14."""
+    live = set()
+    try:
+        for m in module.modules():
+            cls = type(m)._load_from_state_dict
+            if cls is not torch.nn.Module._load_from_state_dict and not cls.__module__.startswith("torch.nn."):
+                return False
+            hooks = [getattr(h, "hook", h) for h in m._load_state_dict_pre_hooks.values()]
+            hooks += list(m._load_state_dict_post_hooks.values())
+            if any(not getattr(h, "__module__", "").startswith("torch.distributed.fsdp.") for h in hooks):
+                return False
+            for t in (*m._parameters.values(), *m._buffers.values()):
+                if t is not None:
+                    t = getattr(t, "_local_tensor", t)
+                    live.add((t.data_ptr(), t.dtype, t.shape, t.stride()))
+    except AttributeError as exc:
+        raise _missing("nn.Module._parameters / _buffers / load-state-dict hooks", exc) from None
+    for v in sd.values():
+        if not isinstance(v, torch.Tensor):
+            return False
+        t = getattr(v, "_local_tensor", v)
+        if t.numel() and (t.data_ptr(), t.dtype, t.shape, t.stride()) not in live:
+            return False
+    return True
 
 
 def rewrap_dtensor(like: Any, local: Any) -> Any:

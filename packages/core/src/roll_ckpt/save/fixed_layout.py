@@ -98,6 +98,8 @@ class FixedLayouts:
         self.rank = rank
         self.world_size = world_size
         self.layout: RankLayout | None = None
+        self.resumed: tuple[Any, bytes, str] | None = None
+        """A resumed checkpoint's ``.metadata``, its bytes and checksum, for the next save to adopt."""
         self._full_saves = 0
         self.fast_saves = 0
         """Saves that took this path (for tests and the benchmark)."""
@@ -213,13 +215,14 @@ class FixedLayouts:
     # ------------------------------------------------------------ layouts
 
     def forget(self) -> None:
-        self.layout = None
+        self.layout = self.resumed = None
 
     def record(self, planner: Any, writer: DigestingWriter, threads: int) -> None:
         """Keep the layout of the full save just done (every process, after ``dcp.save``)."""
         from torch.distributed.checkpoint.default_planner import create_default_local_save_plan
 
         self._full_saves += 1
+        self.resumed = None
         written = writer.written
         self.layout = RankLayout(
             generation=self._full_saves,
@@ -229,12 +232,19 @@ class FixedLayouts:
             metadata=writer.metadata_bytes if self.rank == 0 else None,
         )
 
-    def adopt(self, md: Any, md_bytes: bytes, checksum: str, planner: Any, threads: int, group: Any) -> None:
-        """Take the layout of a resumed checkpoint (its ``.metadata``) where every process's
+    def adopt_later(self, md: Any, md_bytes: bytes, checksum: str) -> None:
+        """Keep a resumed checkpoint's ``.metadata`` (every process, after the load) for the
+        next save's :meth:`adopt`: the resume does not pay for a layout only a save uses."""
+        self.layout, self.resumed = None, (md, md_bytes, checksum)
+
+    def adopt(self, planner: Any, threads: int, group: Any) -> None:
+        """Take the layout of the resumed checkpoint (:meth:`adopt_later`) where every process's
         state has its structure and the checkpoint was written with fixed offsets (one
         all-reduce: a layout is kept on every process or on none)."""
         from torch.distributed.checkpoint.default_planner import create_default_local_save_plan
 
+        assert self.resumed is not None
+        (md, md_bytes, checksum), self.resumed = self.resumed, None
         local = create_default_local_save_plan(planner.state_dict, planner.is_coordinator).items
         try:
             files = _files_of(md, local, self.rank, self.world_size, threads)
