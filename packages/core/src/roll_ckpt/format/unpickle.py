@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ..errors import UnsafeCheckpointError
-from ..runtime.torch_compat import empty_state_dict_load_planner, planner_set_value
+from ..runtime.torch_compat import empty_state_dict_load_planner, local_load_plan, planner_set_value
 
 __all__ = ["METADATA_NAME", "safe_load_metadata", "SafeLoadPlanner", "SafeEmptyLoadPlanner", "pickle_reason"]
 
@@ -108,6 +108,11 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, but non-tensor values are read with ``weights_only=True``."""
 
     reader: Any = None
+
+    def create_local_plan(self) -> Any:
+        if self.allow_partial_load:
+            return super().create_local_plan()
+        return local_load_plan(self.state_dict, self.metadata)  # each DTensor's chunk made once per shape
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         planner_set_value(self, read_item.dest_index.fqn, _load_bytes_safely(value, read_item))

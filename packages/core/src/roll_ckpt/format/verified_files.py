@@ -249,10 +249,18 @@ def _read_framed(data: Any, offset: int, length: int, target: torch.Tensor) -> t
     if frame is None or len(frame[0]) + nbytes + len(frame[1]) != length:
         return None
     prefix, suffix = frame
+    dst = writable_view(target.untyped_storage(), nbytes)
+    if getattr(data, "fd", -1) >= 0:  # a file kept open: the frame and the bytes in one read
+        ends = bytearray(len(prefix) + len(suffix))
+        parts = [memoryview(ends)[:len(prefix)], dst, memoryview(ends)[len(prefix):]]
+        if os.preadv(data.fd, parts, offset) != length:  # short (never on a local file): read it piece by piece
+            for part, at in zip(parts, (offset, offset + len(prefix), offset + len(prefix) + nbytes)):
+                pread_into(data.fd, part, at)
+        return target if ends == prefix + suffix else None  # else loaded again the general way
     if (bytes(data.bytes(offset, len(prefix))) != prefix
             or bytes(data.bytes(offset + length - len(suffix), len(suffix))) != suffix):
         return None
-    data.read_into(writable_view(target.untyped_storage(), nbytes), offset + len(prefix))
+    data.read_into(dst, offset + len(prefix))
     return target
 
 

@@ -25,7 +25,7 @@ __all__ = ["TorchCompatError", "fsdp2_options", "gloo_averages", "local_tensor",
            "serializes_plainly", "create_write_items",
            "weights_only_load", "file_reader", "storage_info", "transform_descriptors", "dcp_format_version", "set_element", "get_element",
            "dcp_save", "dcp_load", "load_state_dict_no_dist", "module_tensor_ids", "empty_state_dict_load_planner", "planner_set_value", "storage_prefix",
-           "narrow_tensor_by_index", "local_chunk", "loaded_in_place", "collective", "all_reduce_ints", "CHECKED_ON",
+           "narrow_tensor_by_index", "local_chunk", "loaded_in_place", "local_load_plan", "collective", "all_reduce_ints", "CHECKED_ON",
            "default_stager", "process_mode", "caching_save_planner", "without_collectives", "compare_save_plans", "storage_prefix_record",
            "set_plan_cache_key", "cached_local_plan", "forget_cached_plans", "numpy_arrays_admitted"]
 
@@ -141,6 +141,48 @@ def loaded_in_place(module: Any, sd: Mapping[str, Any]) -> bool:
         if t.numel() and (t.data_ptr(), t.dtype, t.shape, t.stride()) not in live:
             return False
     return True
+
+
+def local_load_plan(state_dict: Mapping[str, Any], metadata: Any) -> Any:
+    """DCP's strict ``create_default_local_load_plan`` with a DTensor's local chunk made once per
+    mesh, global shape and placements instead of once per tensor (it depends on nothing else):
+    at 3,000 FSDP2 tensors of a few shapes, half of a resume's planning. Unlike
+    ``DefaultLoadPlanner.create_local_plan`` it never retries with torch 2.3's flattened keys
+    (roll-ckpt reads nothing written before torch 2.6). ``planner_helpers._create_read_items``
+    and ``create_read_items_for_chunk_list``, ``DTensor.__create_chunk_list__``: torch 2.6-2.14."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.planner import LoadPlan
+    from torch.distributed.tensor import DTensor
+
+    try:
+        from torch.distributed.checkpoint.planner_helpers import _create_read_items, create_read_items_for_chunk_list
+    except ImportError as exc:
+        raise _missing("torch.distributed.checkpoint.planner_helpers._create_read_items", exc) from None
+    saved = metadata.state_dict_metadata
+    chunks: dict[tuple, Any] = {}
+    on_mesh: dict[int, bool] = {}
+    requests: list[Any] = []
+    for fqn, obj in state_dict.items():
+        md = saved.get(fqn)
+        if md is None:
+            raise RuntimeError(f"Missing key in checkpoint state_dict: {fqn}.")  # DCP's own words
+        if not isinstance(md, TensorStorageMetadata) or not isinstance(obj, DTensor) \
+                or type(obj._local_tensor) is not torch.Tensor or any(p.is_partial() for p in obj.placements):
+            if isinstance(md, TensorStorageMetadata) and isinstance(obj, torch.Tensor) and md.size != obj.size():
+                raise ValueError(f"Size mismatch between saved {md.size} and current: {obj.size()} for {fqn}")
+            if not isinstance(obj, DTensor) or obj.device_mesh.get_coordinate() is not None:
+                requests += _create_read_items(fqn, md, obj)
+            continue
+        if md.size != obj.size():
+            raise ValueError(f"Size mismatch between saved {md.size} and current: {obj.size()} for {fqn}")
+        mesh = obj.device_mesh
+        if not on_mesh.setdefault(id(mesh), mesh.get_coordinate() is not None):
+            continue  # this process holds no part of it (a submesh)
+        key = (id(mesh), obj.shape, tuple(obj.placements))
+        if key not in chunks:
+            chunks[key] = obj.__create_chunk_list__()
+        requests += create_read_items_for_chunk_list(fqn, md, chunks[key])
+    return LoadPlan(requests)
 
 
 def rewrap_dtensor(like: Any, local: Any) -> Any:
