@@ -6,7 +6,8 @@ from typing import Any
 
 MB = 1 << 20
 GROUP_TITLES = {"target": "target state", "small": "small state", "small-1": "small state", "target-1": "target state",
-                "tensors": "many-tensors state", "tensors-1": "many-tensors state"}
+                "tensors": "many-tensors state", "tensors-1": "many-tensors state", "moe": "MoE-shaped state",
+                "moe-1": "MoE-shaped state"}
 COLOURS = {"rc_": "tab:blue", "tc_": "tab:orange", "bcp_": "tab:green"}
 """roll-ckpt, torch-checkpointing, ByteCheckpoint; torch/DCP grey."""
 
@@ -51,7 +52,7 @@ def markdown(res: dict[str, Any]) -> str:
     ]
     for r in res["cases"]:
         state = f"{GROUP_TITLES.get(r['group'], r['group'])} {r['state_bytes'] / MB:.0f} MiB"
-        if r["group"].startswith("tensors") and r.get("tensors"):
+        if r["group"].startswith(("tensors", "moe")) and r.get("tensors"):
             state += f", {r['tensors']:,} tensors"
         rss = f"{r['extra_rss'] / MB:.0f} MiB ({r['extra_rss_frac']:.2f}×)" if r.get("extra_rss") is not None else "—"
         copied = f"{r['copied'] / MB:.0f} MiB" if r.get("copied") else "0"
@@ -146,7 +147,7 @@ def markdown(res: dict[str, Any]) -> str:
 
 def _state(x: dict[str, Any]) -> str:
     """A state and rank count of T20-T25, in words."""
-    what = f"{x['tensors']:,} tensors" if str(x["group"]).startswith("tensors") else f"{x['state_mib']:.0f} MiB"
+    what = f"{x['tensors']:,} tensors" if str(x["group"]).startswith(("tensors", "moe")) else f"{x['state_mib']:.0f} MiB"
     return f"{what}, {x['ranks']} rank{'s' if x['ranks'] != 1 else ''}"
 
 
@@ -301,8 +302,10 @@ def plot(res: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    order = ("target", "target-1", "tensors", "tensors-1", "small", "small-1")
+    order = ("target", "target-1", "tensors", "tensors-1", "moe", "moe-1", "small", "small-1")
     groups = [g for g in order if any(r["group"] == g for r in res["cases"])]
+    if not groups:
+        return
     fig, axes = plt.subplots(len(groups), 4, figsize=(22, 4.2 * len(groups)), squeeze=False)
     lim = res["limits"]
     for gi, g in enumerate(groups):
@@ -311,7 +314,7 @@ def plot(res: dict[str, Any], path: str) -> None:
         colour = [_colour(r["case"]) for r in saves]
         names = [r["case"] for r in saves]
         title = f"{GROUP_TITLES.get(g, g)} {rows[0]['state_bytes'] / MB:.0f} MiB, {rows[0]['ranks']} rank(s)"
-        if g.startswith("tensors") and rows[0].get("tensors"):
+        if g.startswith(("tensors", "moe")) and rows[0].get("tensors"):
             title += f", {rows[0]['tensors']:,} tensors"
         ax = axes[gi][0]
         ax.barh(names, [max(r["blocked_s"], 1e-4) * 1e3 for r in saves], color=colour)

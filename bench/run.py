@@ -62,8 +62,11 @@ TARGET_CASES = ["dcp_async", "rc_load", "rc_async_zc_all", "tc_async", "dcp_load
 # both runs of the many-tensors state (T20-T25).
 COMPARE_CASES = ["dcp_async", "rc_load", "rc_async", "tc_async", "dcp_load", "rc_async_zc_all", "bcp_async",
                  "tc_load", "rc_save", "dcp_save", "bcp_load", "tc_save", "bcp_save"]
-PEER_GROUPS = ["target", "target-1", "tensors", "tensors-1"]
+PEER_GROUPS = ["target", "target-1", "tensors", "tensors-1", "moe", "moe-1"]
 """The groups the peers run in (a group on 1 rank is reported as ``<name>-1``)."""
+# The resumes alone, on the MoE-shaped state (``moe``: 30,000 tensors, as a model whose experts
+# are unfused into tensors of their own has): T24/T25 take its worst ratio too.
+LOAD_CASES = ["rc_load", "tc_load", "dcp_load", "bcp_load"]
 # T8: regular staging within a budget (x the rank's state), cold staging buffers.
 BUDGET_CASES = ["rc_budget_0.1", "rc_budget_0.25", "rc_budget_0.5", "rc_budget_none"]
 ALL_CASES = ["torch_save", "rc_load", "dcp_save", "dcp_async", "dcp_async_stager", "rc_save", "dcp_load",
@@ -85,7 +88,7 @@ MODES: dict[str, dict[str, Any]] = {
               "loop": {"width": 368, "depth": 64, "reps": 4, "window_s": 1.5},
               "many": {"points": [100, 1000, 3000], "reps": 3},
               "transformer": TRANSFORMER},
-    "full": {"reps": 6, "target": (4096, 11), "small": (2048, 11), "warmup": True, "tensors": 3000,
+    "full": {"reps": 6, "target": (4096, 11), "small": (2048, 11), "warmup": True, "tensors": 3000, "moe": 30000,
              "loop": {"width": 368, "depth": 64, "reps": 5, "window_s": 2.0},
              "many": {"points": [100, 1000, 3000, 10000], "reps": 5},
              "transformer": {**TRANSFORMER, "reps": 5}},
@@ -643,9 +646,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scratch", default=None, help="where checkpoints are written (default: next to --out)")
     p.add_argument("--reps", type=int, default=None)
     p.add_argument("--ranks", default=None, help="world sizes to run (default 2,1)")
-    p.add_argument("--groups", default="small,target,tensors,many,loop,transformer,scale",
-                   help="groups to run (small, target, tensors: state groups, tensors the many-tensors state the peers "
-                        "are compared on too; many: T7's sweep; loop: T6's save CPU and "
+    p.add_argument("--groups", default=None,
+                   help="groups to run (default small,target,tensors,many,loop,transformer,scale, and moe with --full; "
+                        "small, target, tensors: state groups, tensors the many-tensors state the peers "
+                        "are compared on too; moe: the resumes of a 30,000-tensor state, with the peers'; many: T7's sweep; loop: T6's save CPU and "
                         "training loop; transformer: T10/T11, a Hugging Face Llama on FSDP2; scale: T12-T14, "
                         "bench.scale's simulated ranks and real jobs; not run by default: torchtitan, T18, "
                         "torchtitan's checkpoint manager against roll-ckpt's, bench.torchtitan, in an interpreter "
@@ -658,6 +662,8 @@ def main(argv: list[str] | None = None) -> int:
         args.scratch = os.path.abspath(args.scratch)
     mode = args.mode or "quick"
     cfg = MODES[mode]
+    if args.groups is None:
+        args.groups = "small,target,tensors,many,loop,transformer,scale" + (",moe" if "moe" in cfg else "")
     reps = args.reps or cfg["reps"]
     if args.device == "cuda":
         import torch
@@ -720,6 +726,9 @@ def main(argv: list[str] | None = None) -> int:
             if "tensors" in wanted:
                 groups.append({"name": "tensors", "tensors": cfg["tensors"], "reps": reps, "warmup": warm,
                                "cases": COMPARE_CASES})
+            if "moe" in wanted:
+                groups.append({"name": "moe", "tensors": cfg.get("moe", 30000), "reps": min(reps, 3),
+                               "warmup": False, "cases": LOAD_CASES})
             # T6 and T7 are 1-rank measurements; T10/T11 run on the most ranks
             more = {"reps": args.reps} if args.reps else {}
             if nproc == max(ranks) and "transformer" in wanted:
