@@ -118,7 +118,7 @@ def test_a_peer_that_is_gone_is_not_called_a_timeout() -> None:
     """gloo's "connection reset by peer" (the other process ended: killed, crashed) is said as
     such, at once; a wait that ran out names the limit it ran out of."""
     from roll_ckpt.errors import CollectiveTimeoutError
-    from roll_ckpt.runtime.timeouts import bounded
+    from roll_ckpt.runtime.distributed import bounded
 
     with pytest.raises(CollectiveTimeoutError, match=r"rank 0: save: writing of step 4 lost its connection to another "
                                                      r"rank: that process ended \(killed, crashed\) or was cut off"):

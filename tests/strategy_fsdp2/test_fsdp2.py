@@ -108,7 +108,7 @@ def test_zero_copy_staging_copies_nothing_from_the_store(tmp_path: Path) -> None
 def test_save_issues_no_extra_collective(tmp_path: Path) -> None:
     torchrun(NPROC, "collectives", str(tmp_path))
     r = result(tmp_path, "collectives")
-    agreements = 2  # a save's own: before the write and after the commit (runtime/agreement.py)
+    agreements = 2  # a save's own: before the write and after the commit (runtime/distributed.py)
     plain = dict(r["plain"])
     assert plain and r["first"] == {**plain, "all_reduce": plain.get("all_reduce", 0) + agreements}
     # the same structure again (zero-copy from the store): the fixed-layout protocol and the agreements

@@ -86,7 +86,7 @@ class RollCkptError(Exception):
     processes (one rank's refusal is raised on every rank, DCP carries a rank's error to
     the coordinator), and each process raises the same type with the same message.
 
-    An error one rank met and every rank raises (:mod:`roll_ckpt.runtime.agreement`) has
+    An error one rank met and every rank raises (:mod:`roll_ckpt.runtime.distributed`) has
     :attr:`origin_rank` set, and its message begins ``rank N:``.
     """
 

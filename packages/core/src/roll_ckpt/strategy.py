@@ -26,7 +26,7 @@ from typing import Any, Mapping, MutableMapping
 
 import torch
 
-from .runtime.agreement import first_error
+from .runtime.distributed import first_error
 from .runtime.collector import CollectorPause
 from .contracts import SpaceEstimate, Storage, StrategyDefaults
 from .errors import RollCkptError, carried_roll_error
@@ -35,7 +35,7 @@ from .format.layout import basename, parent, parse_step
 from .runtime.optimizers import fit_target, optimizer_state_dict, owners_of, sole_optimizer
 from .runtime.rng import capture_rng, restore_rng
 from .save.state_dict_cache import StateDictCache
-from .runtime.timeouts import bounded, checkpoint_group
+from .runtime.distributed import bounded, checkpoint_group
 from .load.placeholders import placeholders, top_keys
 from .save.incremental import Increments
 from .runtime.torch_compat import collective, dcp_load, dcp_save, loaded_in_place, local_tensor
@@ -71,7 +71,7 @@ class DCPStrategy(StrategyDefaults):
         self.rank = self._dist.get_rank() if self._dist else 0
         self.world_size = self._dist.get_world_size() if self._dist else 1
         self.collective_timeout_s = float(config.checkpoint_config.collective_timeout_s)
-        """How long a collective of a save, commit or resume waits for the other ranks (:mod:`roll_ckpt.runtime.timeouts`)."""
+        """How long a collective of a save, commit or resume waits for the other ranks (:mod:`roll_ckpt.runtime.distributed`)."""
         self._group = None
         if self._dist is not None and self.world_size > 1:  # (every rank creates its strategy at the same point)
             # both now: creating a group is itself a wait for every rank, with no bound of ours
@@ -114,7 +114,7 @@ class DCPStrategy(StrategyDefaults):
 
     def agree(self, error: BaseException | None, phase: str, step: int | None = None) -> None:
         """Raise on every process the error of the lowest rank that has one; return when none
-        has (:mod:`roll_ckpt.runtime.agreement`). Every process calls it at the same point."""
+        has (:mod:`roll_ckpt.runtime.distributed`). Every process calls it at the same point."""
         with self.bounded(phase, step):
             found = first_error(self._dist, self.process_group, self.rank, self.world_size, error, phase)
         if found is None:

@@ -303,7 +303,7 @@ def load_initial(state: Mapping[str, Any], initial: Any, strategy: Any,
     """``checkpoint_config.initial_load`` into ``state``: checked by the coordinator, read by every process."""
     import torch
 
-    from ..runtime.collective import decide
+    from ..runtime.distributed import decide
 
     key = initial.key
     module = state.get(key)

@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any, Mapping, MutableMapping
 
 from ..runtime.collector import CollectorPause
-from ..runtime.collective import decide
+from ..runtime.distributed import decide
 from ..format.digest import hash_bytes
 from ..errors import CheckpointCorruptError
 from ..format.layout import basename, parent, parse_step, writer_rank

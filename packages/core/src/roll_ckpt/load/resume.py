@@ -22,7 +22,7 @@ import warnings
 from typing import Any, MutableMapping
 
 from ..format import layout
-from ..runtime.collective import decide
+from ..runtime.distributed import decide
 from ..format.components import complete_pending, components_of, open_part, read_resume_record
 from ..contracts import Storage, Strategy
 from ..contracts import strategy_member

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from .backup import BackupLink
-from ..runtime.collective import decide, storage_error
+from ..runtime.distributed import decide, storage_error
 from ..config.schema import Config
 from ..contracts import CommitInfo, Storage, Strategy, strategy_member
 from ..errors import RollCkptError
@@ -21,7 +21,7 @@ from ..plugins import Plugins
 from ..runtime.progress import Progress
 from .retention import note_open_run
 from ..format.runs import claim_run_folder, release_folder
-from ..runtime.timeouts import bounded
+from ..runtime.distributed import bounded
 
 __all__ = ["Job", "open_storage"]
 

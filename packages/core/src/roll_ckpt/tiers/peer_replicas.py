@@ -99,7 +99,7 @@ class PeerGroup:
     def __init__(self, node: str, replicas: int, timeout_s: float = 0.0) -> None:
         import torch.distributed as dist
 
-        from ..runtime.timeouts import checkpoint_group
+        from ..runtime.distributed import checkpoint_group
 
         self.dist = dist
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
