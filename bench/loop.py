@@ -13,6 +13,7 @@ runs on the same state, alternating order; the report shows medians.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
@@ -29,10 +30,19 @@ from roll_ckpt.runtime.torch_compat import TorchCompatError, fsdp2_options, proc
 
 from roll_ckpt import CheckpointManager, load_config
 
+from . import peers
 from .common import cpu_all, state_size
 
-METHODS = ["dcp_thread", "dcp_process", "rc_regular", "rc_zc", "rc_zc_nice0"]
-NEEDS = {"dcp_process": process_mode}
+METHODS = ["dcp_thread", "dcp_process", "rc_regular", "rc_zc", "rc_zc_nice0", "tc_async"]
+
+
+def _torch_checkpointing() -> None:
+    why = peers.PEERS["tc"]().why_not()
+    if why:
+        raise TorchCompatError(why)
+
+
+NEEDS = {"dcp_process": process_mode, "tc_async": _torch_checkpointing}
 """What a method needs of this torch (it raises TorchCompatError where a release lacks it)."""
 TITLES = {
     "dcp_thread": "dcp.async_save, thread mode (with get_state_dict)",
@@ -40,6 +50,8 @@ TITLES = {
     "rc_regular": "roll-ckpt async, regular staging",
     "rc_zc": "roll-ckpt async, zero-copy (model + AdamW in the store; onload, then train)",
     "rc_zc_nice0": "roll-ckpt zero-copy, background_nice: 0 (writer at the loop's priority)",
+    "tc_async": "torch-checkpointing async (with get_state_dict; each optimizer.step() under its manager.lock(), "
+                "which waits until the state is staged; durable: the window, its write future then an fsync)",
 }
 
 
@@ -58,6 +70,8 @@ class Loop:
     def __init__(self, spec: dict[str, Any], scratch: str) -> None:
         self.spec = spec
         self.dir = os.path.join(scratch, spec["name"])
+        self.guard: Callable[[], Any] = contextlib.nullcontext
+        """What each ``optimizer.step()`` runs under (torch-checkpointing's lock in its windows)."""
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         torch.manual_seed(0)
         self.build(spec, mesh)
@@ -87,7 +101,8 @@ class Loop:
 
     def step(self) -> None:
         self.model(self.x).pow(2).mean().backward()
-        self.opt.step()
+        with self.guard():
+            self.opt.step()
         self.opt.zero_grad(set_to_none=True)
 
     def steps(self, k: int) -> list[float]:
@@ -117,6 +132,9 @@ class Loop:
         c0, t0 = time.process_time(), time.perf_counter()
         ended: list[float] = []  # when the save became durable (from t0)
         stats_of: Any = None
+        tc = peers.get("tc") if method == "tc_async" else None
+        # the same lock in the window without a save: the loop a torch-checkpointing user runs
+        self.guard = tc.manager(True).lock if tc is not None else contextlib.nullcontext
         if save:
             if method == "dcp_save":  # synchronous: the loop's loss is the save itself
                 msd, osd = get_state_dict(self.model, self.opt)
@@ -132,6 +150,12 @@ class Loop:
                 fut = getattr(resp, "upload_completion", resp)
                 fut.add_done_callback(lambda _f: ended.append(time.perf_counter() - t0))
                 done = fut.result
+            elif tc is not None:  # returns at once; the loop waits at its lock until the state is staged
+                msd, osd = get_state_dict(self.model, self.opt)
+                written = self.path(method)
+                pending = tc.async_save(written, {"model": msd, "optimizer": osd})
+                where = written
+                done = lambda: (pending.written(), tc.durable(where, dist.get_rank()))  # noqa: E731
             else:
                 self.n += 1
                 written = m.save(self.n, self.state)
@@ -143,6 +167,7 @@ class Loop:
         step_times = self.steps(k)
         t_steps = time.perf_counter() - t0
         done()
+        self.guard = contextlib.nullcontext
         wall = time.perf_counter() - t0
         cpu = time.process_time() - c0
         durable = 0.0
@@ -251,13 +276,16 @@ def run_group(spec: dict[str, Any], scratch: str, out: dict[str, Any]) -> None:
             reps[meth].append(everyone)
         log(f"{spec['name']}: repetition {rep + 1} took {time.perf_counter() - t_rep:.1f} s")
     # T6: the CPU the whole save path spends, each save alone, alternating order
-    cpu: dict[str, list[Any]] = {m: [] for m in methods}
+    # (not torch-checkpointing's: its writer process lives on, so its CPU is not this process's children's)
+    alone = [m for m in methods if m != "tc_async"]
+    cpu: dict[str, list[Any]] = {m: [] for m in alone}
     for rep in range(max(spec["reps"], spec.get("cpu_reps", 3))):
-        for meth in (methods if rep % 2 == 0 else methods[::-1]):
+        for meth in (alone if rep % 2 == 0 else alone[::-1]):
             everyone = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, lp.save_cpu(meth))
             cpu[meth].append(everyone)
     lp.close()
+    peers.close_all()
     out["groups"].append({"name": spec["name"], "kind": "loop", "world_size": dist.get_world_size(),
                           "tensors": lp.tensors, "state_bytes": lp.state_bytes, "threads": threads,
                           "k": k, "step_s": step_s, "titles": TITLES, "methods": reps, "save_cpu": cpu,

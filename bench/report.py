@@ -95,6 +95,12 @@ def markdown(res: dict[str, Any]) -> str:
             extra = (f"; CPU s per GB: " + ", ".join(f"{m} {_f(v, '{:.2f}')}" for m, v in cps.items())
                      + f" (medians of {t.get('runs')}); regular staging {_f(t.get('regular'))}, DCP process mode "
                      f"{_f(t.get('process_mode'))}; former T6 (loop time lost) {_f((t.get('loop_lost') or {}).get('value'))}")
+        if k == "T26":
+            ls = t.get("lost_s") or {}
+            extra = (f"; roll-ckpt regular {_ms(ls.get('rc_regular'))}, zero-copy {_ms(ls.get('rc_zc'))}, "
+                     f"torch-checkpointing {_ms(ls.get('tc_async'))} (zero-copy / it: {_f(t.get('zero_copy'))}; "
+                     f"in T6's loop, regular / it: {_f(t.get('loop'))})"
+                     + (f"; not run: {t['not_run']}" if t.get("not_run") else ""))
         if k == "T7":
             extra = (f"; median of {t.get('runs')} runs (>= 3); at {t.get('tensors')} tensors: zero-copy "
                      f"{_f(t.get('zc_ms'), '{:.1f}')} ms, "

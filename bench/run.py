@@ -277,7 +277,7 @@ def summarise_loop(group: dict[str, Any]) -> dict[str, Any]:
     """T6: per method, the medians of (window with the save) - (window without), max over ranks."""
     out: dict[str, Any] = {"tensors": group["tensors"], "state_bytes": group["state_bytes"], "k": group["k"],
                            "step_s": group["step_s"], "threads": group["threads"], "ranks": group["world_size"],
-                           "methods": {}}
+                           "methods": {}, "unavailable": group.get("unavailable") or {}}
     for meth, reps in group["methods"].items():
         per = []
         for ranks in reps:
@@ -553,6 +553,21 @@ def targets(rows: list[dict[str, Any]], limits: dict[str, Any], extra: dict[str,
                        lost_s={m: tr_(m, "lost_s") for m in tr}, regular=ratio(tr_("rc_regular", "lost_s"), tr_denom))
     out["T11"]["pass"] = bool(out["T11"]["pass"] and out["T11"]["regular"] is not None
                               and out["T11"]["regular"] <= 1.0)
+
+    # T26 (issue 38 item 4): T11's window against torch-checkpointing's design, whose call returns
+    # at once and whose loop waits at `with manager.lock(): optimizer.step()` until the state is staged
+    tc_lost = tr_("tc_async", "lost_s")
+    t26 = entry(ratio(tr_("rc_regular", "lost_s"), tc_lost if (tc_lost or 0) > 0 else None), 1.0, True,
+                "transformer-shaped rank (T11's window): loop time lost per async save, roll-ckpt regular staging / "
+                "torch-checkpointing async (its optimizer.step() under its staging lock)",
+                lost_s={m: tr_(m, "lost_s") for m in ("rc_regular", "rc_zc", "tc_async")},
+                zero_copy=ratio(tr_("rc_zc", "lost_s"), tc_lost if (tc_lost or 0) > 0 else None),
+                loop=ratio(lost("rc_regular"), lost("tc_async") if (lost("tc_async") or 0) > 0 else None))
+    if tc_lost is None:
+        t26["not_run"] = ((extra.get("transformer") or {}).get("unavailable") or {}).get("tc_async") or \
+            "the transformer group did not run"
+    out["T26"] = t26
+
 
     # T12-T14: from bench.scale (the group "scale": simulated N ranks, real gloo jobs)
     sc = (extra.get("scale") or {}).get("targets") or {}

@@ -19,9 +19,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .loop import Loop, log
+from . import peers
+from .loop import NEEDS, TITLES as LOOP_TITLES, Loop, TorchCompatError, log
 
-METHODS = ["dcp_save", "rc_sync", "dcp_thread", "rc_regular", "rc_zc"]
+METHODS = ["dcp_save", "rc_sync", "dcp_thread", "rc_regular", "rc_zc", "tc_async"]
 SYNC = {"dcp_save", "rc_sync"}
 TITLES = {
     "dcp_save": "get_state_dict + dcp.save",
@@ -29,6 +30,7 @@ TITLES = {
     "dcp_thread": "get_state_dict + dcp.async_save, thread mode",
     "rc_regular": "roll-ckpt async, regular staging",
     "rc_zc": "roll-ckpt async, zero-copy (model + AdamW in the store; onload, then train)",
+    "tc_async": LOOP_TITLES["tc_async"],
 }
 
 
@@ -52,7 +54,8 @@ class TransformerLoop(Loop):
 
     def step(self) -> None:
         self.model(input_ids=self.x, labels=self.x).loss.backward()
-        self.opt.step()
+        with self.guard():
+            self.opt.step()
         self.opt.zero_grad(set_to_none=True)
 
 
@@ -61,7 +64,14 @@ def run_group(spec: dict[str, Any], scratch: str, out: dict[str, Any]) -> None:
     lp = TransformerLoop(spec, scratch)
     log(f"{spec['name']}: {lp.tensors} tensors, {lp.state_bytes / 2**20:.0f} MiB/rank, "
         f"built in {time.perf_counter() - t_build:.1f} s")
-    methods = spec.get("methods", METHODS)
+    unavailable = {}
+    for m in spec.get("methods", METHODS):
+        try:
+            NEEDS.get(m, lambda: None)()
+        except TorchCompatError as exc:
+            unavailable[m] = str(exc)
+            log(f"{spec['name']}: {m} not available: {exc}")
+    methods = [m for m in spec.get("methods", METHODS) if m not in unavailable]
     lp.steps(2)
     t0 = time.perf_counter()
     lp.steps(3)
@@ -94,7 +104,8 @@ def run_group(spec: dict[str, Any], scratch: str, out: dict[str, Any]) -> None:
             reps[meth].append(everyone)
         log(f"{spec['name']}: repetition {rep + 1} done")
     lp.close()
-    out["groups"].append({"name": spec["name"], "kind": "transformer", "world_size": dist.get_world_size(),
+    peers.close_all()
+    out["groups"].append({"name": spec["name"], "kind": "transformer", "unavailable": unavailable, "world_size": dist.get_world_size(),
                           "tensors": lp.tensors, "state_bytes": lp.state_bytes, "threads": torch.get_num_threads(),
                           "k": k, "step_s": step_s, "titles": TITLES, "methods": reps,
                           "model": {k_: spec[k_] for k_ in ("layers", "hidden", "intermediate", "vocab")}})

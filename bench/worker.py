@@ -857,6 +857,9 @@ def kept(case: Case, saves: int = 2) -> dict[str, int]:
     before = held()
     for _ in range(saves):
         case.prepare()
+        # as in measure(): a case's cleanup removes its folder on rank 0 after a barrier, and the
+        # next run may write a folder of the same name (torch_save's): no rank starts before it is gone
+        dist.barrier()
         case.run()
         case.cleanup()
     _trim()
