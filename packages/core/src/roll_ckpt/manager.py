@@ -2,7 +2,7 @@
 
 The manager guards and dispatches; the work is done in modules of their own:
 :mod:`roll_ckpt.save.pipeline` (the save pipeline), :mod:`roll_ckpt.load.resume` (which checkpoint
-to resume from, and loading it), :mod:`roll_ckpt.format.runs` (run folders),
+to resume from, and loading it), :mod:`roll_ckpt.format.owners` (run folders),
 :mod:`roll_ckpt.format.components` (steps made of several parts) and
 :mod:`roll_ckpt.tiers.backup` (replication to ``checkpoint_config.backup``).
 """

@@ -32,7 +32,7 @@ from ..format.manifest import MANIFEST_NAME
 from ..tiers.job import Job, open_storage
 from ..format.layout import TRAINER_STATE
 from ..format.manifest import Manifest
-from ..format.runs import utc_now
+from ..format.owners import utc_now
 from ..format.verify import read_manifest, verify
 
 __all__ = ["Resumer"]

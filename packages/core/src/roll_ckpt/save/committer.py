@@ -25,7 +25,7 @@ from ..format.manifest import BESIDE_KEY
 from ..format.digest import hash_bytes
 from ..format.layout import TRAINER_STATE
 from ..format.manifest import FileEntry, Manifest
-from ..format.runs import utc_now
+from ..format.owners import utc_now
 from ..hf.in_checkpoint import HFPart
 from ..runtime.network import check_objects
 from ..runtime.units import human_bytes

@@ -15,12 +15,12 @@ from ..runtime.distributed import decide, storage_error
 from ..config.schema import Config
 from ..contracts import CommitInfo, Storage, Strategy, strategy_member
 from ..errors import RollCkptError
-from ..format.holds import hold, release
+from ..format.owners import hold, release
 from ..format.manifest import Manifest
 from ..plugins import Plugins
 from ..runtime.progress import Progress
 from .retention import note_open_run
-from ..format.runs import claim_run_folder, release_folder
+from ..format.owners import claim_run_folder, release_folder
 from ..runtime.distributed import bounded
 
 __all__ = ["Job", "open_storage"]
@@ -55,7 +55,7 @@ class Job:
     """False once its manager closes: until then retention by other managers of this process
     leaves this job's run folder alone."""
     held: str | None = None
-    """Coordinator: the hold on the checkpoint this launch resumed from (:mod:`roll_ckpt.format.holds`)."""
+    """Coordinator: the hold on the checkpoint this launch resumed from (:mod:`roll_ckpt.format.owners`)."""
 
     def hold(self, path: str) -> None:
         """Hold the checkpoint at ``path`` (coordinator, before reading it) until this launch

@@ -40,7 +40,7 @@ from ..errors import RollCkptError
 from ..format.layout import DCP_DIR, TRAINER_STATE, checkpoint_name, parse_step
 from ..config.local import LocalTierConfig
 from ..format.manifest import MANIFEST_NAME, FileEntry, Manifest
-from ..format.runs import utc_now
+from ..format.owners import utc_now
 from ..format.verify import list_files, read_manifest, verify
 
 __all__ = ["LocalTier", "node_name", "NODE_ENV"]
