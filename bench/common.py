@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 __all__ = ["PeakRSS", "rss_bytes", "drop_cache", "tree_bytes", "tree_files", "median", "io_read_bytes", "state_size",
            "cpu_all"]
@@ -195,3 +195,19 @@ def cpu_all() -> float:
     except ImportError:
         pass
     return total
+
+
+def available(methods: list[str], needs: dict[str, Callable[[], Any]],
+              say: Callable[[str], None]) -> tuple[list[str], dict[str, str]]:
+    """The methods this interpreter can run, and why each other cannot: ``needs[m]()`` raises
+    a ``TorchCompatError`` (a DCP option of a newer torch, a peer not installed); ``say`` logs it."""
+    from roll_ckpt.errors import TorchCompatError
+
+    unavailable: dict[str, str] = {}
+    for m in methods:
+        try:
+            needs.get(m, lambda: None)()
+        except TorchCompatError as exc:
+            unavailable[m] = str(exc)
+            say(f"{m} not available: {exc}")
+    return [m for m in methods if m not in unavailable], unavailable

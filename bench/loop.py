@@ -31,7 +31,7 @@ from roll_ckpt.runtime.torch_compat import TorchCompatError, fsdp2_options, proc
 from roll_ckpt import CheckpointManager, load_config
 
 from . import peers
-from .common import cpu_all, state_size
+from .common import available, cpu_all, state_size
 
 METHODS = ["dcp_thread", "dcp_process", "rc_regular", "rc_zc", "rc_zc_nice0", "tc_async"]
 
@@ -225,14 +225,7 @@ def run_group(spec: dict[str, Any], scratch: str, out: dict[str, Any]) -> None:
     lp = Loop(spec, scratch)
     log(f"{spec['name']}: {lp.tensors} tensors, {lp.state_bytes / 2**20:.0f} MiB/rank, {threads} torch threads, "
         f"built in {time.perf_counter() - t_build:.1f} s")
-    unavailable = {}
-    for m in spec.get("methods", METHODS):
-        try:
-            NEEDS.get(m, lambda: None)()
-        except TorchCompatError as exc:
-            unavailable[m] = str(exc)
-            log(f"{spec['name']}: {m} not available: {exc}")
-    methods = [m for m in spec.get("methods", METHODS) if m not in unavailable]
+    methods, unavailable = available(spec.get("methods", METHODS), NEEDS, lambda msg: log(f"{spec['name']}: {msg}"))
     # warm-up: first calls (DCP's process mode spawns its process here, ~5 s), and the sizes of K
     lp.steps(2)
     tries = []

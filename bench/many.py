@@ -22,11 +22,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from roll_ckpt.runtime.torch_compat import TorchCompatError, caching_save_planner, fsdp2_options
+from roll_ckpt.runtime.torch_compat import caching_save_planner, fsdp2_options
 
 from roll_ckpt import CheckpointManager, load_config
 
-from .common import state_size
+from .common import available, state_size
 
 METHODS = ["dcp_async", "dcp_async_plancache", "rc_async", "rc_async_zc_all"]
 NEEDS = {"dcp_async_plancache": caching_save_planner}
@@ -143,14 +143,7 @@ class Point:
 
 
 def run_group(spec: dict[str, Any], scratch: str, out: dict[str, Any]) -> None:
-    unavailable = {}
-    for m in spec.get("methods", METHODS):
-        try:
-            NEEDS.get(m, lambda: None)()
-        except TorchCompatError as exc:
-            unavailable[m] = str(exc)
-            log(f"{spec['name']}: {m} not available: {exc}")
-    methods = [m for m in spec.get("methods", METHODS) if m not in unavailable]
+    methods, unavailable = available(spec.get("methods", METHODS), NEEDS, lambda msg: log(f"{spec['name']}: {msg}"))
     points = []
     for n in spec["points"]:
         t_build = time.perf_counter()

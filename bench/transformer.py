@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from . import peers
-from .loop import NEEDS, TITLES as LOOP_TITLES, Loop, TorchCompatError, log
+from .common import available
+from .loop import NEEDS, TITLES as LOOP_TITLES, Loop, log
 
 METHODS = ["dcp_save", "rc_sync", "dcp_thread", "rc_regular", "rc_zc", "tc_async"]
 SYNC = {"dcp_save", "rc_sync"}
@@ -64,14 +65,7 @@ def run_group(spec: dict[str, Any], scratch: str, out: dict[str, Any]) -> None:
     lp = TransformerLoop(spec, scratch)
     log(f"{spec['name']}: {lp.tensors} tensors, {lp.state_bytes / 2**20:.0f} MiB/rank, "
         f"built in {time.perf_counter() - t_build:.1f} s")
-    unavailable = {}
-    for m in spec.get("methods", METHODS):
-        try:
-            NEEDS.get(m, lambda: None)()
-        except TorchCompatError as exc:
-            unavailable[m] = str(exc)
-            log(f"{spec['name']}: {m} not available: {exc}")
-    methods = [m for m in spec.get("methods", METHODS) if m not in unavailable]
+    methods, unavailable = available(spec.get("methods", METHODS), NEEDS, lambda msg: log(f"{spec['name']}: {msg}"))
     lp.steps(2)
     t0 = time.perf_counter()
     lp.steps(3)
