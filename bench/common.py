@@ -7,7 +7,7 @@ import threading
 import time
 from typing import Any, Callable, Iterable
 
-__all__ = ["PeakRSS", "rss_bytes", "drop_cache", "tree_bytes", "tree_files", "median", "io_read_bytes", "state_size",
+__all__ = ["announce", "PeakRSS", "rss_bytes", "drop_cache", "tree_bytes", "tree_files", "median", "io_read_bytes", "state_size",
            "cpu_all"]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -211,3 +211,14 @@ def available(methods: list[str], needs: dict[str, Callable[[], Any]],
             unavailable[m] = str(exc)
             say(f"{m} not available: {exc}")
     return [m for m in methods if m not in unavailable], unavailable
+
+
+def announce(manager: Any) -> None:
+    """What ``maybe_save`` does the step before a save step (``prepare_save``: the staging
+    buffers, freed between saves, made ready in the writer thread), waited for here as a
+    training step in between would let it finish: the timed save then only copies. The work
+    itself is counted where a loop runs beside it (T6, T11, T26)."""
+    ready = manager.prepare_save()
+    if ready is not None:
+        ready.result()
+

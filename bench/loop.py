@@ -2,9 +2,12 @@
 
 The loop is CPU-bound on purpose and runs on the CPU even with ``--device cuda``.
 
-A CPU-bound loop (FSDP2 Linear layers + AdamW, every core) runs K steps right after an
-async save returns, until both the K steps are done and the save is durable; the same K
-steps run once more without a save, right next to them. Lost = (with) - (without): the call's
+A CPU-bound loop (FSDP2 Linear layers + AdamW, every core) runs one step, the save, and K
+steps right after an async save returns, until both the K steps are done and the save is
+durable; the same 1 + K steps run once more without a save, right next to them. The step
+before the save is where roll-ckpt's ``maybe_save`` announces it (``prepare_save``: its
+staging buffers, freed between saves, made ready in the writer thread), so that work is
+counted too. Lost = (with) - (without): the call's
 blocked time plus whatever the background write takes from the loop (CPU, memory
 bandwidth, the GIL). The pair (with, without) runs in alternating order too. K is sized so that K steps outlast the slowest save (2.5x its time
 alone); where a save still ends after the steps, the report shows that tail. Every method
@@ -124,23 +127,29 @@ class Loop:
         """Returns wall and CPU seconds of the window, blocked and durable seconds."""
         zc = method.startswith("rc_zc")
         m = self.m.get(method)
-        if zc:
-            m.strategy.offload_states(self.state, optimizer=True)
         dist.barrier()
         written: str | None = None
         done: Callable[[], None] = lambda: None  # noqa: E731
         c0, t0 = time.process_time(), time.perf_counter()
-        ended: list[float] = []  # when the save became durable (from t0)
+        ended: list[float] = []  # when the save became durable (from the save's call)
         stats_of: Any = None
         tc = peers.get("tc") if method == "tc_async" else None
         # the same lock in the window without a save: the loop a torch-checkpointing user runs
         self.guard = tc.manager(True).lock if tc is not None else contextlib.nullcontext
+        # The step before the save is in every window: roll-ckpt's maybe_save announces the save
+        # there (its staging buffers' memory, freed between saves, made ready in the writer thread)
+        if save and m is not None:
+            m.prepare_save()
+        before = self.steps(1)
+        if zc:  # (the RL cycle's offload, in both windows: it cancels out of the loss)
+            m.strategy.offload_states(self.state, optimizer=True)
+        t_call = time.perf_counter()
         if save:
             if method == "dcp_save":  # synchronous: the loop's loss is the save itself
                 msd, osd = get_state_dict(self.model, self.opt)
                 written = self.path(method)
                 dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=written, process_group=self.pg)
-                ended.append(time.perf_counter() - t0)
+                ended.append(time.perf_counter() - t_call)
             elif method == "dcp_thread" or method == "dcp_process":
                 msd, osd = get_state_dict(self.model, self.opt)
                 written = self.path(method)
@@ -148,7 +157,7 @@ class Loop:
                 resp = dcp.async_save({"model": msd, "optimizer": osd}, checkpoint_id=written, process_group=self.pg,
                                       **kw)
                 fut = getattr(resp, "upload_completion", resp)
-                fut.add_done_callback(lambda _f: ended.append(time.perf_counter() - t0))
+                fut.add_done_callback(lambda _f: ended.append(time.perf_counter() - t_call))
                 done = fut.result
             elif tc is not None:  # returns at once; the loop waits at its lock until the state is staged
                 msd, osd = get_state_dict(self.model, self.opt)
@@ -161,10 +170,10 @@ class Loop:
                 written = m.save(self.n, self.state)
                 done = m.wait
                 stats_of = m
-        blocked = time.perf_counter() - t0
+        blocked = time.perf_counter() - t_call
         if zc:
             m.strategy.load_states(self.state)  # onload (the RL cycle's), in both windows
-        step_times = self.steps(k)
+        step_times = before + self.steps(k)  # (the loss subtracts 1 + K median steps of the window without)
         t_steps = time.perf_counter() - t0
         done()
         self.guard = contextlib.nullcontext
@@ -175,7 +184,7 @@ class Loop:
             if stats_of is not None and getattr(stats_of.last_save, "total_s", None):
                 durable = stats_of.last_save.total_s  # measured by the manager from its save call
             else:
-                durable = ended[0] if ended else wall
+                durable = ended[0] if ended else wall - (t_call - t0)
         dist.barrier()
         if written and dist.get_rank() == 0:
             shutil.rmtree(written, ignore_errors=True)
@@ -188,8 +197,6 @@ class Loop:
         children (DCP's process-mode checkpointer), and the wall time."""
         zc = method.startswith("rc_zc")
         m = self.m.get(method)
-        if zc:
-            m.strategy.offload_states(self.state, optimizer=True)
         dist.barrier()
         written: str | None = None
         c0, t0 = cpu_all(), time.perf_counter()

@@ -26,7 +26,7 @@ from roll_ckpt.runtime.torch_compat import caching_save_planner, fsdp2_options
 
 from roll_ckpt import CheckpointManager, load_config
 
-from .common import available, state_size
+from .common import announce, available, state_size
 
 METHODS = ["dcp_async", "dcp_async_plancache", "rc_async", "rc_async_zc_all"]
 NEEDS = {"dcp_async_plancache": caching_save_planner}
@@ -111,6 +111,8 @@ class Point:
         zc = method == "rc_async_zc_all"
         if zc:
             m.strategy.offload_states(self.state, optimizer=True)
+        if m is not None:
+            announce(m)
         dist.barrier()
         self.n += 1
         gsd = None

@@ -127,7 +127,12 @@ def markdown(res: dict[str, Any]) -> str:
                      f"{_f(t.get('extra_rss_frac'), '{:.2f}')}× (<= 1.1; dcp {_f(t.get('dcp_extra_rss_frac'), '{:.2f}')}×); "
                      f"cold (staging buffers dropped first): {_ms((t.get('cold') or {}).get('blocked_s'))}, extra RSS "
                      f"{_f((t.get('cold') or {}).get('extra_rss_frac'), '{:.2f}')}×")
-        if t.get("per_state") is not None:  # T20-T25: each state and rank count, the worst first
+        if k == "T27":
+            extra = "; " + ", ".join(
+                f"{_state(x)}: kept {_f(x['kept_frac'])}× blocked {_ms(x['blocked_s'])}; kept buffers "
+                f"{_f(x['keep_kept_frac'])}× blocked {_ms(x['keep_blocked_s'])}; a save not announced blocked "
+                f"{_ms(x['cold_blocked_s'])}" for x in t.get("per_state") or [])
+        elif t.get("per_state") is not None:  # T20-T25: each state and rank count, the worst first
             per = sorted(t["per_state"], key=lambda x: -x["ratio"])
             extra = "; " + ", ".join(
                 f"{_state(x)}: {x['ratio']:.2f} ({_ms(x['ours_s'])} vs {_ms(x['peer_s'])}"

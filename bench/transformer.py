@@ -4,8 +4,8 @@ A real ``transformers.LlamaForCausalLM`` (small widths, many layers: thousands o
 large tensors per rank, as a transformer has them) with each decoder layer its own FSDP2
 unit, trained by its own loss, in a process that has imported transformers (the heap, and
 so the garbage collector's work, of a real job). Nothing is frozen or tuned for the
-benchmark. Each method runs as in ``loop.py``: K training steps right after the save
-returns, until both the steps are done and the save is durable, next to the same K steps
+benchmark. Each method runs as in ``loop.py``: a step, the save, K training steps right after
+the save returns, until both the steps are done and the save is durable, next to the same 1 + K steps
 without a save; lost = (with) - (without). For the synchronous methods the loss is the
 save itself. Reported per method: time per tensor of a save, blocked, durable, lost, CPU.
 """

@@ -36,7 +36,7 @@ from roll_ckpt import CheckpointManager, load_config
 from roll_ckpt.format import digest as _digest
 
 from . import peers
-from .common import PeakRSS, drop_cache, io_read_bytes, rss_bytes, state_size, tree_bytes, tree_files
+from .common import PeakRSS, announce, drop_cache, io_read_bytes, rss_bytes, state_size, tree_bytes, tree_files
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 warnings.filterwarnings("ignore", message=".*Detected an existing checkpoint.*")
@@ -354,7 +354,8 @@ class RCSaveT1(RCSave):
 
 
 class RCAsync(Case):
-    name, title = "rc_async", "roll-ckpt async, regular staging (reused buffers)"
+    name, title = "rc_async", "roll-ckpt async, regular staging (default: buffers freed between saves, made ready " \
+                              "the step before)"
     offload: bool | None = None  # None: live state; False: model in the store; True: model + optimizer
 
     @property
@@ -374,6 +375,11 @@ class RCAsync(Case):
         if self.offload is not None:
             m.strategy.offload_states(state, optimizer=self.offload)
             sync()
+        if self.announced:
+            announce(m)
+
+    announced = True
+    """The save announced the step before, as ``maybe_save`` does (:func:`bench.common.announce`)."""
 
     def run(self):
         m, state = self.manager()
@@ -411,6 +417,23 @@ def check_no_store_alias(m: Any, state: dict[str, Any], case: str) -> list[str]:
                             a <= local.data_ptr() < b for a, b in spans):
                         bad.append(f"{case}: optimizer state {k} aliases the offload store after the save")
     return bad[:1]
+
+
+class RCAsyncKeep(RCAsync):
+    name, title = "rc_async_keep", "roll-ckpt async, regular staging, keep_staging_buffers: true"
+
+    def manager(self):
+        return self.g.manager("async-keep", strategy={"keep_staging_buffers": True}), self.g.state
+
+
+class RCAsyncCold(RCAsync):
+    """A save nobody announced (a direct ``save()`` call): its buffers' memory is made in the call."""
+
+    name, title = "rc_async_cold", "roll-ckpt async, regular staging, a save not announced (buffers made in the call)"
+    announced = False
+
+    def manager(self):
+        return self.g.manager("async-cold"), self.g.state
 
 
 class RCAsyncZCModel(RCAsync):
@@ -794,12 +817,13 @@ class BCPLoad(_PeerLoad):
 PEER_CASES = ["tc_save", "tc_async", "tc_load", "bcp_save", "bcp_async", "bcp_load"]
 
 CASES: dict[str, type[Case]] = {c.name: c for c in (
-    TorchSave, DCPSave, DCPAsync, DCPAsyncStager, RCSave, RCSaveT1, RCAsync, RCAsyncZCModel, RCAsyncZCAll,
+    TorchSave, DCPSave, DCPAsync, DCPAsyncStager, RCSave, RCSaveT1, RCAsync, RCAsyncKeep, RCAsyncCold, RCAsyncZCModel,
+    RCAsyncZCAll,
     RCDedup, RCDedupCold, DCPAsyncHSDP, RCBudget010, RCBudget025, RCBudget050, RCBudgetNone, DCPLoad, RCLoad, RCLoadStream,
     LimitWrite, LimitWrite2, LimitWriteDirect, LimitRead, LimitRead2, LimitMemcpy, LimitMemcpyFresh,
     TCSave, TCAsync, TCLoad, BCPSave, BCPAsync, BCPLoad)}
 
-KEPT_CASES = ["torch_save", "dcp_save", "dcp_async", "rc_save", "rc_async", "rc_async_zc_all", "tc_save",
+KEPT_CASES = ["torch_save", "dcp_save", "dcp_async", "rc_save", "rc_async", "rc_async_keep", "rc_async_zc_all", "tc_save",
               "tc_async", "bcp_save", "bcp_async"]
 """The saves whose kept host memory is measured (:func:`kept`): the warm ones each library
 is used with (the budgets and the cold local_dedup case drop their buffers on purpose)."""

@@ -54,12 +54,13 @@ def make_model_folder(folder: Path) -> None:
 
 
 def _policies(worker) -> dict:
-    """In an actor rank (``__ray_call__``): how its roll-ckpt manager staged the last save."""
+    """In an actor rank (``__ray_call__``): how its roll-ckpt manager staged the last save (its
+    policies, and the staging memory it allocated in the call)."""
     part = worker.strategy.__dict__.get("_roll_ckpt")
     if part is None:
         return {}
     last = part.manager.wait() or part.manager.last_save  # an asynchronous save: once it has finished
-    return dict(last.policies) if last is not None else {}
+    return {**last.policies, "bytes_allocated": last.bytes_allocated} if last is not None else {}
 
 
 def main() -> int:

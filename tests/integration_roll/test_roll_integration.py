@@ -93,6 +93,16 @@ def test_inside_roll_a_step_is_committed_whole_and_resumes_exactly(launch, tmp_p
     _same(c["after_init"], b["digests"]["3"])
 
 
+def test_the_driver_announces_each_save_so_no_worker_allocates_in_it(launch) -> None:
+    """Between saves a worker's staging buffers hold no memory; the driver's do_checkpoint of the
+    step before a save step has every actor rank make them ready during that step, so the save
+    itself only copies (checkpoint-4). checkpoint-2, the first, lays them out in the call."""
+    a = launch("--roll-ckpt", "--max-steps", "6", "--save-steps", "2")
+    first, announced = a["policies"]["2"], a["policies"]["4"]
+    assert all(p.get("regular", 0) > 0 and p["bytes_allocated"] > 0 for p in first), first
+    assert all(p.get("regular", 0) > 0 and p["bytes_allocated"] == 0 for p in announced), announced
+
+
 def test_a_checkpoint_roll_wrote_resumes_with_every_optimizer_state(launch, tmp_path: Path, capsys) -> None:
     # A: ROLL's own checkpoints (the integration off), checkpoint-2 and checkpoint-3.
     a = launch("--critic", "--max-steps", "4", "--save-steps", "2")

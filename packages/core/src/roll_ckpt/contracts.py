@@ -264,6 +264,9 @@ class SaveContext:
     """Per tensor name, the policy that staged it (``zero_copy``, ``regular``...); async saves only."""
     bytes_copied: int = 0
     """Bytes copied while staging (0 for zero-copy tensors)."""
+    bytes_allocated: int = 0
+    """Staging memory allocated inside the call: a first save, or one nobody announced while the
+    buffers' memory was freed (0 when they were ready: ``prepare_save``, ``keep_buffers``)."""
     blocked_s: float = 0.0
     """Seconds an asynchronous save blocked its caller, measured by the save pipeline alone
     (from the call until control went back to the caller)."""
@@ -274,6 +277,9 @@ class SaveContext:
     buffers...); owned by the manager, emptied when it closes."""
     budget: int = 0
     """Bytes regular staging may hold (``strategy_config.max_staging_bytes``); 0: no bound."""
+    keep_buffers: bool = True
+    """Staging buffers stay allocated after the write (``strategy_config.keep_staging_buffers``);
+    False: a policy frees their memory in :meth:`StagingPolicy.release` (the manager sets it)."""
     gate: StagingGate | None = None
     """Set by a policy that stages in waves (within ``budget``): the writer asks it the
     order to write in and waits for each tensor to be staged; the caller fills it after
@@ -453,7 +459,12 @@ class StagingPolicy(Protocol):
         """
 
     def release(self, save: SaveContext) -> None:
-        """The write of ``save`` has finished or failed: what was staged may be reused."""
+        """The write of ``save`` has finished or failed: what was staged may be reused (or,
+        unless ``save.keep_buffers``, freed)."""
+
+    # Optional: ``prepare(reuse) -> Callable | None``, called in the caller's thread when a save
+    # is near (``CheckpointManager.prepare_save``); the callable it returns runs in the writer
+    # thread, after the write in flight: what ``stage`` needs, made ready off the loop.
 
 
 # --------------------------------------------------------------------------- other frameworks' checkpoints

@@ -10,6 +10,7 @@ to resume from, and loading it), :mod:`roll_ckpt.format.owners` (run folders),
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 from typing import Any, Iterable, Mapping, MutableMapping
 
 from .tiers.backup import BackupLink
@@ -151,13 +152,30 @@ class CheckpointManager:
                 return self._preempt(step, state)
         every = self.config.save_steps
         local = self._job.local
-        local_due = local is not None and step > 0 and step % local.config.save_steps == 0
-        if every > 0 and step > 0 and step % every == 0:
-            self._check_open()
-            return self._saves.save(step, state, final=False, metadata=None, local=local_due)
-        if local_due:
+
+        def due(k: int) -> tuple[bool, bool]:
+            return (every > 0 and k > 0 and k % every == 0,
+                    local is not None and k > 0 and k % local.config.save_steps == 0)
+
+        persistent, local_due = due(step)
+        path = None
+        if persistent:
+            path = self._saves.save(step, state, final=False, metadata=None, local=local_due)
+        elif local_due:
             self._saves.save_local(step, state)
-        return None
+        if any(due(step + 1)):  # the next call saves: its staging buffers made ready meanwhile, off the loop
+            self._saves.prepare()
+        return path
+
+    def prepare_save(self) -> "Future[None] | None":
+        """Say that a save is near (the next call to :meth:`save`): the staging buffers, whose
+        memory is freed between saves (``strategy_config.keep_staging_buffers: false``), are
+        allocated and touched in the writer thread meanwhile, so the save only copies.
+        :meth:`maybe_save` does this itself the step before a save step. Returns a future done
+        once they are ready (``None``: nothing to prepare: a synchronous manager, buffers kept,
+        or no save staged yet)."""
+        self._check_open()
+        return self._saves.prepare()
 
     def request_preemption(self) -> None:
         """Ask for a preemption save at the next :meth:`maybe_save`, as a signal would: for code

@@ -261,6 +261,14 @@ def close_part(worker: Any) -> None:
         part.close()
 
 
+def prepare_part(worker: Any) -> None:
+    """Run in a worker actor the step before a save step: its manager makes its staging buffers
+    ready in its writer thread while the step runs (their memory is freed between saves)."""
+    part = getattr(getattr(worker, "strategy", None), "__dict__", {}).get("_roll_ckpt")
+    if part is not None:
+        part.manager.prepare_save()
+
+
 # --------------------------------------------------------------------------- the driver
 
 
@@ -300,6 +308,17 @@ class PipelinePart:
                 if call is not None:
                     refs.append(call.remote(preemption_flag))
         return any(ray.get(refs, timeout=60)) if refs else False
+
+    @staticmethod
+    def announce(clusters: list[Any]) -> None:
+        """The next step saves: every worker of a checkpoint cluster prepares its buffers (a call
+        that returns at once; the work goes on in the worker's writer thread)."""
+        import ray
+
+        refs = [w.__ray_call__.remote(prepare_part) for cluster in clusters for w in getattr(cluster, "workers", [])
+                if getattr(w, "__ray_call__", None) is not None]
+        if refs:
+            ray.get(refs, timeout=60)
 
     def _saver(self, clusters: list[Any]) -> CheckpointManager:
         """The manager that saves the driver's parts: it lists every checkpoint cluster, which
@@ -405,6 +424,10 @@ def do_checkpoint(self: Any, global_step: int, is_last_step: Any = None) -> None
             metrics.update(reduce_metrics(done.meta_info.pop("metrics", {})))
         if not preempt:
             part.save(global_step, self.state, final, clusters)
+    following = global_step + 1
+    if part.enabled and not preempt and cfg.save_steps > 0 and following < cfg.max_steps - 1 \
+            and following % cfg.save_steps == 0:
+        part.announce(clusters)  # (the last step's save is synchronous: nothing to prepare)
     futures.wait(self.resume_futures)
     self.resume_futures.clear()
     if preempt:

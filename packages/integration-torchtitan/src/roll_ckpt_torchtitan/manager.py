@@ -290,6 +290,8 @@ class RollCkptCheckpointManager(BaseCheckpointManager):
             return True
         local = self._cc.local
         if not (due or first or (local is not None and curr_step % local.save_steps == 0)):
+            if (curr_step + 1) % self.interval == 0:  # the next step saves: its staging buffers made ready meanwhile
+                self.manager.prepare_save()
             return False
         if due or first:
             self._clear(curr_step)

@@ -43,7 +43,7 @@ _TOP: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("checkpoint_config.hf_weights", ("checkpoint_config.hf_weights",), "checkpoint_config.hf_weights"),
     ("checkpoint_config.initial_load", ("checkpoint_config.initial_load",), "checkpoint_config.initial_load"),
 )
-_STRATEGY_KEYS = ("async_save_ckpt", "max_staging_bytes", "save_only_model")
+_STRATEGY_KEYS = ("async_save_ckpt", "max_staging_bytes", "keep_staging_buffers", "save_only_model")
 
 
 @dataclass(frozen=True)

@@ -100,6 +100,9 @@ def worker_overrides(extra: Mapping[str, Any], name: str, strategy: Any, options
     if "max_staging_bytes" in values:
         strategy = dataclasses.replace(strategy, max_staging_bytes=staging_budget(
             f"{where}.max_staging_bytes", values["max_staging_bytes"]))
+    if "keep_staging_buffers" in values:
+        strategy = dataclasses.replace(strategy, keep_staging_buffers=expect(
+            f"{where}.keep_staging_buffers", values["keep_staging_buffers"], bool, "true or false"))
     opts = dict(options)
     for record in plugin_keys.values():
         short = record.key.rpartition(".")[2]

@@ -150,6 +150,10 @@ class StrategyConfig:
     max_staging_bytes: int = 0
     """The most regular staging holds at once (``2GiB``, ``512MB`` or bytes); 0: no bound. An
     asynchronous save then stages in waves and returns once the last is staged."""
+    keep_staging_buffers: bool = False
+    """Keep the regular staging buffers allocated between saves (the state's size in host memory
+    for the whole job; nothing allocated at a save). False: their memory is freed once a save is
+    written and made again off the loop before the next save the manager knows of."""
     save_only_model: bool = False
     """ROLL's key: checkpoints hold the model's weights (``dcp/`` and the HF files) and the trainer state
     only; a resume loads the weights and starts the optimizer afresh (with a warning)."""
@@ -369,10 +373,11 @@ def _strategy(value: Any, owned: Mapping[str, Any]) -> StrategyConfig:
         name = string(f"{key}.strategy_name", name)
     budget = staging_budget(f"{key}.max_staging_bytes", value.get("max_staging_bytes", 0))
     only = expect(f"{key}.save_only_model", value.get("save_only_model", False), bool, "true or false")
-    ours = ("async_save_ckpt", "strategy_name", "max_staging_bytes", "save_only_model")
+    keep = expect(f"{key}.keep_staging_buffers", value.get("keep_staging_buffers", False), bool, "true or false")
+    ours = ("async_save_ckpt", "strategy_name", "max_staging_bytes", "keep_staging_buffers", "save_only_model")
     extra = {k: v for k, v in value.items() if k not in ours and k not in owned}
-    return StrategyConfig(async_save_ckpt=asv, strategy_name=name, max_staging_bytes=budget, save_only_model=only,
-                          extra=extra)
+    return StrategyConfig(async_save_ckpt=asv, strategy_name=name, max_staging_bytes=budget,
+                          keep_staging_buffers=keep, save_only_model=only, extra=extra)
 
 
 def _plugin_options(raw: Mapping[str, Any], keys: Mapping[str, Any]) -> tuple[dict[str, Any], set[str], set[str]]:

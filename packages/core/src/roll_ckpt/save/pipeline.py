@@ -105,7 +105,8 @@ class SavePipeline:
         t0 = time.perf_counter()
         ctx = SaveContext(step=step, path=job.local.unit_path(step, strategy.rank), is_async=job.config.async_save,
                           rank=strategy.rank, world_size=strategy.world_size, strategy=strategy, reuse=self._reuse,
-                          budget=job.config.strategy_config.max_staging_bytes)
+                          budget=job.config.strategy_config.max_staging_bytes,
+                          keep_buffers=job.config.strategy_config.keep_staging_buffers)
         job.plugins.hook.roll_ckpt_save(save=ctx)
         with CollectorPause(job.config.checkpoint_config.pause_gc):
             staged = self._stage(strategy.state_dict(state), ctx)
@@ -127,6 +128,26 @@ class SavePipeline:
                                    "policies": dict(Counter(ctx.staging.values()))}
 
         self._launch(ctx, t0, write)
+    def prepare(self) -> cf.Future | None:
+        """A save is near: the staging policies make their buffers ready in the writer thread,
+        after the write in flight (which then keeps them instead of freeing them)."""
+        job = self.job
+        if not job.config.async_save or job.config.strategy_config.keep_staging_buffers:
+            return None
+        if self._policies is None:
+            self._policies = job.plugins.staging_order()
+        work = [w for p in self._policies if hasattr(p, "prepare") and (w := p.prepare(self._reuse)) is not None]
+        if not work:
+            return None  # nothing staged yet: the first save lays its buffers out in the call
+        return self._writer().submit(lambda: [w() for w in work] and None)
+
+    def _writer(self) -> cf.ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = cf.ThreadPoolExecutor(
+                1, thread_name_prefix="roll-ckpt-save", initializer=lower_priority,
+                initargs=(self.job.config.checkpoint_config.background_nice,))
+        return self._executor
+
     def _stage(self, sd: dict[str, Any], ctx: SaveContext) -> dict[str, Any]:
         if self._policies is None:
             self._policies = self.job.plugins.staging_order()
@@ -141,13 +162,9 @@ class SavePipeline:
         if not ctx.is_async:
             write()
             return
-        if self._executor is None:
-            self._executor = cf.ThreadPoolExecutor(
-                1, thread_name_prefix="roll-ckpt-save", initializer=lower_priority,
-                initargs=(self.job.config.checkpoint_config.background_nice,))
         if ctx.gate is None:
             ctx.blocked_s = time.perf_counter() - t0
-        self._inflight = self._executor.submit(write)
+        self._inflight = self._writer().submit(write)
         if ctx.gate is not None:  # staged in waves within the budget, as the write goes on
             try:
                 ctx.gate.fill()
@@ -178,7 +195,7 @@ class SavePipeline:
         sc = job.config.strategy_config
         ctx = SaveContext(step=step, path=final_path, is_async=job.config.async_save and not final, rank=strategy.rank,
                           world_size=strategy.world_size, strategy=strategy, reuse=self._reuse,
-                          budget=sc.max_staging_bytes)
+                          budget=sc.max_staging_bytes, keep_buffers=sc.keep_staging_buffers)
         if local:  # (every rank makes the tier's group at the same point)
             job.local.bind(strategy, forget_after=step - 1)
         try:
@@ -277,6 +294,7 @@ class SavePipeline:
         total_s = time.perf_counter() - save.t0
         stats = SaveStats(step=ctx.step, path=ctx.path, is_async=ctx.is_async, blocked_s=_blocked_s(ctx, total_s),
                           total_s=total_s, bytes=attempt.total, bytes_copied=ctx.bytes_copied,
+                          bytes_allocated=ctx.bytes_allocated,
                           policies=dict(Counter(ctx.staging.values())),
                           network=_since(read_counts(storage), attempt.counts), bytes_taken_over=attempt.taken)
         report_save(f"checkpoint-{ctx.step}", strategy.rank, stats.network)

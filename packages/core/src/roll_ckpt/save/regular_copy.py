@@ -1,4 +1,4 @@
-"""Core's regular staging: tensors copied into CPU buffers reused from one save to the next.
+"""Core's regular staging: tensors copied into CPU buffers laid out once and reused.
 
 Every tensor no plugin claims ends here. The buffers are one flat *arena* per dtype, laid
 out for the set of tensors staged: a state of thousands of small tensors is copied with
@@ -6,6 +6,15 @@ one ``torch.cat`` per dtype into its arena, not one buffer and one copy call eac
 DTensor wrappers around the arena's views (mesh, placements, global shape and stride of
 the source) are built once and reused while the layout lasts; a change of names, shapes,
 dtypes or source tensors makes a new layout (detected, never assumed).
+
+Between saves the buffers hold no memory (``strategy_config.keep_staging_buffers: false``,
+the default): once a save is written their storage is freed, and it is allocated and
+touched again off the loop before the next save the manager knows of (``maybe_save`` the
+step before a save step, or :meth:`~roll_ckpt.CheckpointManager.prepare_save`), in the
+writer thread. The layout and its DTensor wrappers stay: only the memory under them goes.
+A save nobody announced allocates the memory in the call (fresh pages: about 5x the copy's
+time). ``keep_staging_buffers: true`` keeps the state's size in host memory for the whole job
+and allocates nothing at a save.
 
 With ``strategy_config.max_staging_bytes`` the staging buffers never hold more than that
 budget: the tensors are staged in *waves* that fit half of it, and the writer writes one
@@ -17,7 +26,7 @@ tensor while the caller waits.
 from __future__ import annotations
 
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ..contracts import SaveContext
 
@@ -28,11 +37,12 @@ _KEPT_LAYOUTS = 2
 
 
 class RegularCopy:
-    """Core's fallback: copy into CPU buffers reused across saves (pinned on GPU machines)."""
+    """Core's fallback: copy into CPU buffers laid out once (pinned on GPU machines)."""
 
     name = "regular"
-    description = "copy into CPU staging buffers reused across saves, small tensors batched in one arena " \
-                  "per dtype (pinned on GPU machines; strategy_config.max_staging_bytes bounds them)"
+    description = "copy into CPU staging buffers laid out once, small tensors batched in one arena per dtype, " \
+                  "their memory freed between saves (pinned on GPU machines; strategy_config.max_staging_bytes " \
+                  "bounds them, keep_staging_buffers keeps them)"
 
     def claims(self, name: str, tensor: Any, save: SaveContext) -> bool:
         return True
@@ -46,7 +56,20 @@ class RegularCopy:
         return arenas.stage(items, save, self.name, save.budget)
 
     def release(self, save: SaveContext) -> None:
-        """The buffers stay for the next save (the manager runs one save at a time)."""
+        """The write is done: free the buffers' memory unless they are kept or a save is near
+        (the manager runs one save at a time, so nothing else reads them now)."""
+        arenas = save.reuse.get(self.name)
+        if arenas is not None and not save.keep_buffers:
+            arenas.free()
+
+    def prepare(self, reuse: Any) -> Callable[[], None] | None:
+        """A save is near (the caller's thread): the write in flight keeps the buffers, and
+        what the writer thread runs next brings their memory back, touched, so the save only copies."""
+        arenas = reuse.get(self.name)
+        if arenas is None:
+            return None
+        arenas.want()
+        return arenas.ready
 
 
 def _nbytes(t: Any) -> int:
@@ -54,9 +77,15 @@ def _nbytes(t: Any) -> int:
 
 
 class Arenas:
-    """The arenas and wrappers of the latest layout (one per manager, in ``save.reuse``)."""
+    """The arenas and wrappers of the latest layout (one per manager, in ``save.reuse``).
+
+    Their memory can be freed and made again under the same tensors (the storage resized):
+    the views and wrappers built for the layout stay valid. ``_lock`` orders the caller's
+    copy against the writer thread's :meth:`free` and :meth:`ready`."""
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._wanted = False
         self._layout: tuple = ()
         self._arenas: dict[Any, Any] = {}
         self._views: list[Any] = []
@@ -72,26 +101,66 @@ class Arenas:
         if budget and total > budget:
             return WaveGate.start(items, locals_, save, policy, budget, self)
         layout = tuple((name, tuple(t.shape), t.dtype, t.device.type) for (name, _), t in zip(items, locals_))
-        if layout != self._layout:
-            self._switch(layout)
-        self._copy(locals_)
+        with self._lock:
+            self._wanted = False
+            if layout != self._layout:
+                save.bytes_allocated += self._switch(layout)
+            # a save nobody announced: fresh pages, in the call
+            save.bytes_allocated += self._restore(self._arenas, touch=False)
+            self._copy(locals_)
         outputs = []
         for i, ((name, src), local) in enumerate(zip(items, locals_)):
             outputs.append(self._output(i, src, local))
             save.note_staged(name, policy, _nbytes(local))
         return outputs
 
-    def _switch(self, layout: tuple) -> None:
+    def want(self) -> None:
+        """A save is near: the write in flight must not free the buffers (set in the caller's
+        thread, before :meth:`ready` is queued behind that write)."""
+        self._wanted = True
+
+    def ready(self) -> None:
+        """The latest layout's memory allocated and every page touched (off the loop)."""
+        with self._lock:
+            if self._wanted:
+                self._restore(self._arenas, touch=True)
+
+    def free(self) -> None:
+        """Give the memory of every layout's arenas back (a near save keeps it)."""
+        with self._lock:
+            if self._wanted:
+                return
+            for arenas in [self._arenas] + [kept[0] for kept in self._kept.values()]:
+                for arena in arenas.values():
+                    arena.untyped_storage().resize_(0)
+
+    @staticmethod
+    def _restore(arenas: dict[Any, Any], *, touch: bool) -> int:
+        """Bring back the memory of ``arenas`` that was freed; the bytes allocated."""
+        allocated = 0
+        for arena in arenas.values():
+            storage = arena.untyped_storage()
+            if storage.nbytes() < arena.nbytes:
+                storage.resize_(arena.nbytes)
+                allocated += arena.nbytes
+                if touch:  # the kernel's page faults and zeroing, here instead of in the copy
+                    arena.zero_()
+        return allocated
+
+    def _switch(self, layout: tuple) -> int:
         """Use ``layout``'s arenas: kept from an earlier save (a job that saves both with its
-        state offloaded and live alternates between two), else made."""
+        state offloaded and live alternates between two), else made; the bytes allocated."""
         self._kept[self._layout] = (self._arenas, self._views, self._outputs, self._flats)
+        allocated = 0
         if layout in self._kept:
             self._arenas, self._views, self._outputs, self._flats = self._kept.pop(layout)
             self._layout = layout
         else:
             self._lay_out(layout)
+            allocated = sum(arena.nbytes for arena in self._arenas.values())
         while len(self._kept) > _KEPT_LAYOUTS - 1:
             self._kept.pop(next(iter(self._kept)))
+        return allocated
 
     def _lay_out(self, layout: tuple) -> None:
         import torch
@@ -207,6 +276,7 @@ class WaveGate:
         half_of = {w: k % 2 for k, w in enumerate(copied)}
         cap = max([sum(_nbytes(locals_[i]) for i in waves[w]) for w in copied] + [0])
         buffers = [torch.empty(cap, dtype=torch.uint8) for _ in range(min(2, len(copied)))]
+        save.bytes_allocated += cap * len(buffers)  # (made for this save, freed after it)
         views: list[Any] = list(locals_)  # a direct wave's tensors are the live ones
         for w in copied:
             off = 0

@@ -24,6 +24,10 @@ class SaveStats:
     bytes: int
     bytes_copied: int
     """Bytes copied while staging (0 when every tensor was staged without a copy)."""
+    bytes_allocated: int = 0
+    """Staging memory allocated inside the call (its page faults in the blocked time): the first
+    save, or a save nobody announced (:meth:`~roll_ckpt.CheckpointManager.prepare_save`) while
+    the buffers' memory was freed between saves; 0 when they were ready."""
     policies: Mapping[str, int] = field(default_factory=dict)
     """How many tensors each staging policy took (``regular``, ``zero_copy``...)."""
     network: NetworkCounts | None = None
