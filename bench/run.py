@@ -647,8 +647,6 @@ def targets(rows: list[dict[str, Any]], limits: dict[str, Any], extra: dict[str,
     return out
 
 
-LOAD_OPEN = ("known open target (issue 38 item 2): roll-ckpt's resume of a state of many tensors is slower than "
-             "the peers'; it fails until that work lands")
 PEER_TARGETS: dict[str, tuple[str, str, str, float, str, str | None]] = {
     "T20": ("rc_async", "tc_async", "blocked_s", 1.0,
             "blocked time, roll-ckpt async regular staging / torch-checkpointing async counted until its staging "
@@ -665,10 +663,10 @@ PEER_TARGETS: dict[str, tuple[str, str, str, float, str, str | None]] = {
             "and rank count", None),
     "T24": ("rc_load", "tc_load", "durable_s", 1.0,
             "resume time (cold page cache), roll-ckpt (verify, then load) / torch-checkpointing load + "
-            "set_state_dict, worst state and rank count", LOAD_OPEN),
+            "set_state_dict, worst state and rank count", None),
     "T25": ("rc_load", "bcp_load", "durable_s", 1.0,
             "resume time (cold page cache), roll-ckpt (verify, then load) / ByteCheckpoint load, worst state and "
-            "rank count", LOAD_OPEN),
+            "rank count", None),
 }
 """Target -> (roll-ckpt's case, the peer's case, the figure compared, limit (ratio <=), what, open)."""
 

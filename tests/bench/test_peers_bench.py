@@ -47,8 +47,7 @@ def test_peer_targets_take_the_worst_state_and_rank_count() -> None:
     # the loads: 3x slower on 1 rank of the many-tensors state decides, whatever the others say
     assert not tg["T24"]["pass"] and tg["T24"]["value"] == pytest.approx(3.0)
     assert tg["T24"]["worst"] == {"group": "tensors-1", "ranks": 1, "state_mib": 512.0, "tensors": 3000}
-    assert "issue 38 item 2" in tg["T24"]["open"] and "issue 38 item 2" in tg["T25"]["open"]
-    assert "open" not in tg["T20"]
+    assert not any("open" in tg[k] for k in ("T20", "T24", "T25"))  # (no known open target left)
 
 
 def test_a_peer_that_did_not_run_fails_its_targets_and_says_why() -> None:

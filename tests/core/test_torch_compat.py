@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import io
 
+import pytest
 import torch
 
 from roll_ckpt.runtime.torch_compat import collective, save_tensor_without_crc
@@ -124,3 +126,65 @@ def test_a_resume_still_runs_a_modules_load_hook(tmp_path) -> None:
     m.close()
     assert torch.equal(model.weight, saved)
     assert len(seen) == 1 and torch.equal(seen[0], saved)
+
+
+# ----------------------------------------------------------------------------- optimizer_loaded_in_place
+
+
+def _trained(tmp_path, hook: bool = False):
+    from roll_ckpt import CheckpointManager, load_config
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.AdamW([{"params": model[0].parameters()}, {"params": model[1].parameters(), "lr": 0.5}])
+    seen: list[float] = []
+    if hook:
+        opt.register_load_state_dict_post_hook(lambda o: seen.append(o.param_groups[1]["lr"]))
+    for _ in range(2):
+        model(torch.randn(2, 3)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    cfg = load_config({"checkpoint_config": {"output_dir": str(tmp_path), "timestamp_subdir": False}})
+    return CheckpointManager.from_config(cfg, quiet=True), model, opt, seen
+
+
+def _moved_on(model, opt) -> None:
+    """The loop after the save: another step, and the hyperparameters changed (a scheduler)."""
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    for g in opt.param_groups:
+        g["lr"] *= 10
+        g["betas"] = (0.5, 0.5)
+
+
+def test_an_optimizer_loaded_in_place_takes_only_the_checkpoints_hyperparameters(tmp_path, monkeypatch) -> None:
+    """Its state filled in its own per-parameter dicts, the resume skips torch's re-mapping
+    (set_optimizer_state_dict, made to fail here) and takes the groups' hyperparameters: the
+    optimizer ends as the checkpoint's, state and groups, to the bit."""
+    import torch.distributed.checkpoint.state_dict as sd
+
+    m, model, opt, _ = _trained(tmp_path)
+    m.save(1, {"model": model, "optimizer": opt})
+    m.wait()
+    saved = copy.deepcopy(opt.state_dict())
+    _moved_on(model, opt)
+    monkeypatch.setattr(sd, "set_optimizer_state_dict", lambda *a, **k: pytest.fail("torch's hand-over ran"))
+    assert m.resume({"model": model, "optimizer": opt}, target="latest") == 1
+    m.close()
+    now = opt.state_dict()
+    assert now["param_groups"] == saved["param_groups"]
+    assert now["state"].keys() == saved["state"].keys()
+    for k, st in saved["state"].items():
+        for name, v in st.items():
+            assert torch.equal(now["state"][k][name], v), (k, name)
+
+
+def test_an_optimizer_with_a_load_hook_keeps_torchs_hand_over(tmp_path) -> None:
+    """Its hook runs, with the checkpoint's hyperparameters in place."""
+    m, model, opt, seen = _trained(tmp_path, hook=True)
+    m.save(1, {"model": model, "optimizer": opt})
+    m.wait()
+    _moved_on(model, opt)
+    assert m.resume({"model": model, "optimizer": opt}, target="latest") == 1
+    m.close()
+    assert seen == [0.5]

@@ -32,7 +32,8 @@ from .contracts import SpaceEstimate, Storage, StrategyDefaults
 from .errors import RollCkptError, carried_roll_error
 from .format.global_state import GlobalState
 from .format.layout import basename, parent, parse_step
-from .runtime.optimizers import fit_target, optimizer_state_dict, owners_of, sole_optimizer
+from .runtime.optimizers import (fit_target, group_names, load_optimizer, optimizer_state_dict, owners_of,
+                                 sole_optimizer)
 from .runtime.rng import capture_rng, restore_rng
 from .save.state_dict_cache import StateDictCache
 from .runtime.distributed import bounded, checkpoint_group
@@ -68,6 +69,7 @@ class DCPStrategy(StrategyDefaults):
         self._layouts: Any = None
         self.increments = Increments(bool(getattr(config.checkpoint_config, "incremental", False)))
         """The newest committed checkpoint, which a save takes unchanged files over from (:mod:`roll_ckpt.save.incremental`)."""
+        self._names_before: dict[str, list[list[str]]] = {}  # (load_targets, for hand_over)
         self.rank = self._dist.get_rank() if self._dist else 0
         self.world_size = self._dist.get_world_size() if self._dist else 1
         self.collective_timeout_s = float(config.checkpoint_config.collective_timeout_s)
@@ -275,10 +277,12 @@ class DCPStrategy(StrategyDefaults):
         from .load.reader import SafeReader
 
         reader = SafeReader(storage, dcp_path, on_bytes, files=files, checkpoint=checkpoint, stream=stream)
-        try:
-            # the collector is held off as during a save: the load's planning and state dicts
-            # allocate per tensor, and set off full collections (roll_ckpt.runtime.collector)
-            with CollectorPause(self.config.checkpoint_config.pause_gc):
+        # The collector is held off as during a save: the load's planning and state dicts
+        # allocate per tensor, and set off full collections (roll_ckpt.runtime.collector).
+        # The reader and its metadata (tens of thousands of objects) go before it is back on:
+        # the first collection after it walks every object still alive that the load made.
+        with CollectorPause(self.config.checkpoint_config.pause_gc):
+            try:
                 if alone:
                     self._load_alone(state, reader, dcp_path, files)
                 else:
@@ -286,8 +290,9 @@ class DCPStrategy(StrategyDefaults):
 
                     load_job(self, state, reader, storage, dcp_path, files, checkpoint or dcp_path)
                     self.increments.seed(storage, dcp_path, files or {})
-        finally:
-            reader.release()  # the checked files, kept open across the loads below
+            finally:
+                reader.release()  # the checked files, kept open across the loads below
+                del reader
 
     def _load_alone(self, state: MutableMapping[str, Any], reader: Any, dcp_path: str, files: Any) -> None:
         """A folder this process wrote alone: its own files, checked as DCP plans the load."""
@@ -298,10 +303,10 @@ class DCPStrategy(StrategyDefaults):
         self.read_into(target, reader, dcp_path, True)
         self.hand_over(state, target, src)
 
-    def adopt_layout(self, md: Any, md_bytes: bytes, checksum: str) -> None:
-        """Start the next save from a resumed checkpoint's layout (its ``.metadata``): taken
-        by that save (:meth:`FixedLayouts.adopt`), which has the state dict and planner at hand."""
-        self.layouts.adopt_later(md, md_bytes, checksum)
+    def adopt_layout(self, md_bytes: bytes, checksum: str) -> None:
+        """Start the next save from a resumed checkpoint's layout (its ``.metadata``, checked):
+        taken by that save (:meth:`FixedLayouts.adopt`), which has the state dict and planner at hand."""
+        self.layouts.adopt_later(md_bytes, checksum)
 
     def load_targets(self, state: Mapping[str, Any], md: Any, dcp_path: str) -> tuple[dict[str, Any], str]:
         """A load's first step (then :meth:`read_into`, :meth:`hand_over`; ``load/job_load.py``):
@@ -324,6 +329,7 @@ class DCPStrategy(StrategyDefaults):
                 target[key] = obj.state_dict()
         for key in owners:
             fit_target(target[key], key, md)
+        self._names_before = {key: group_names(target[key]) for key in owners}  # (before the load replaces them)
         top, ranks = top_keys(md, PER_RANK)
         src = self._source_rank(ranks)
         target[PER_RANK] = {src: placeholders(md, (PER_RANK, src))}
@@ -335,10 +341,10 @@ class DCPStrategy(StrategyDefaults):
 
     def hand_over(self, state: MutableMapping[str, Any], target: dict[str, Any], src: str) -> None:
         """A load's last step: hand the loaded values to the modules, optimizers and objects of ``state``."""
-        from torch.distributed.checkpoint.state_dict import (
-            set_model_state_dict, set_optimizer_state_dict, set_state_dict)
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
         owners = owners_of(state)
+        before, self._names_before = self._names_before, {}
         for key, obj in state.items():
             if isinstance(obj, torch.nn.Module):
                 in_place = loaded_in_place(obj, target[key])  # then loaded already: its load would copy onto itself
@@ -346,11 +352,11 @@ class DCPStrategy(StrategyDefaults):
                 if opt is not None and not in_place:  # one call: torch maps the parameters once
                     set_state_dict(obj, state[opt], model_state_dict=target[key], optim_state_dict=target[opt])
                 elif opt is not None:
-                    set_optimizer_state_dict(obj, state[opt], target[opt])
+                    load_optimizer(obj, state[opt], target[opt], before.get(opt, []))
                 elif not in_place:
                     set_model_state_dict(obj, target[key])
             elif isinstance(obj, torch.optim.Optimizer) and sole_optimizer(owners, owners[key]) != key:
-                set_optimizer_state_dict(state[owners[key]], obj, target[key])
+                load_optimizer(state[owners[key]], obj, target[key], before.get(key, []))
             elif isinstance(obj, GlobalState):
                 obj.load_state_dict(target[key])
         loaded = target[PER_RANK][src]
@@ -400,6 +406,8 @@ class DCPStrategy(StrategyDefaults):
                 if found is None:
                     raise
                 raise found from None
+            finally:  # no cycle: the metadata and plans they hold go with the load, not at a collection
+                planner.reader = reader.planner = None
 
     def _source_rank(self, ranks: set[str]) -> str:
         mine = str(self.rank)

@@ -99,5 +99,5 @@ def _load_job(strategy: Any, state: MutableMapping[str, Any], reader: Any, stora
         error = exc
     strategy.agree(error, "resume: handing the values over", step)
     if files is not None and METADATA_NAME in files:
-        strategy.adopt_layout(md, md_bytes, files[METADATA_NAME].checksum)
+        strategy.adopt_layout(md_bytes, files[METADATA_NAME].checksum)
 

@@ -1,7 +1,6 @@
 """DCP's reader on any backend, verifying every file before torch reads any of it:
 :class:`SafeReader` (``.metadata`` unpickled admitting DCP's metadata classes only:
-:mod:`roll_ckpt.format.unpickle`; tensors loaded from the checked files: :mod:`roll_ckpt.format.verified_files`).
-"""
+:mod:`roll_ckpt.format.unpickle`; tensors loaded from the checked files: :mod:`roll_ckpt.format.verified_files`)."""
 
 from __future__ import annotations
 
@@ -152,7 +151,8 @@ class SafeReader(FileSystemReader):
         return Verified(view=view)
 
     def release(self) -> None:
-        """Close the checked files (kept open across the loads of one ``DCPStrategy.load``)."""
+        """Close the checked files (open across one ``DCPStrategy.load``'s loads); drop the metadata."""
+        self._metadata = None
         for data in self._verified.values():
             data.close()
         self._verified.clear()

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 from ..errors import RollCkptError
 
-__all__ = ["optimizer_state_dict", "fit_target", "owners_of", "sole_optimizer"]
+__all__ = ["optimizer_state_dict", "fit_target", "owners_of", "sole_optimizer", "group_names", "load_optimizer"]
 
 
 def optimizer_state_dict(module: Any, optimizer: Any) -> dict[str, Any]:
@@ -75,3 +75,25 @@ def sole_optimizer(owners: Mapping[str, str], module_key: str) -> str | None:
     ``None`` for none or several."""
     mine = [opt for opt, mod in owners.items() if mod == module_key]
     return mine[0] if len(mine) == 1 else None
+
+
+def group_names(osd: Any) -> list[list[str]]:
+    """An optimizer state dict's parameter names, group by group (taken before a load
+    replaces them with the checkpoint's, for :func:`load_optimizer`)."""
+    groups = osd.get("param_groups", ()) if isinstance(osd, Mapping) else ()
+    return [list(g.get("params", ())) for g in groups]
+
+
+def load_optimizer(module: Any, optimizer: Any, osd: dict[str, Any], names_before: list[list[str]]) -> None:
+    """Hand a loaded optimizer state dict (``get_optimizer_state_dict``'s, filled by the load)
+    to ``optimizer``: where the load filled its own state in place, only the groups'
+    hyperparameters are left to take; else torch's ``set_optimizer_state_dict``."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    from .torch_compat import optimizer_loaded_in_place, take_param_groups
+
+    if optimizer_loaded_in_place(optimizer, osd, names_before):
+        take_param_groups(optimizer, osd)
+    else:
+        set_optimizer_state_dict(module, optimizer, osd)
+

@@ -36,7 +36,7 @@ from typing import Any
 from .writer import DigestingWriter, Written, plan_files
 from ..errors import portable
 from ..runtime.torch_compat import all_reduce_ints
-from ..format.unpickle import METADATA_NAME
+from ..format.unpickle import METADATA_NAME, safe_load_metadata
 from ..format.value_slots import padded_value
 
 __all__ = ["FixedLayouts", "RankLayout", "structure_of"]
@@ -98,8 +98,8 @@ class FixedLayouts:
         self.rank = rank
         self.world_size = world_size
         self.layout: RankLayout | None = None
-        self.resumed: tuple[Any, bytes, str] | None = None
-        """A resumed checkpoint's ``.metadata``, its bytes and checksum, for the next save to adopt."""
+        self.resumed: tuple[bytes, str] | None = None
+        """A resumed checkpoint's ``.metadata`` bytes and checksum, for the next save to adopt."""
         self._full_saves = 0
         self.fast_saves = 0
         """Saves that took this path (for tests and the benchmark)."""
@@ -232,10 +232,11 @@ class FixedLayouts:
             metadata=writer.metadata_bytes if self.rank == 0 else None,
         )
 
-    def adopt_later(self, md: Any, md_bytes: bytes, checksum: str) -> None:
-        """Keep a resumed checkpoint's ``.metadata`` (every process, after the load) for the
-        next save's :meth:`adopt`: the resume does not pay for a layout only a save uses."""
-        self.layout, self.resumed = None, (md, md_bytes, checksum)
+    def adopt_later(self, md_bytes: bytes, checksum: str) -> None:
+        """Keep a resumed checkpoint's ``.metadata`` bytes (checked; every process, after the
+        load) for the next save's :meth:`adopt`: the resume does not pay for a layout only a
+        save uses, nor keeps its tens of thousands of objects alive until then."""
+        self.layout, self.resumed = None, (md_bytes, checksum)
 
     def adopt(self, planner: Any, threads: int, group: Any) -> None:
         """Take the layout of the resumed checkpoint (:meth:`adopt_later`) where every process's
@@ -244,9 +245,10 @@ class FixedLayouts:
         from torch.distributed.checkpoint.default_planner import create_default_local_save_plan
 
         assert self.resumed is not None
-        (md, md_bytes, checksum), self.resumed = self.resumed, None
+        (md_bytes, checksum), self.resumed = self.resumed, None
         local = create_default_local_save_plan(planner.state_dict, planner.is_coordinator).items
         try:
+            md = safe_load_metadata(md_bytes, ".metadata")  # (checked at the resume)
             files = _files_of(md, local, self.rank, self.world_size, threads)
         except Exception:  # a checkpoint this reading does not understand: the full path, as always
             files = None
