@@ -173,7 +173,11 @@ class RollCkptCheckpointManager(BaseCheckpointManager):
             hf = user.get("hf_weights")
             cc["hf_weights"] = {**(hf if isinstance(hf, dict) else {}), "subdir": "huggingface"}
         asynchronous = self.async_save and where.role is not None
-        return load_config({"checkpoint_config": cc, "strategy_config": {"async_save_ckpt": asynchronous}})
+        # verl's trainer calls the manager at save steps only: no save can be announced a step
+        # ahead (CheckpointManager.prepare_save), so the staging buffers stay between saves
+        # rather than each save allocating its own in the call
+        return load_config({"checkpoint_config": cc,
+                            "strategy_config": {"async_save_ckpt": asynchronous, "keep_staging_buffers": True}})
 
     def _manager(self, where: Where, keep: int | None) -> CheckpointManager:
         keep = keep if isinstance(keep, int) and keep > 0 else 0
