@@ -118,3 +118,28 @@ def test_a_save_into_buffers_made_again_holds_the_state_at_the_call(tmp_path: Pa
 def test_keep_staging_buffers_must_be_a_boolean(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="strategy_config.keep_staging_buffers"):
         config(tmp_path, strategy_config={"keep_staging_buffers": "yes"})
+
+
+def test_buffers_whose_memory_cannot_be_resized_are_laid_out_again(tmp_path: Path, monkeypatch) -> None:
+    """A storage that refuses to be resized (as some allocators' may): the layout is dropped
+    after the write, its memory going with it, and the next save lays it out anew."""
+    def refuse(self, nbytes):
+        raise RuntimeError("Trying to resize storage that is not resizable")
+
+    monkeypatch.setattr(torch.UntypedStorage, "resize_", refuse)
+    state = _state(seed=3)
+    with _manager(tmp_path) as m:
+        m.save(1, state)
+        m.wait()
+        ready = m.prepare_save()  # (with resizable storages this save would allocate nothing)
+        assert ready is not None
+        ready.result(timeout=60)
+        at_call = state_snapshot(state)
+        path = m.save(2, state)
+        train_step(state, (2, 512), loss="sum")
+        stats = m.wait()
+    assert stats.bytes_allocated >= _state_mib(state) * _MIB  # laid out again
+    fresh = _state(seed=9)
+    with CheckpointManager(config(tmp_path / "ckpt", resume_from_checkpoint=path), quiet=True) as r:
+        assert r.resume(fresh) == 2
+    assert_same_state(state_snapshot(fresh), at_call)

@@ -130,9 +130,13 @@ class Arenas:
         with self._lock:
             if self._wanted:
                 return
-            for arenas in [self._arenas] + [kept[0] for kept in self._kept.values()]:
-                for arena in arenas.values():
-                    arena.untyped_storage().resize_(0)
+            try:
+                for arenas in [self._arenas] + [kept[0] for kept in self._kept.values()]:
+                    for arena in arenas.values():
+                        arena.untyped_storage().resize_(0)
+            except RuntimeError:  # a storage that cannot be resized: the layout goes, laid out again next time
+                self._layout, self._arenas, self._views, self._outputs, self._flats = (), {}, [], [], []
+                self._kept.clear()
 
     @staticmethod
     def _restore(arenas: dict[Any, Any], *, touch: bool) -> int:
