@@ -22,6 +22,8 @@ class _SlowWriter:
         self._owner = owner
 
     def write(self, data: Any) -> Any:
+        if self._owner.gate is not None:
+            assert self._owner.gate.wait(120), "the test never opened the gate"
         self._owner.wrote()
         time.sleep(self._owner.delay)
         return self._inner.write(data)
@@ -40,12 +42,14 @@ class _SlowWriter:
 
 
 class SlowWrites:
-    """Wraps a storage: every write to a data file sleeps ``delay``; ``flag`` is created at the first."""
+    """Wraps a storage: every write to a data file sleeps ``delay``; ``flag`` is created at the
+    first; with ``gate`` (an event) no write starts before it is set."""
 
-    def __init__(self, inner: Any, delay: float, flag: str | None = None) -> None:
+    def __init__(self, inner: Any, delay: float, flag: str | None = None, gate: threading.Event | None = None) -> None:
         self._inner = inner
         self.delay = delay
         self.flag = flag
+        self.gate = gate
         self.writes = 0
 
     def wrote(self) -> None:
