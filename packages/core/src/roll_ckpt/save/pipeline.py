@@ -139,7 +139,12 @@ class SavePipeline:
         work = [w for p in self._policies if hasattr(p, "prepare") and (w := p.prepare(self._reuse)) is not None]
         if not work:
             return None  # nothing staged yet: the first save lays its buffers out in the call
-        return self._writer().submit(lambda: [w() for w in work] and None)
+
+        def ready() -> None:
+            for w in work:
+                w()
+
+        return self._writer().submit(ready)
 
     def _writer(self) -> cf.ThreadPoolExecutor:
         if self._executor is None:
