@@ -88,7 +88,7 @@ class RollCase:
     def save(self, step: int, state: dict[str, Any]) -> tuple[float, int]:
         t0 = time.perf_counter()
         self.m.save(step, state)
-        return time.perf_counter() - t0, self.m.last_save.bytes_written
+        return time.perf_counter() - t0, self.m.stats.last.bytes_written
 
     def close(self) -> None:
         self.m.close()

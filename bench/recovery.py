@@ -102,8 +102,8 @@ def worker(out: str, local: str, steps: int, die_at: int, use_local: bool, width
             m.wait()
             if rank == 0:
                 Path(out, "first.json").write_text(json.dumps({
-                    "blocked": blocked, "local_last": m.local_last_save, "local_bytes": m.local_tier_bytes,
-                    "persistent_total_s": m.last_save.total_s, "persistent_bytes": m.last_save.bytes}))
+                    "blocked": blocked, "local_last": m.local.last_save, "local_bytes": m.local.bytes_used,
+                    "persistent_total_s": m.stats.last.total_s, "persistent_bytes": m.stats.last.bytes}))
             dist.barrier()
             if rank * 2 // world == 1:
                 Path(out, "killed_at").write_text(str(time.time()))
@@ -111,9 +111,9 @@ def worker(out: str, local: str, steps: int, die_at: int, use_local: bool, width
             time.sleep(600)
     m.wait()
     body = {"start": start, "resume_s": resume_s, "launch_to_training_s": (first_step_done or time.time()) - t_start,
-            "resumed_from": m.resumed_from, "blocked": blocked, "local_last": m.local_last_save,
-            "local_bytes": m.local_tier_bytes,
-            "persistent_total_s": m.last_save.total_s if m.last_save else None}
+            "resumed_from": m.resumed.path, "blocked": blocked, "local_last": m.local.last_save,
+            "local_bytes": m.local.bytes_used,
+            "persistent_total_s": m.stats.last.total_s if m.stats.last else None}
     m.close()
     if rank == 0:
         Path(out, "result.json").write_text(json.dumps(body))

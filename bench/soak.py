@@ -57,7 +57,7 @@ def _run(s3: Any, proxy: Any, url: str, saves: int, options: dict[str, Any]) -> 
             if path is not None:
                 paths[step] = path
                 snaps[step] = state_snapshot(state)
-        network = m.network
+        network = m.stats.network
     return paths, snaps, network, time.monotonic() - t0
 
 

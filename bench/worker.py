@@ -343,7 +343,7 @@ class RCSave(Case):
             dt = time.perf_counter() - t0
         finally:
             strategy.__dict__.pop("writer_threads", None)
-        st = g.m.last_save
+        st = g.m.stats.last
         return dt, dt, {"copied": st.bytes_copied, "hash_s": _HASH_S[0],
                         "threads": strategy.writer_threads(g.state_bytes) if self.threads is None else self.threads}
 
@@ -389,7 +389,7 @@ class RCAsync(Case):
         blocked = time.perf_counter() - t0
         m.wait()
         durable = time.perf_counter() - t0
-        st = m.last_save
+        st = m.stats.last
         return blocked, durable, {"copied": st.bytes_copied, "policies": dict(st.policies), "hash_s": _HASH_S[0]}
 
     def cleanup(self):

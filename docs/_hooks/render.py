@@ -111,7 +111,7 @@ def api_page() -> str:
                       "(entry-point group `roll_ckpt`).", ""]
         for name in names:
             lines += [f"::: {package}.{name}", "    options:", "      heading_level: 3", ""]
-    lines += ["## Hooks", "", "The hooks a plugin implements (`@roll_ckpt.hookimpl`), as `roll_ckpt` specifies them.", "",
+    lines += ["## Hooks", "", "The hooks a plugin implements (`@roll_ckpt.plugin.hookimpl`), as `roll_ckpt` specifies them.", "",
               f"::: {sources.HOOKSPECS}", "    options:", "      heading_level: 3", "      show_root_heading: false",
               "      members_order: source", ""]
     return "\n".join(lines)

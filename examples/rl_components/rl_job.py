@@ -145,7 +145,7 @@ class TrainGroupRank:
     # -- checkpoint calls, the same for every component
     def resume(self) -> dict[str, Any]:
         step = self.manager.resume(self.state)   # 0: fresh start; this group's part of the step
-        return {"step": step, "from": self.manager.resumed_from}
+        return {"step": step, "from": self.manager.resumed.path}
 
     def save(self, step: int) -> dict[str, Any]:
         """``maybe_save``; a preemption saves ``step`` and is reported, not raised: the driver
@@ -464,7 +464,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if len(set(resumed.values())) != 1:
             raise RuntimeError(f"the components resumed from different steps: {resumed}")
         if start:
-            print(f"resumed from step {start} ({manager.resumed_from}): "
+            print(f"resumed from step {start} ({manager.resumed.path}): "
                   + ", ".join(f"{name} at {step}" for name, step in sorted(resumed.items()))
                   + f"; {driver['consumed_samples']} samples consumed, {len(driver['history'])} steps logged",
                   flush=True)
@@ -482,7 +482,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     g.kill()
                 what = "the actor and critic saved it, the driver did not" if any(saved) else "not a save step"
                 print(f"*** killed after step {step} ({what}) ***", flush=True)
-                newest = layout.latest(manager.storage, manager.root)
+                newest = layout.latest(manager.storage, manager.storage.root)
                 print(f"newest committed step: {newest.step if newest else 'none'}; run the same command "
                       "without --stop-at to resume", flush=True)
                 return 0
@@ -496,12 +496,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     p.get()
                 for g in groups.values():
                     g.call("finish", None).get()
-                newest = layout.latest(manager.storage, manager.root)
+                newest = layout.latest(manager.storage, manager.storage.root)
                 print(f"*** preempted at step {step}: every component saved it; newest committed step: "
                       f"{newest.step if newest else 'none'} ***", flush=True)
                 raise SystemExit(exc.exit_code) from None
             if path is not None:
-                newest = layout.latest(manager.storage, manager.root)
+                newest = layout.latest(manager.storage, manager.storage.root)
                 done = newest is not None and newest.step == step and newest.run == run_name
                 print(f"save {step:3d}  -> {path.rsplit('/', 1)[0]}  "
                       f"({'committed: every part is in' if done else 'NOT committed'})", flush=True)
@@ -521,7 +521,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         history_file.write_text(json.dumps(driver["history"], indent=1, sort_keys=True))
         print(f"done at step {cfg.max_steps}; history -> {history_file}", flush=True)
         print("committed steps:", flush=True)
-        for ref in layout.committed(manager.storage, manager.root):
+        for ref in layout.committed(manager.storage, manager.storage.root):
             print(f"  {ref.run}/checkpoint-{ref.step}", flush=True)
         return 0
     finally:

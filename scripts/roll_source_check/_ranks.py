@@ -81,11 +81,11 @@ def _rank_main(rank, a):
         manager = CheckpointManager(load_config({"checkpoint_config": {"type": "file_system",
                                                                        "output_dir": a["root"]}}))
         if a["target"] == "latest":
-            found = manager.resolve_resume("latest")
+            found = manager.resumed.candidates("latest")
             out["latest_resolves_to"] = found[1] if found else None
         state = {"model": strategy.model, "optimizer": strategy.optimizer, "scheduler": strategy.scheduler}
         out["resumed_step"] = manager.resume(state, a["target"])
-        out["resumed_from"] = manager.resumed_from
+        out["resumed_from"] = manager.resumed.path
         manager.close()
     else:
         if a["prime_optimizer"]:  # a zero Adam state for DCP to load into (a fresh AdamW has none)

@@ -272,7 +272,7 @@ def driver_state_resume(r: Runner, name: str, root: str, target: str, out: str) 
     code = ("import json,sys\nfrom roll_ckpt import CheckpointManager, DriverState, load_config\n"
             "m = CheckpointManager(load_config({'checkpoint_config': {'type': 'file_system', 'output_dir': sys.argv[1]}}))\n"
             "d = DriverState(); step = m.resume({'driver': d}, sys.argv[2]); m.close()\n"
-            "json.dump({'step': step, 'resumed_from': m.resumed_from, 'state': dict(d)}, open(sys.argv[3], 'w'))\n")
+            "json.dump({'step': step, 'resumed_from': m.resumed.path, 'state': dict(d)}, open(sys.argv[3], 'w'))\n")
     return r.run(name, ["-c", code, root, target, out], timeout=180)
 
 

@@ -245,9 +245,9 @@ def test_full_cycle_over_s3(s3: s3server.SeaweedServer, monkeypatch: pytest.Monk
             if m2.maybe_save(step, state2):
                 snaps[step] = state_snapshot(state2)
                 drift(state2, 100)  # changes after save() returns are not in the checkpoint
-                assert m2.last_save is None or m2.last_save.step < step
+                assert m2.stats.last is None or m2.stats.last.step < step
         m2.wait()
-        assert m2.last_save is not None and m2.last_save.is_async and m2.last_save.step == 10
+        assert m2.stats.last is not None and m2.stats.last.is_async and m2.stats.last.step == 10
         run2 = m2.run_dir
     assert run1 and run2 and run1 != run2
     assert run2.rstrip("/").endswith(run1.rstrip("/").rsplit("/", 1)[-1] + "-1")
@@ -349,8 +349,8 @@ def test_incremental_saves_copy_the_frozen_base_on_the_server(s3: s3server.Seawe
             m.save(s, {"model": model, "optimizer": opt})
             uploaded.append(sum(n for method, n in sent if method in ("PUT", "POST")))
             assert (s > 1) == any(method == "copy" for method, _ in sent), sent
-            assert (m.last_save.bytes_taken_over > 0) == (s > 1), m.last_save
-        assert m.last_save.bytes_taken_over >= frozen_bytes(model)
+            assert (m.stats.last.bytes_taken_over > 0) == (s > 1), m.stats.last
+        assert m.stats.last.bytes_taken_over >= frozen_bytes(model)
         storage = m.storage
         for k in (1, 2):
             storage.remove_tree(storage.join(storage.root, f"checkpoint-{k}"))

@@ -15,7 +15,8 @@ import sys
 
 import torch
 
-from roll_ckpt import CheckpointManager, Preempted, hookimpl, load_config
+from roll_ckpt import CheckpointManager, Preempted, load_config
+from roll_ckpt.plugin import hookimpl
 from roll_ckpt.plugins import get_plugins
 
 EXIT_CODE = 7
@@ -65,8 +66,8 @@ def main(out: str, log_path: str, max_steps: int, signal_at: str) -> int:
     try:
         for step in range(start + 1, max_steps + 1):
             train(state, step)
-            log(fd, "trained", step, int(manager.save_in_flight))
-            if signal_at == "in_flight" and manager.save_in_flight and not sent:
+            log(fd, "trained", step, int(manager.stats.in_flight))
+            if signal_at == "in_flight" and manager.stats.in_flight and not sent:
                 os.kill(os.getpid(), signal.SIGTERM)
                 sent = True
             manager.maybe_save(step, state)

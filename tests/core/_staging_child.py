@@ -56,7 +56,7 @@ def main(out: str) -> None:
         m.maybe_save(6, state)
         m.wait()
         got["written_6"] = anon_mib() - base
-        got["allocated_6"] = m.last_save.bytes_allocated
+        got["allocated_6"] = m.stats.last.bytes_allocated
     print(json.dumps(got), flush=True)
 
 

@@ -113,7 +113,7 @@ def main() -> None:
             os._exit(17)
     manager.save(cfg.max_steps, state, final=True)
     manager.close()
-    print(f"blocked {manager.last_save.blocked_s:.4f}", flush=True)
+    print(f"blocked {manager.stats.last.blocked_s:.4f}", flush=True)
     if args.result:
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                     "scheduler": scheduler.state_dict(), "sampler": sampler.state_dict(),

@@ -101,7 +101,7 @@ def test_no_import_cycle(package: str) -> None:
 BASE = {"roll_ckpt.errors", "roll_ckpt.contracts", "roll_ckpt.hookspecs"}
 REGISTRY = "roll_ckpt.plugins"  # from config up: plugins' keys validated, backends opened through it
 LAYERS = ["runtime", "format", "config", "tiers", "load", "hf", "save"]
-ASSEMBLY = {"roll_ckpt", "roll_ckpt.plugins", "roll_ckpt._builtin", "roll_ckpt.strategy", "roll_ckpt.manager",
+ASSEMBLY = {"roll_ckpt", "roll_ckpt.plugins", "roll_ckpt._builtin", "roll_ckpt.strategy", "roll_ckpt.manager", "roll_ckpt.views",
             "roll_ckpt.plugin"}
 ABOVE_ALL = ("cli", "testing")
 

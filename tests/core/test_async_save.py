@@ -53,7 +53,7 @@ def _manager(tmp_path: Path, ctl: dict[str, Any], **top: Any) -> CheckpointManag
 
 
 def _committed(m: CheckpointManager) -> list[int]:
-    return [r.step for r in layout.committed(m.storage, m.root)]
+    return [r.step for r in layout.committed(m.storage, m.storage.root)]
 
 
 def _leftovers(tmp_path: Path) -> list[str]:
@@ -68,7 +68,7 @@ def test_save_returns_before_commit_and_snapshot_is_taken_at_save(tmp_path: Path
     path = m.save(3, state)
     # the background write has started and is held before writing any DCP data
     assert ctl["entered"].wait(30)
-    assert m.save_in_flight
+    assert m.stats.in_flight
     assert _committed(m) == [] and not Path(path).exists()
     # the loop goes on at once: parameters, optimizer, scheduler and counter change
     for _ in range(2):
@@ -131,9 +131,9 @@ def test_final_save_is_committed_when_it_returns(tmp_path: Path) -> None:
     state = tiny_state()
     m.save(4, state)            # async, in flight
     path = m.save(5, state, final=True)
-    assert not m.save_in_flight
+    assert not m.stats.in_flight
     assert _committed(m) == [4, 5] and Path(path, "manifest.json").is_file()
-    assert m.last_save.step == 5 and not m.last_save.is_async
+    assert m.stats.last.step == 5 and not m.stats.last.is_async
     m.close()
 
 
@@ -174,14 +174,14 @@ def test_blocked_time_of_an_async_save(tmp_path: Path) -> None:
                 m.save(step, state)
                 returned = _committed(m)
                 m.wait()
-                assert m.last_save is not None and m.last_save.step == step
+                assert m.stats.last is not None and m.stats.last.step == step
                 if mode:
                     assert returned == [1, 2][:step - 1], returned  # the call returned before the commit
-                    assert m.last_save.total_s - m.last_save.blocked_s >= delay, m.last_save
+                    assert m.stats.last.total_s - m.stats.last.blocked_s >= delay, m.stats.last
                 else:
                     assert returned == [1, 2][:step], returned
-                    assert m.last_save.blocked_s >= delay, m.last_save  # the write included
-            results[mode] = m.last_save
+                    assert m.stats.last.blocked_s >= delay, m.stats.last  # the write included
+            results[mode] = m.stats.last
     sync, async_ = results[False], results[True]
     assert not sync.is_async and sync.bytes_copied == 0
     assert sync.blocked_s == sync.total_s  # the loop waited for the commit
@@ -314,7 +314,7 @@ def test_a_save_staged_in_waves_reports_the_caller_blocked_until_the_last_wave(
         m.maybe_save(1, tiny_state())
         call_s = time.perf_counter() - t0
         m.wait()
-        last = m.last_save if tier == "persistent" else m.local_last_save
+        last = m.stats.last if tier == "persistent" else m.local.last_save
         assert last is not None, tier
         blocked = last.blocked_s if tier == "persistent" else last["blocked_s"]
         assert filled and filled[0] > 1, filled  # staged in waves

@@ -22,7 +22,8 @@ import torch
 from helpers.launch import run_python
 from helpers.training import config, train_step
 from roll_ckpt import (CheckpointCorruptError, CheckpointManager, CheckpointNotFoundError, ConfigError,
-                       DriverState, RollCkptError, hookimpl, load_config, new_run_name)
+                       DriverState, RollCkptError, load_config, new_run_name)
+from roll_ckpt.plugin import hookimpl
 from roll_ckpt.format import layout
 from roll_ckpt.format.components import step_manifest, try_complete
 from roll_ckpt.plugins import Plugins

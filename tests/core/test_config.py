@@ -240,7 +240,7 @@ def test_config_is_frozen() -> None:
 
 
 def test_initial_load_parses_with_its_defaults() -> None:
-    from roll_ckpt import InitialLoadConfig
+    from roll_ckpt.config import InitialLoadConfig
 
     cc = load_config({"checkpoint_config": {"initial_load": {"path": "file:///models/base", "format": "hf"}}})
     assert cc.checkpoint_config.initial_load == InitialLoadConfig(path="/models/base", format="hf", key="model")

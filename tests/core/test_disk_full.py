@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from helpers.training import config, train_step
-from roll_ckpt import CheckpointManager, StorageFullError
+from roll_ckpt import CheckpointManager
+from roll_ckpt.errors import StorageFullError
 from roll_ckpt.format import layout
 from roll_ckpt.testing import assert_same_state, state_snapshot
 from roll_ckpt.format.verify import verify
@@ -55,8 +56,8 @@ def test_disk_full(tmpfs, async_save: bool) -> None:
     assert "no space left" in msg and "checkpoint-2" in msg and "Free space" in msg
 
     # nothing half-written: no new committed checkpoint, no temporary folder, no marker
-    assert [r.step for r in layout.committed(m.storage, m.root)] == [1]
-    assert [r.step for r in layout.scan(m.storage, m.root)] == [1]
+    assert [r.step for r in layout.committed(m.storage, m.storage.root)] == [1]
+    assert [r.step for r in layout.scan(m.storage, m.storage.root)] == [1]
     assert _leftovers(root) == []
     # the earlier checkpoint is intact and loads
     verify(m.storage, first)
@@ -71,7 +72,7 @@ def test_disk_full(tmpfs, async_save: bool) -> None:
     third = m.save(3, state)
     m.close()
     verify(m.storage, third)
-    assert [r.step for r in layout.committed(m.storage, m.root)] == [1, 3]
+    assert [r.step for r in layout.committed(m.storage, m.storage.root)] == [1, 3]
     assert _leftovers(root) == []
 
 
@@ -98,4 +99,4 @@ def test_disk_already_full_at_first_save(tmpfs) -> None:
     path = m.save(2, state)
     m.close()
     verify(m.storage, path)
-    assert [r.step for r in layout.committed(m.storage, m.root)] == [2]
+    assert [r.step for r in layout.committed(m.storage, m.storage.root)] == [2]

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 from helpers.training import config
-from roll_ckpt import CheckpointManager, CheckpointNotFoundError, DriverState, FormatRecord, hookimpl
+from roll_ckpt import CheckpointManager, CheckpointNotFoundError, DriverState
+from roll_ckpt.plugin import FormatRecord, hookimpl
 from roll_ckpt.plugins import Plugins
 from roll_ckpt.testing import tiny_state
 
@@ -156,7 +157,7 @@ def test_a_newer_checkpoint_of_another_framework_is_resumed(tmp_path: Path, plug
     driver = DriverState()
     with _manager(tmp_path, plugins) as m:
         assert m.resume({"driver": driver}) == 7
-        assert m.resumed_from == str(run / "checkpoint-7")
+        assert m.resumed.path == str(run / "checkpoint-7")
     assert driver == {"seen": 70}
     assert sorted(p.name for p in (run / "checkpoint-7").iterdir()) == ["toy.json"]  # read only
 

@@ -44,7 +44,7 @@ def test_a_checkpoint_of_a_fresh_optimizer_resumes_fresh(tmp_path: Path) -> None
     _step(resumed)  # a state of its own first: the resume must take it back to fresh
     with CheckpointManager(config(tmp_path, resume_from_checkpoint="latest"), quiet=True) as m:
         m.resume(resumed)
-        assert m.resumed_from is not None
+        assert m.resumed.path is not None
     assert len(resumed["optimizer"].state) == 0 and resumed["optimizer"].param_groups[0]["lr"] == 0.25
     assert all(torch.equal(a, b) for a, b in zip(resumed["model"].parameters(), unsaved["model"].parameters()))
     _step(resumed)

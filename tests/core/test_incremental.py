@@ -58,7 +58,7 @@ def saved(out: Path, steps: int, **cc) -> tuple[torch.nn.Module, torch.optim.Opt
         for s in range(1, steps + 1):
             step(model, opt)
             m.save(s, {"model": model, "optimizer": opt})
-            stats.append(m.last_save)
+            stats.append(m.stats.last)
     return model, opt, stats
 
 
@@ -108,10 +108,10 @@ def test_a_change_through_a_numpy_view_is_caught_and_written(tmp_path: Path) -> 
         model[0].weight.detach().numpy()[3, 5] += 1.0  # behind autograd: no version bump, no grad
         step(model, opt)
         m.save(2, {"model": model, "optimizer": opt})
-        assert m.last_save.bytes_taken_over == 0
+        assert m.stats.last.bytes_taken_over == 0
         step(model, opt)
         m.save(3, {"model": model, "optimizer": opt})
-        assert m.last_save.bytes_taken_over >= frozen_bytes(model)
+        assert m.stats.last.bytes_taken_over >= frozen_bytes(model)
     assert not any(e.get("taken_over") for e in files(tmp_path / "checkpoint-2").values())
     other, other_opt = lora()
     with manager(tmp_path) as m:
@@ -132,7 +132,7 @@ def test_a_full_fine_tune_hashes_nothing_first_and_takes_nothing_over(tmp_path: 
         for s in (1, 2, 3):
             step(model, opt)
             m.save(s, {"model": model, "optimizer": opt})
-            assert m.last_save.bytes_taken_over == 0
+            assert m.stats.last.bytes_taken_over == 0
     assert calls == []
 
 
@@ -153,7 +153,7 @@ def test_memory_store_takes_over_by_copy_and_the_copy_is_whole(memory_url: str, 
             step(model, opt)
             m.save(s, {"model": model, "optimizer": opt})
             m.wait()
-        assert m.last_save.bytes_taken_over >= frozen_bytes(model)
+        assert m.stats.last.bytes_taken_over >= frozen_bytes(model)
         storage = m._job.storage
         storage.remove_tree(storage.join(storage.root, "checkpoint-1"))
     other, other_opt = lora(seed=3)
@@ -169,7 +169,7 @@ def test_a_resumed_job_takes_over_from_the_checkpoint_it_resumed_from(tmp_path: 
         m.resume({"model": other, "optimizer": other_opt}, "latest")
         step(other, other_opt)
         m.save(3, {"model": other, "optimizer": other_opt})
-        assert m.last_save.bytes_taken_over >= frozen_bytes(model)
+        assert m.stats.last.bytes_taken_over >= frozen_bytes(model)
     assert files(tmp_path / "checkpoint-3")["dcp/__0_0.distcp"]["taken_over"] == "checkpoint-2"
 
 
@@ -181,7 +181,7 @@ def test_a_base_file_gone_before_the_save_is_written_instead(tmp_path: Path) -> 
         (tmp_path / "checkpoint-1" / "dcp" / "__0_0.distcp").unlink()  # pruned by hand meanwhile
         step(model, opt)
         m.save(2, {"model": model, "optimizer": opt})
-        assert m.last_save.bytes_taken_over == 0
+        assert m.stats.last.bytes_taken_over == 0
     from roll_ckpt.cli import main
 
     assert main(["--quiet", "verify", str(tmp_path / "checkpoint-2")]) == 0

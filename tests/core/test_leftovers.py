@@ -35,7 +35,7 @@ def test_the_next_save_removes_what_a_failed_cleanup_left(tmp_path: Path, monkey
         monkeypatch.setattr(storage, "open_write", failing_open)
         monkeypatch.setattr(storage, "remove_tree", failing_remove_tree)
         drift(state, 2)
-        assert m.save(2, state) is None and m.failed_saves == 1
+        assert m.save(2, state) is None and m.stats.failed == 1
         left = [p for p in out.iterdir() if p.name.startswith((".tmp-checkpoint-2", ".inflight-checkpoint-2"))]
         assert left, "the failed cleanup left the save's folder and marker"
         monkeypatch.setattr(storage, "open_write", real_open)

@@ -80,17 +80,17 @@ def test_resume_from_a_local_step_newer_than_the_persistent_one_is_exact(tmp_pat
         _train(state, step)
         m.maybe_save(step, state)
     m.wait()
-    assert m.local_last_save["step"] == 6 and m.local_last_save["ok"]
-    assert m.last_save.step == 4
-    assert m.local_tier_bytes > 0
+    assert m.local.last_save["step"] == 6 and m.local.last_save["ok"]
+    assert m.stats.last.step == 4
+    assert m.local.bytes_used > 0
     m.close()
     node = next((tmp_path / "local").iterdir())
     assert sorted(p.name for p in node.iterdir()) == ["checkpoint-5", "checkpoint-6"]  # max_to_keep: 2
     fresh = _state()
     m2 = CheckpointManager(cfg(tmp_path, resume="latest", async_save=async_save), quiet=True)
     assert m2.resume(fresh) == 6
-    assert "checkpoint-6/rank-0" in m2.resumed_from
-    assert m2.trainer_state["step"] == 6 and fresh["extra"] == {"step": 6}
+    assert "checkpoint-6/rank-0" in m2.resumed.path
+    assert m2.resumed.trainer_state["step"] == 6 and fresh["extra"] == {"step": 6}
     losses = [_train(fresh, s) for s in range(7, 10)]
     assert losses == ref_losses[6:]
     for k, v in ref["model"].state_dict().items():
@@ -109,7 +109,7 @@ def test_local_units_are_checked_and_the_persistent_tier_is_the_fallback(tmp_pat
     flip_byte(unit / "dcp" / "__0_0.distcp", 100)
     m2 = CheckpointManager(cfg(tmp_path, resume="latest"), quiet=True)
     assert m2.resume(_state()) == 4  # the damaged unit refused; persistent step 4
-    assert "persist" in m2.resumed_from
+    assert "persist" in m2.resumed.path
     # units newer than the resumed step are from a launch that went further: removed
     assert not unit.exists()
     m2.close()

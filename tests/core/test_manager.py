@@ -148,8 +148,8 @@ def test_resume_latest_across_run_folders(ckpt_config, tmp_path: Path, value) ->
     s = tiny_state(seed=6)
     with _manager(ckpt_config(resume_from_checkpoint=value)) as m:
         assert m.resume(s) == 3
-        assert m.resumed_from == p3
-        assert m.trainer_state["resumed_from"] == p2
+        assert m.resumed.path == p3
+        assert m.resumed.trainer_state["resumed_from"] == p2
     assert_same_state(state_snapshot(s), snap3)
     assert s["counter"] == {"seen": 333}
 
@@ -210,7 +210,7 @@ def test_retention_keeps_newest_and_spans_runs(ckpt_config, tmp_path: Path) -> N
         m.save(1, s)  # a newer run: its step 1 is newer than the older run's step 3
         m.save(2, s)
         newest = m.save(3, s)
-    refs = layout.committed(m.storage, m.root)
+    refs = layout.committed(m.storage, m.storage.root)
     assert [r.step for r in refs] == [2, 3] and refs[-1].path == newest
     assert {r.run for r in refs} == {Path(newest).parent.name}
 

@@ -11,8 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from roll_ckpt import (BackendRecord, CheckpointManager, PluginError, UnknownPluginError, hookimpl,
-                       load_config)
+from roll_ckpt import CheckpointManager, load_config
+from roll_ckpt.plugin import BackendRecord, hookimpl
+from roll_ckpt.errors import PluginError, UnknownPluginError
 from roll_ckpt.plugins import KNOWN_EXTRAS, Plugins
 
 

@@ -61,16 +61,16 @@ def _config(local: Path, s3_url: str, s3: s3server.SeaweedServer, *, resume: Any
 def test_replication_to_s3_end_to_end(tmp_path: Path, s3: s3server.SeaweedServer, s3_url: str) -> None:
     state = tiny_state(4)
     m = manager(_config(tmp_path / "local", s3_url, s3, keep_local=1))
-    assert isinstance(m.backup_storage, FsspecStorage) and not m.backup_storage.atomic_rename
+    assert isinstance(m.backup.storage, FsspecStorage) and not m.backup.storage.atomic_rename
     snaps = save_steps(m, state, (1, 2, 3))
-    status = m.wait_for_backup(timeout=60)
+    status = m.backup.wait(timeout=60)
     m.close()
     assert [c.state for c in status.checkpoints] == ["committed"] * 3, status
-    bk = m.backup_storage
+    bk = m.backup.storage
     assert committed_steps(bk, bk.root) == [1, 2, 3] and leftovers(bk, bk.root) == []
     for ref in layout.committed(bk, bk.root):
         verify(bk, ref.path)
-    assert committed_steps(m.storage, m.root) == [3]  # keep_local: 1
+    assert committed_steps(m.storage, m.storage.root) == [3]  # keep_local: 1
     # another client sees every replica committed (its manifest is there)
     raw = _raw_fs(s3)
     run = Path(m.run_dir).name
@@ -92,9 +92,9 @@ def test_a_damaged_local_copy_falls_back_to_the_s3_replica(tmp_path: Path, s3: s
     m = manager(_config(tmp_path / "local", s3_url, s3))
     m.save(1, state)
     snap = state_snapshot(state)
-    m.wait_for_backup(timeout=60)
+    m.backup.wait(timeout=60)
     m.close()
-    (ref,) = layout.committed(m.storage, m.root)
+    (ref,) = layout.committed(m.storage, m.storage.root)
     flip_byte(Path(ref.path) / "dcp" / "__0_0.distcp", 100)
     caplog.set_level(logging.WARNING, logger="roll_ckpt")
     fresh = tiny_state(1)
@@ -113,11 +113,11 @@ def test_a_kill_during_replication_to_s3(tmp_path: Path, s3: s3server.SeaweedSer
     # killed once some objects of the replica are on the server, its manifest is not
     kill_when_busy(REPLICATING_CHILD, json.dumps(raw_cfg), str(flag), flag=flag, delay=0.5)
     m = manager(_config(local, s3_url, s3, resume="latest"))
-    bk = m.backup_storage
+    bk = m.backup.storage
     assert committed_steps(bk, bk.root) == [], "a killed copy must not look committed on S3"
-    assert m.resume(tiny_state()) == 1 and not m.resumed_from_backup
+    assert m.resume(tiny_state()) == 1 and not m.resumed.from_backup
     m.save(2, tiny_state())
-    status = m.wait_for_backup(timeout=60)
+    status = m.backup.wait(timeout=60)
     m.close()
     assert sorted(c.step for c in status.committed) == [1, 2]
     assert committed_steps(bk, bk.root) == [1, 2] and leftovers(bk, bk.root) == []

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from roll_ckpt.format.manifest import seal
-from roll_ckpt import (CheckpointCorruptError, CheckpointManager, CheckpointNotFoundError,
-                       UnsafeCheckpointError)
+from roll_ckpt import CheckpointCorruptError, CheckpointManager, CheckpointNotFoundError
+from roll_ckpt.errors import UnsafeCheckpointError
 from roll_ckpt.format.digest import hash_bytes
 from roll_ckpt.testing import assert_same_state, state_snapshot, tiny_state
 from roll_ckpt.format.verify import verify

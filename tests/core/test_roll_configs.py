@@ -88,7 +88,7 @@ def train(state: dict[str, Any], seed: int) -> None:
 
 
 def committed_steps(manager: CheckpointManager) -> list[int]:
-    return sorted(ref.step for ref in layout.committed(manager.storage, manager.root))
+    return sorted(ref.step for ref in layout.committed(manager.storage, manager.storage.root))
 
 
 # --------------------------------------------------------------------------- RLVR

@@ -76,7 +76,7 @@ def test_saves_at_rolls_steps_asynchronously(tmp_path: Path, monkeypatch) -> Non
             if manager.maybe_save(step, state) is not None:
                 stats = manager.wait()
                 saved.append((step, stats.is_async))
-        steps = sorted(r.step for r in layout.committed(manager.storage, manager.root))
+        steps = sorted(r.step for r in layout.committed(manager.storage, manager.storage.root))
     assert saved == [(s, True) for s in range(50, 501, 50)]
     assert steps == list(range(50, 501, 50))
 

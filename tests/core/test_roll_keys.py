@@ -64,7 +64,7 @@ def test_async_upload_true_makes_saves_asynchronous(caplog, tmp_path) -> None:
         manager.save(1, tiny_state())
         assert manager.wait().is_async
         manager.save(2, tiny_state(), final=True)              # final saves stay synchronous
-        assert not manager.last_save.is_async
+        assert not manager.stats.last.is_async
     finally:
         manager.close()
 

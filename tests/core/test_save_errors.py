@@ -25,7 +25,7 @@ def _manager(out: str, policy: str = "warn", async_save: bool = False, **cc: Any
 
 
 def _committed(m: CheckpointManager) -> list[int]:
-    return [r.step for r in layout.committed(m.storage, m.root)]
+    return [r.step for r in layout.committed(m.storage, m.storage.root)]
 
 
 def _remount(path: Path, mode: str) -> None:
@@ -39,7 +39,7 @@ def test_a_read_only_folder_is_counted_and_training_goes_on(tmpfs, caplog) -> No
     state = tiny_state()
     with caplog.at_level("WARNING", logger="roll_ckpt"):
         assert m.maybe_save(1, state) is None
-    assert m.failed_saves == 1
+    assert m.stats.failed == 1
     warned = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
     assert warned and "checkpoint-1" in warned[0] and "on_save_error: warn" in warned[0]
     assert "Read-only" in warned[0] or "read-only" in warned[0].lower(), warned[0]
@@ -49,7 +49,7 @@ def test_a_read_only_folder_is_counted_and_training_goes_on(tmpfs, caplog) -> No
     with pytest.raises(StorageError):  # a final save always raises
         m.save(3, state, final=True)
     m.close()
-    assert _committed(m) == [2] and m.failed_saves == 1
+    assert _committed(m) == [2] and m.stats.failed == 1
 
 
 def test_a_full_disk_is_counted_and_the_next_save_succeeds_once_space_is_freed(tmpfs) -> None:
@@ -59,7 +59,7 @@ def test_a_full_disk_is_counted_and_the_next_save_succeeds_once_space_is_freed(t
     assert m.maybe_save(1, big)
     filler = disk / "filler"
     filler.write_bytes(b"\0" * (1 << 20))
-    assert m.maybe_save(2, big) is None and m.failed_saves == 1  # refused before writing: no space
+    assert m.maybe_save(2, big) is None and m.stats.failed == 1  # refused before writing: no space
     filler.unlink()
     assert m.maybe_save(3, big).endswith("checkpoint-3")
     m.close()
@@ -75,7 +75,7 @@ def test_a_background_save_that_fails_is_counted_where_it_surfaces(tmpfs) -> Non
     m.wait()
     _remount(disk, "ro")  # the next save's write fails in the background
     assert m.maybe_save(2, state)
-    assert m.wait() is None and m.failed_saves == 1 and not m.save_in_flight
+    assert m.wait() is None and m.stats.failed == 1 and not m.stats.in_flight
     _remount(disk, "rw")
     m.maybe_save(3, state)
     m.close()
@@ -102,7 +102,7 @@ def test_a_stopped_s3_server_is_counted_and_the_next_save_succeeds(s3, offline_a
     s3.proc.kill()
     s3.proc.wait(30)
     try:
-        assert m.maybe_save(2, state) is None and m.failed_saves == 1
+        assert m.maybe_save(2, state) is None and m.stats.failed == 1
     finally:
         restart_seaweed(s3)
     assert m.maybe_save(3, state).endswith("checkpoint-3")

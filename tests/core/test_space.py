@@ -19,7 +19,8 @@ import torch
 
 from helpers.launch import child_env, free_port, rank_env
 from helpers.training import config
-from roll_ckpt import CheckpointManager, StorageFullError
+from roll_ckpt import CheckpointManager
+from roll_ckpt.errors import StorageFullError
 from roll_ckpt.format import layout
 from roll_ckpt.tiers.space import SpaceGuard, estimate_checkpoint_bytes
 from roll_ckpt.testing import assert_same_state, state_snapshot, tiny_state
@@ -64,7 +65,7 @@ def test_estimate_is_within_5_percent_of_the_real_size(tmp_path: Path, kind: str
     metadata = {"note": "y" * 2000, "loss": 0.5} if kind == "with-metadata" else None
     with _manager(tmp_path / "ckpt") as m:
         path = m.save(1, state, metadata=metadata)
-        est = m.space_estimate
+        est = m.stats.space_estimate
     listed, on_disk = _real_sizes(path)
     print(f"\n[{kind}] estimate {est.total} B, manifest total {listed} B, on disk {on_disk} B "
           f"({100 * (est.total - on_disk) / on_disk:+.2f}%)")
@@ -99,7 +100,7 @@ def test_a_save_that_cannot_fit_is_refused_before_writing_and_earlier_checkpoint
     # nothing was written: no folder, no marker, not a byte more on the file system
     assert sorted(str(p) for p in root.rglob("*")) == files_before
     assert shutil.disk_usage(mnt).used == usage_before
-    assert [r.step for r in layout.scan(m.storage, m.root)] == [1]
+    assert [r.step for r in layout.scan(m.storage, m.storage.root)] == [1]
     verify(m.storage, first)
 
     # training goes on: a save that fits still works, and the earlier checkpoint loads
@@ -120,10 +121,10 @@ def test_an_async_save_that_cannot_fit_is_refused_by_save_itself(tmpfs) -> None:
     m.wait()
     with pytest.raises(StorageFullError, match="no space left for checkpoint-2"):
         m.save(2, _linear(1536))  # refused before staging: nothing runs in the background
-    assert not m.save_in_flight
+    assert not m.stats.in_flight
     m.save(3, _linear(128))
     m.close()
-    assert [r.step for r in layout.committed(m.storage, m.root)] == [1, 3]
+    assert [r.step for r in layout.committed(m.storage, m.storage.root)] == [1, 3]
     assert not [p for p in (mnt / "ckpt").rglob("*") if p.name.startswith((".tmp-", ".inflight-"))]
 
 
@@ -148,7 +149,7 @@ def test_retention_runs_first_when_it_can_make_room(tmpfs, caplog) -> None:
     m.save(2, state)
     path3 = m.save(3, state)
     m.close()
-    assert [r.step for r in layout.committed(m.storage, m.root)] == [2, 3]
+    assert [r.step for r in layout.committed(m.storage, m.storage.root)] == [2, 3]
     verify(m.storage, path3)
     assert any("to make room for checkpoint-3" in r.getMessage() for r in caplog.records)
 
@@ -162,7 +163,7 @@ def test_without_the_check_a_full_disk_still_fails_cleanly_mid_write(tmpfs, monk
     first = m.save(1, _linear(128))
     with pytest.raises(StorageFullError, match="no space left while writing checkpoint-2"):
         m.save(2, _linear(1200))
-    assert [r.step for r in layout.scan(m.storage, m.root)] == [1]
+    assert [r.step for r in layout.scan(m.storage, m.storage.root)] == [1]
     assert not [p for p in (mnt / "ckpt").rglob("*") if p.name.startswith((".tmp-", ".inflight-"))]
     verify(m.storage, first)
     m.close()
@@ -180,10 +181,10 @@ def test_stores_that_cannot_tell_are_not_checked(memory_url: str, caplog) -> Non
     caplog.set_level(logging.INFO, logger="roll_ckpt")
     cfg = config(memory_url)
     with CheckpointManager.from_config(cfg, quiet=True) as m:
-        assert m.storage.free_bytes(m.root) is None
+        assert m.storage.free_bytes(m.storage.root) is None
         m.save(1, tiny_state())
         m.save(2, tiny_state())
-        assert m.space_estimate is None  # nothing estimated either
+        assert m.stats.space_estimate is None  # nothing estimated either
     told = [r for r in caplog.records if "cannot tell its free space" in r.getMessage()]
     assert len(told) == 1
 
@@ -202,7 +203,8 @@ import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from roll_ckpt.runtime.torch_compat import fsdp2_options
-from roll_ckpt import CheckpointManager, StorageFullError, load_config
+from roll_ckpt import CheckpointManager, load_config
+from roll_ckpt.errors import StorageFullError
 
 root, out = sys.argv[1], sys.argv[2]
 dist.init_process_group("gloo")
@@ -226,7 +228,7 @@ path = m.save(1, state(256))
 result["strategy"] = m.strategy.name
 if rank == 0:
     manifest = json.load(open(os.path.join(path, "manifest.json")))
-    result["estimate"] = m.space_estimate.total
+    result["estimate"] = m.stats.space_estimate.total
     result["real"] = sum(e["size"] for e in manifest["files"].values())
 try:
     m.save(2, state(1024))  # 1024*1024*4*3 (weights + AdamW state) ~ 12.6 MB: cannot fit in 8m
@@ -269,5 +271,5 @@ def test_two_ranks_coordinator_refusal_reaches_every_rank(tmpfs, tmp_path: Path)
     assert r0["refused"] and "no space left for checkpoint-2" in r0["refused"]
     assert r1["refused"] and "no space left for checkpoint-2" in r1["refused"]
     m = _manager(mnt / "ckpt")
-    assert [r.step for r in layout.scan(m.storage, m.root)] == [1, 3]
+    assert [r.step for r in layout.scan(m.storage, m.storage.root)] == [1, 3]
     assert not [p for p in (mnt / "ckpt").rglob("*") if p.name.startswith((".tmp-", ".inflight-"))]

@@ -61,14 +61,14 @@ def test_a_save_not_announced_brings_the_freed_memory_back_itself(tmp_path: Path
     with _manager(tmp_path) as m:
         m.save(1, state)
         m.wait()
-        assert m.last_save.bytes_allocated >= size * _MIB  # laid out in the call
+        assert m.stats.last.bytes_allocated >= size * _MIB  # laid out in the call
         m.save(2, state)  # written, its memory freed: nobody announced this one
         m.wait()
-        assert m.last_save.bytes_allocated >= size * _MIB
+        assert m.stats.last.bytes_allocated >= size * _MIB
         m.prepare_save().result(timeout=60)
         m.save(3, state)
         m.wait()
-        assert m.last_save.bytes_allocated == 0
+        assert m.stats.last.bytes_allocated == 0
 
 
 def test_kept_buffers_stay_between_saves(tmp_path: Path) -> None:
@@ -77,11 +77,11 @@ def test_kept_buffers_stay_between_saves(tmp_path: Path) -> None:
     with _manager(tmp_path, keep_staging_buffers=True) as m:
         m.save(1, state)
         m.wait()
-        assert m.last_save.bytes_allocated >= size * _MIB  # the first save lays its buffers out
+        assert m.stats.last.bytes_allocated >= size * _MIB  # the first save lays its buffers out
         assert m.prepare_save() is None  # nothing to make ready: the memory never left
         m.save(2, state)  # not announced, and yet nothing to allocate: the buffers were kept
         m.wait()
-        assert m.last_save.bytes_allocated == 0
+        assert m.stats.last.bytes_allocated == 0
 
 
 @pytest.mark.parametrize("announced", [False, True])

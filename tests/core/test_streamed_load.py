@@ -11,7 +11,8 @@ import torch
 
 from helpers.damage import flip_byte
 from helpers.training import config
-from roll_ckpt import CheckpointCorruptError, CheckpointManager, PartlyLoadedError
+from roll_ckpt import CheckpointCorruptError, CheckpointManager
+from roll_ckpt.errors import PartlyLoadedError
 from roll_ckpt.format import streamed_files
 from roll_ckpt.format.digest import CHUNK_SIZE
 from roll_ckpt.format.manifest import MANIFEST_NAME

@@ -193,7 +193,7 @@ def test_an_actor_killed_mid_save_resumes_exactly_in_a_new_launch(reference: Any
         written = wait_for(signal)
         assert f"{run1}/checkpoint-{KILL_STEP}/" in written and written.endswith(".distcp")
         ray.kill(crashed.actor.ranks[0])
-        newest = layout.latest(crashed.manager.storage, crashed.manager.root)
+        newest = layout.latest(crashed.manager.storage, crashed.manager.storage.root)
         assert newest is not None and (newest.run, newest.step) == (run1, RESUME_STEP)
         step8 = ckpt / run1 / f"checkpoint-{KILL_STEP}"
         assert (step8 / "critic" / "manifest.json").is_file() and (step8 / "pipeline" / "manifest.json").is_file()

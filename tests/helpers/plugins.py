@@ -25,7 +25,7 @@ PLUGIN_SWITCHES = ("ROLL_CKPT_DISABLE_PLUGIN_AUTOLOAD", "ROLL_CKPT_PLUGINS", "RO
 def plugins_with_backend(backend: str, factory: Callable[[str, Mapping[str, Any]], Any], name: str) -> Any:
     """A fresh :class:`roll_ckpt.plugins.Plugins` plus the plugin ``name`` (distribution
     ``test-<name>``) whose backend ``backend`` opens storages with ``factory(url, options)``."""
-    from roll_ckpt import BackendRecord, hookimpl
+    from roll_ckpt.plugin import BackendRecord, hookimpl
     from roll_ckpt.plugins import Plugins
 
     class _Plugin:

@@ -59,7 +59,7 @@ def _policies(worker) -> dict:
     part = worker.strategy.__dict__.get("_roll_ckpt")
     if part is None:
         return {}
-    last = part.manager.wait() or part.manager.last_save  # an asynchronous save: once it has finished
+    last = part.manager.wait() or part.manager.stats.last  # an asynchronous save: once it has finished
     return {**last.policies, "bytes_allocated": last.bytes_allocated} if last is not None else {}
 
 

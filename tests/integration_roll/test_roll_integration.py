@@ -159,7 +159,7 @@ def test_a_checkpoint_roll_wrote_resumes_with_every_optimizer_state(launch, tmp_
 
         driver = DriverState()
         assert m.resume({"driver": driver}, "latest") == 3
-    assert m.resumed_from == str(Path(b["checkpoint_output_dir"]) / "checkpoint-3")
+    assert m.resumed.path == str(Path(b["checkpoint_output_dir"]) / "checkpoint-3")
 
 
 def test_export_to_rolls_layout_is_read_by_rolls_own_load(launch, tmp_path: Path, capsys) -> None:

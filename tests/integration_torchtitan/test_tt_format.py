@@ -132,7 +132,7 @@ def test_latest_resumes_torchtitan_s_newest_full_step_passing_over_a_model_only_
     cfg = config(tmp_path, name_format="step-{step}", timestamp_subdir=False)
     with caplog.at_level(logging.WARNING, logger="roll_ckpt"), CheckpointManager(cfg, quiet=True) as m:
         assert m.resume(state, "latest") == 4
-        assert m.resumed_from == str(tmp_path / "step-4")
+        assert m.resumed.path == str(tmp_path / "step-4")
     warning = caplog.text
     assert "step-6: a torchtitan checkpoint that holds the model only (torchtitan's last_save_model_only" in warning
     assert torch.equal(state["model"].obj.sd["tok_embeddings.weight"], torch.arange(12.0).reshape(4, 3) * 4)
@@ -149,7 +149,7 @@ def test_a_seed_loads_the_model_alone(tmp_path: Path) -> None:
     write_torchtitan_step(tmp_path, 0, model_only=True, scale=3.0)
     state = _resume_state()
     with CheckpointManager(config(tmp_path, name_format="step-{step}", timestamp_subdir=False), quiet=True) as m:
-        assert m.resume(state, "latest") == 0 and m.resumed_from is not None
+        assert m.resume(state, "latest") == 0 and m.resumed.path is not None
     assert torch.equal(state["model"].obj.sd["norm.weight"], torch.ones(3) * 3)
     assert state["train_state"].obj.sd == {"step": 0, "ntokens_seen": 0}, "a seed is the model only"
 

@@ -79,7 +79,8 @@ def test_yaml_type_selects_the_entry_point_and_resumes(tmp_path: Path, py) -> No
 
 def test_blocking_the_distribution_hides_the_backend(tmp_path: Path, py) -> None:
     code = textwrap.dedent(f"""
-        from roll_ckpt import CheckpointManager, load_config, UnknownPluginError
+        from roll_ckpt import CheckpointManager, load_config
+        from roll_ckpt.errors import UnknownPluginError
         try:
             CheckpointManager.from_config(load_config({{"checkpoint_config": {{"type": "example_dir",
                                                        "output_dir": {str(tmp_path)!r}}}}}))

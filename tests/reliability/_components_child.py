@@ -66,7 +66,7 @@ from typing import Any
 from helpers.forkserver import emit, serve
 from helpers.launch import rank_env
 from helpers.training import config, mlp, optimizer_and_scheduler, shard, train_step
-from roll_ckpt import hookimpl
+from roll_ckpt.plugin import hookimpl
 
 COMPONENTS = ["actor_train", "critic", "pipeline"]
 IN_FLIGHT = {"actor_train": True, "critic": False, "pipeline": True}  # async_save_ckpt
@@ -339,7 +339,7 @@ def run_component(spec: dict[str, Any]) -> int:
         manager.storage = KillBeforeStepCommit(manager.storage, fd, int(kill["step"]), component,
                                                list(spec.get("components", COMPONENTS)), kill["logs"])
     start = manager.resume(state)
-    emit(fd, "ready", start, manager.resumed_from or "-")
+    emit(fd, "ready", start, manager.resumed.path or "-")
     losses: dict[int, str] = {}
     stop = int(spec.get("stop_after") or 0)
     for step in range(start + 1, int(spec["steps"]) + 1):

@@ -166,12 +166,12 @@ def worker(spec: dict[str, Any]) -> int:
                    count=("progress", "samples", 8))
         emit(fd, "step", step, digest(model, optimizer))
         manager.save(step, state)
-        last = manager.last_save
+        last = manager.stats.last
         if last is not None and last.step > reported:
             emit(fd, "committed", last.step, last.path)
             reported = last.step
     manager.close()
-    last = manager.last_save
+    last = manager.stats.last
     if last is not None and last.step > reported:
         emit(fd, "committed", last.step, last.path)
     emit(fd, "done", switch.count if switch is not None else 0)

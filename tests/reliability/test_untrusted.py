@@ -23,7 +23,8 @@ from typing import Any
 
 import pytest
 
-from roll_ckpt import CheckpointCorruptError, CheckpointManager, UnsafeCheckpointError, load_config
+from roll_ckpt import CheckpointCorruptError, CheckpointManager, load_config
+from roll_ckpt.errors import UnsafeCheckpointError
 from roll_ckpt.cli import main as cli
 from roll_ckpt.format.digest import hash_bytes
 from roll_ckpt.format.manifest import seal

@@ -107,11 +107,11 @@ def main(out: str, local: str, steps: str, die_at: str, options: str = "") -> No
                 die()
             time.sleep(600)  # killed by the test
     m.wait()
-    body = {"start": start, "resumed_from": m.resumed_from, "losses": losses,
+    body = {"start": start, "resumed_from": m.resumed.path, "losses": losses,
             "params": digest(full(model)), "optim": digest(optim_full(model, opt)),
-            "local_bytes": m.local_tier_bytes, "local_last": m.local_last_save,
-            "local_failed": m.local_failed_saves, "failed_saves": m.failed_saves,
-            "persistent_last": m.last_save.step if m.last_save else None}
+            "local_bytes": m.local.bytes_used, "local_last": m.local.last_save,
+            "local_failed": m.local.failed_saves, "failed_saves": m.stats.failed,
+            "persistent_last": m.stats.last.step if m.stats.last else None}
     m.close()
     with open(os.path.join(out, f"result-{rank}.json"), "w") as f:
         json.dump(body, f)

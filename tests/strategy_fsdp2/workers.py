@@ -96,7 +96,7 @@ def resume_exact(out: str, mode: str, die_at: str) -> None:
             m.wait()
             dist.barrier()
             os._exit(0)  # abrupt: no close, no final save
-    periodic = m.wait() or m.last_save  # the last periodic (async) save
+    periodic = m.wait() or m.stats.last  # the last periodic (async) save
     m.save(11, state, final=True)
     m.close()
     params = full(model)
@@ -116,11 +116,11 @@ def paths_equal(out: str, kind: str) -> None:
     state = {"model": model, "optimizer": opt}
     m.save(1, state)
     m.wait()
-    regular = dict(m.last_save.policies)
+    regular = dict(m.stats.last.policies)
     m.strategy.offload_states(state, optimizer=True)
     m.save(2, state)
     m.wait()
-    from_store = dict(m.last_save.policies)
+    from_store = dict(m.stats.last.policies)
     m.strategy.load_states(state)
     m.close()
     result(out, f"paths_equal-{kind}", {"regular": regular, "store": from_store})
@@ -187,14 +187,14 @@ def zero_copy_bytes(out: str, width: str) -> None:
         with CountCopies():
             m.save(2, state)
         m.wait()
-    zc = m.last_save
+    zc = m.stats.last
     m.strategy.load_states(state)
     m.save(3, state)  # same state, live: regular staging, for comparison
     m.wait()
     with PeakRSS() as rss_regular:
         m.save(4, state)
         m.wait()
-    reg = m.last_save
+    reg = m.stats.last
     m.close()
     state_bytes = sum(t._local_tensor.numel() * t._local_tensor.element_size() for t in model.parameters())
     state_bytes += sum(v._local_tensor.numel() * v._local_tensor.element_size()
@@ -355,7 +355,7 @@ def incremental(out: str) -> None:
         m.save(step, state)
         m.wait()
         m.strategy.load_states(state)
-        s = m.last_save
+        s = m.stats.last
         stats.append({"bytes": s.bytes, "taken": s.bytes_taken_over, "policies": dict(s.policies)})
     expected, expected_opt = full(model), optim_full(model, opt)
     m.close()
@@ -384,7 +384,7 @@ def incremental(out: str) -> None:
     train_step(model2, opt2, sched2, data)
     m2.save(4, state2)  # the first save after the resume takes over from the checkpoint resumed
     m2.wait()
-    after = m2.last_save.bytes_taken_over
+    after = m2.stats.last.bytes_taken_over
     m2.close()
     result(out, "incremental", {"stats": stats, "taken": taken, "links": links, "start": start, "exact": exact,
                                 "taken_after_resume": after,

@@ -30,7 +30,7 @@ retry loop is set to one pass (``S3FileSystem.retries = 1``) so attempts do not 
 
 Every fault is counted (:class:`FaultCounter`): the save pipeline reads the counts before
 and after each save (``SaveStats.network``, one log line per save that met any) and the
-manager keeps the totals (``manager.network``).
+manager keeps the totals (``manager.stats.network``).
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ __all__ = [  # the hierarchy; carried, portable, carried_roll_error and disk_ful
     "UnsafeCheckpointError",
     "SaveError",
     "BackupError",
+    "RollCkptDeprecationWarning",
     "CollectiveTimeoutError",
     "TorchCompatError",
 ]
@@ -193,3 +194,7 @@ class BackupError(RollCkptError):
     def __init__(self, message: str, failed: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.failed = dict(failed or {})
+
+
+class RollCkptDeprecationWarning(DeprecationWarning):
+    """A name of roll-ckpt's API that moved: the message says where to; the old name works until 1.0."""

@@ -6,7 +6,7 @@ through the entry-point group ``roll_ckpt``::
     [project.entry-points.roll_ckpt]
     my_backend = "my_package.plugin"
 
-and implements hooks with :data:`roll_ckpt.hookimpl`. Registration hooks return typed,
+and implements hooks with :data:`roll_ckpt.plugin.hookimpl`. Registration hooks return typed,
 frozen records (:mod:`roll_ckpt.contracts`); two plugins registering the same name is an
 error naming both distributions. Lifecycle hooks let a plugin take part in a save.
 """

@@ -24,6 +24,7 @@ from .runtime.preemption import PreemptionWatch, pass_on, preemption_done, run_w
 from .load.resume import Resumer
 from .format.layout import TRAINER_STATE
 from .save.pipeline import SavePipeline, SaveStats
+from .views import BackupView, LocalView, ResumeReport, SaveReport, moved, warn_moved
 
 __all__ = ["CheckpointManager", "SaveStats", "open_storage", "TRAINER_STATE"]
 
@@ -53,6 +54,12 @@ class CheckpointManager:
     ones at :meth:`close`; those get the signal only once the preemption checkpoint is
     committed (or at :meth:`close` without one); see :meth:`maybe_save` and
     :mod:`roll_ckpt.runtime.preemption`.
+
+    Beside its calls, the manager shows four subjects (:mod:`roll_ckpt.views`): ``stats`` (what
+    its saves cost: ``stats.last``, ``stats.failed``, ``stats.in_flight``, ``stats.network``),
+    ``resumed`` (the checkpoint ``resume`` loaded: ``path``, ``from_backup``, ``trainer_state``),
+    ``backup`` (``storage``, ``status``, ``wait()``; ``None`` without ``checkpoint_config.backup``)
+    and ``local`` (the fast recovery tier; ``None`` without ``checkpoint_config.local``).
     """
 
     def __init__(self, config: Config, *, component: str | None = None, plugins: Plugins | None = None,
@@ -64,9 +71,6 @@ class CheckpointManager:
             config = config.for_component(component, plugins=plugins)
         storage = open_storage(plugins, cc.type, cc.output_dir, cc.storage_options)
         self.config = config
-        self.component = component
-        self.plugins = plugins
-        self.quiet = quiet
         self._job = Job(config, component, storage, plugins, quiet=quiet)
         if cc.backup is not None:
             replica = open_storage(plugins, cc.backup.type, cc.backup.output_dir, cc.backup.storage_options)
@@ -81,6 +85,10 @@ class CheckpointManager:
             self._job.local = LocalTier(cc.local, open_storage(plugins, "file_system", cc.local.dir, {}))
         self._saves = SavePipeline(self._job)
         self._resumer = Resumer(self._job)
+        self.stats = SaveReport(self._saves, self._job)
+        self.resumed = ResumeReport(self._resumer, self._job)
+        self.backup = None if self._job.backup is None else BackupView(self._job.backup, self._saves)
+        self.local = None if self._job.local is None else LocalView(self._job.local)
         self._closed = False
         self.preempted = False
         """True once a preemption checkpoint is committed (with ``preemption.exit: false``)."""
@@ -104,11 +112,6 @@ class CheckpointManager:
     def storage(self, storage: Storage) -> None:
         self._job.storage = storage
 
-    @property
-    def root(self) -> str:
-        """``output_dir`` as a path of :attr:`storage`."""
-        return self._job.storage.root
-
     # ------------------------------------------------------------------ strategy
 
     @property
@@ -122,10 +125,6 @@ class CheckpointManager:
     def bind(self, state: Mapping[str, Any]) -> Strategy:
         """Choose the strategy for ``state`` (done by the first resume/save)."""
         return self._job.bind(state)
-
-    @property
-    def is_coordinator(self) -> bool:
-        return self._job.is_coordinator
 
     @property
     def run_dir(self) -> str | None:
@@ -147,7 +146,7 @@ class CheckpointManager:
         """
         self._check_open()
         if self._watch.signals:
-            strategy = self.bind(state)
+            strategy = self._job.bind(state)
             if strategy.any_true(self._watch.requested, step):
                 return self._preempt(step, state)
         every = self.config.save_steps
@@ -219,7 +218,7 @@ class CheckpointManager:
         the checkpoint is committed. ``metadata`` (JSON values) goes to
         ``trainer_state.json`` under ``user``. Saving a step this manager has already
         committed does nothing. With ``checkpoint_config.on_save_error: warn`` a failed
-        save that is not final returns ``None`` (logged, counted in :attr:`failed_saves`).
+        save that is not final returns ``None`` (logged, counted in ``stats.failed``).
         """
         self._check_open()
         return self._saves.save(step, state, final=final, metadata=metadata)
@@ -255,45 +254,7 @@ class CheckpointManager:
         """Wait for the save in flight; raise its error if it failed."""
         return self._saves.wait()
 
-    @property
-    def save_in_flight(self) -> bool:
-        """True while an asynchronous save is still writing; never waits."""
-        return self._saves.in_flight
-
-    @property
-    def failed_saves(self) -> int:
-        """Periodic saves that failed and were let go (``checkpoint_config.on_save_error: warn``)."""
-        return self._saves.errors.failed_saves
-
-    @property
-    def network(self) -> NetworkCounts:
-        """The network faults this manager's storage met so far, retries and time lost
-        included (all zero on a local disk); each save's own are in ``last_save.network``."""
-        from .runtime.network import read_counts
-
-        return read_counts(self._job.storage) or NetworkCounts()
-
-    @property
-    def last_save(self) -> SaveStats | None:
-        """What the latest finished save cost (a :class:`SaveStats`)."""
-        return self._saves.last_save
-
-    @property
-    def space_estimate(self) -> Any:
-        """The size estimated for the latest save (a ``SpaceEstimate``; ``None`` before the first)."""
-        return None if self._saves.space is None else self._saves.space.last_estimate
-
     # ------------------------------------------------------------------ resuming
-
-    def resolve_resume(self, target: str | None = None) -> tuple[Storage, str] | None:
-        """The storage and path to resume from, or ``None`` for a fresh start.
-
-        ``"latest"`` is the newest committed checkpoint under ``output_dir`` and, with
-        ``checkpoint_config.backup``, at the backup location; when both hold it, the local
-        copy (``resume`` falls back to the replica if the local copy is damaged).
-        """
-        candidates = self._resumer.candidates(target)
-        return (candidates[0][0], candidates[0][1]) if candidates else None
 
     def resume(self, state: MutableMapping[str, Any], target: str | None = None) -> int:
         """Restore ``state`` from the configured checkpoint; return its step (0: fresh start).
@@ -310,76 +271,33 @@ class CheckpointManager:
             self._job.local.started(step)
         return step
 
-    @property
-    def trainer_state(self) -> dict[str, Any]:
-        """The ``trainer_state.json`` of the checkpoint resumed from (empty on a fresh start)."""
-        return self._resumer.trainer_state
+    # ------------------------------------------------------------------ moved (deprecated until 1.0)
 
-    @property
-    def resumed_from(self) -> str | None:
-        """The checkpoint ``resume`` loaded (its path, or the replica's URL)."""
-        return self._job.resumed_from
-
-    @property
-    def resumed_from_backup(self) -> bool:
-        """True when ``resume`` took its checkpoint from ``checkpoint_config.backup``."""
-        return self._resumer.resumed_from_backup
-
-    # ------------------------------------------------------------------ fast recovery tier
-
-    @property
-    def local_tier_bytes(self) -> int:
-        """Bytes the fast recovery tier holds in this node's folder (own units and the
-        replicas kept for other nodes; tmpfs counts as memory); 0 without ``checkpoint_config.local``."""
-        return 0 if self._job.local is None else self._job.local.bytes_used()
-
-    @property
-    def local_last_save(self) -> dict[str, Any] | None:
-        """What the latest local save did (step, ok, seconds, bytes, replicated_to, replicas_kept,
-        node_bytes, blocked_s); ``None`` before the first or without the tier."""
-        return None if self._job.local is None else self._job.local.last_save
-
-    @property
-    def local_failed_saves(self) -> int:
-        """Local saves that failed (a full tmpfs...): logged, never raised."""
-        return 0 if self._job.local is None else self._job.local.failed_saves
-
-    # ------------------------------------------------------------------ backup
-
-    @property
-    def backup_storage(self) -> Storage | None:
-        """The backup location's storage (``checkpoint_config.backup``), or ``None``.
-
-        Assignable before the first save (e.g. to wrap it), like the manager's other storages.
-        """
-        return None if self._job.backup is None else self._job.backup.replica
-
-    @backup_storage.setter
-    def backup_storage(self, storage: Storage) -> None:
-        if self._job.backup is None:
-            raise RollCkptError("this manager has no checkpoint_config.backup")
-        self._job.backup.replica = storage
-
-    @property
-    def backup_status(self) -> Any:
-        """Where replication stands (a ``BackupStatus``), or ``None`` without ``checkpoint_config.backup``.
-
-        Per checkpoint: ``queued``, ``copying``, ``committed``, ``failed``, ``interrupted``
-        or ``skipped``, with attempts and the last error.
-        """
-        return None if self._job.backup is None else self._job.backup.status
+    root = moved("storage.root")
+    save_in_flight = moved("stats.in_flight")
+    failed_saves = moved("stats.failed")
+    network = moved("stats.network")
+    last_save = moved("stats.last")
+    space_estimate = moved("stats.space_estimate")
+    resolve_resume = moved("resumed.candidates")
+    trainer_state = moved("resumed.trainer_state")
+    resumed_from = moved("resumed.path")
+    resumed_from_backup = moved("resumed.from_backup")
+    local_tier_bytes = moved("local.bytes_used", absent=0)
+    local_last_save = moved("local.last_save")
+    local_failed_saves = moved("local.failed_saves", absent=0)
+    backup_storage = moved("backup.storage")
+    backup_status = moved("backup.status")
+    component = moved("_job.component")
+    plugins = moved("_job.plugins")
+    quiet = moved("_job.quiet")
+    is_coordinator = moved("_job.is_coordinator")
 
     def wait_for_backup(self, timeout: float | None = None) -> Any:
-        """Block until every checkpoint handed to replication is copied (or failed for good).
-
-        Waits for the save in flight first. Returns :attr:`backup_status`; ``timeout``
-        (seconds) bounds the wait. Training never needs to call this: ``close()`` waits
-        at most ``checkpoint_config.backup.max_wait_s``.
-        """
+        """Deprecated (until 1.0): ``manager.backup.wait(timeout)``."""
+        warn_moved("wait_for_backup", "backup.wait(timeout)")
         self.wait()
-        if self._job.backup is not None:
-            self._job.backup.wait(timeout)
-        return self.backup_status
+        return None if self.backup is None else self.backup.wait(timeout)
 
     # ------------------------------------------------------------------ closing
 

@@ -26,20 +26,21 @@ from typing import Any, Mapping, MutableMapping
 
 import torch
 
-from .runtime.distributed import first_error
+from .runtime.distributed import bounded, checkpoint_group, first_error
 from .runtime.collector import CollectorPause
 from .contracts import SpaceEstimate, Storage, StrategyDefaults
-from .errors import RollCkptError, carried_roll_error
+from .errors import RollCkptError
 from .format.global_state import GlobalState
 from .format.layout import basename, parent, parse_step
 from .runtime.optimizers import (fit_target, group_names, load_optimizer, optimizer_state_dict, owners_of,
                                  sole_optimizer)
 from .runtime.rng import capture_rng, restore_rng
 from .save.state_dict_cache import StateDictCache
-from .runtime.distributed import bounded, checkpoint_group
+from .format.unpickle import METADATA_NAME
+from .load.job_load import assigned_files, job_metadata, read_dcp
 from .load.placeholders import placeholders, top_keys
 from .save.incremental import Increments
-from .runtime.torch_compat import collective, dcp_load, dcp_save, loaded_in_place, local_tensor
+from .runtime.torch_compat import collective, dcp_save, loaded_in_place, local_tensor
 
 __all__ = ["DCPStrategy", "PER_RANK", "RNG_KEY"]
 
@@ -268,49 +269,69 @@ class DCPStrategy(StrategyDefaults):
         ``files`` (the manifest's entries for this folder, by name) makes every file be
         checked as it is read, before anything of it is deserialized; a mismatch raises
         :class:`~roll_ckpt.errors.CheckpointCorruptError` on every rank with ``state``
-        untouched. Without it the folder must have been verified already. ``alone``: a
-        folder this process wrote alone (``write(alone=True)``), loaded without collectives. ``stream``:
-        one pass, each piece checked just before its bytes are used
-        (:mod:`roll_ckpt.format.streamed_files`); damage then raises
-        :class:`~roll_ckpt.errors.PartlyLoadedError`.
-        """
+        untouched. Without it the folder must have been verified already. ``alone``: a folder
+        this process wrote alone (``write(alone=True)``), loaded without collectives. ``stream``:
+        one pass, each piece checked just before its bytes are used (:mod:`roll_ckpt.format.streamed_files`);
+        damage then raises :class:`~roll_ckpt.errors.PartlyLoadedError`."""
         from .load.reader import SafeReader
 
         reader = SafeReader(storage, dcp_path, on_bytes, files=files, checkpoint=checkpoint, stream=stream)
-        # The collector is held off as during a save: the load's planning and state dicts
-        # allocate per tensor, and set off full collections (roll_ckpt.runtime.collector).
-        # The reader and its metadata (tens of thousands of objects) go before it is back on:
-        # the first collection after it walks every object still alive that the load made.
-        with CollectorPause(self.config.checkpoint_config.pause_gc):
+        step = parse_step(basename(parent(dcp_path)))
+        # The collector is held off as during a save (planning and state dicts allocate per tensor);
+        # the reader and its metadata go before it is back on (or its first collection walks them).
+        with CollectorPause(self.config.checkpoint_config.pause_gc), self.bounded("resume: loading", step):
             try:
-                if alone:
-                    self._load_alone(state, reader, dcp_path, files)
-                else:
-                    from .load.job_load import load_job
-
-                    load_job(self, state, reader, storage, dcp_path, files, checkpoint or dcp_path)
-                    self.increments.seed(storage, dcp_path, files or {})
+                if alone:  # a folder this process wrote alone: its own files, checked as DCP plans the load
+                    if files:
+                        reader.start_checks(sorted(n for n in files if n.startswith(f"__{self.rank}_")
+                                                   and n.endswith(".distcp")))
+                    target, src = self.load_targets(state, reader.read_metadata(), dcp_path)
+                    read_dcp(target, reader, dcp_path, **self._dcp_group(True))
+                    self.hand_over(state, target, src)
+                    return
+                self._load_job(state, reader, storage, dcp_path, files, checkpoint or dcp_path, step)
+                self.increments.seed(storage, dcp_path, files or {})
             finally:
                 reader.release()  # the checked files, kept open across the loads below
                 del reader
 
-    def _load_alone(self, state: MutableMapping[str, Any], reader: Any, dcp_path: str, files: Any) -> None:
-        """A folder this process wrote alone: its own files, checked as DCP plans the load."""
-        if files:
-            reader.start_checks(sorted(n for n in files if n.startswith(f"__{self.rank}_") and n.endswith(".distcp")))
-        md = reader.read_metadata()
-        target, src = self.load_targets(state, md, dcp_path)
-        self.read_into(target, reader, dcp_path, True)
-        self.hand_over(state, target, src)
-
-    def adopt_layout(self, md_bytes: bytes, checksum: str) -> None:
-        """Start the next save from a resumed checkpoint's layout (its ``.metadata``, checked):
-        taken by that save (:meth:`FixedLayouts.adopt`), which has the state dict and planner at hand."""
-        self.layouts.adopt_later(md_bytes, checksum)
+    def _load_job(self, state: MutableMapping[str, Any], reader: Any, storage: Storage, dcp_path: str,
+                  files: Mapping[str, Any] | None, checkpoint: str, step: int | None) -> None:
+        """A folder of the job (load/job_load.py): ``.metadata`` read once, each file checked by
+        one process before any process reads it; an error anywhere is raised everywhere."""
+        md, md_bytes = job_metadata(self, storage, dcp_path, files, checkpoint,
+                                    self.config.checkpoint_config.pause_gc)
+        reader.use_metadata(md)
+        error: BaseException | None = None
+        try:
+            mine = assigned_files(files, self.rank, self.world_size) if files else []
+            if mine:
+                reader.start_checks(mine)  # the disk works while the target is built
+            target, src = self.load_targets(state, md, dcp_path)
+            if files:
+                reader.check_files(mine)
+                reader.job_checked = True
+        except Exception as exc:
+            error = exc
+        self.agree(error, "resume: checking the files", step)  # every check passed before any read
+        try:
+            read_dcp(target, reader, dcp_path, **self._dcp_group(True))
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            error = exc
+        self.agree(error, "resume: loading", step)
+        try:
+            self.hand_over(state, target, src)
+        except Exception as exc:  # e.g. a stateful object refusing its value: before the agreement
+            error = exc
+        self.agree(error, "resume: handing the values over", step)
+        if files is not None and METADATA_NAME in files:  # the next save starts from this layout
+            self.layouts.adopt_later(md_bytes, files[METADATA_NAME].checksum)
 
     def load_targets(self, state: Mapping[str, Any], md: Any, dcp_path: str) -> tuple[dict[str, Any], str]:
-        """A load's first step (then :meth:`read_into`, :meth:`hand_over`; ``load/job_load.py``):
-        the state dict to load into, and the rank whose per-process values this process takes."""
+        """A load's first step (then the read, :meth:`hand_over`): the state dict to load
+        into, and the rank whose per-process values this process takes."""
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict, get_optimizer_state_dict, get_state_dict)
 
@@ -387,27 +408,6 @@ class DCPStrategy(StrategyDefaults):
         if alone or self._dist is None or self.world_size == 1:
             return {"process_group": None, "no_dist": True}
         return {"process_group": self.process_group, "no_dist": False}
-
-    def read_into(self, target: dict[str, Any], reader: Any, dcp_path: str, alone: bool) -> None:
-        """A load's second step: ``dcp_path`` read into ``target`` (``alone``: without collectives)."""
-        from .format.unpickle import SafeLoadPlanner
-
-        reader.reset(dcp_path)
-        planner = SafeLoadPlanner()
-        planner.reader = reader
-        reader.planner = planner
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            try:
-                with self.bounded("resume: loading", parse_step(basename(parent(dcp_path)))):
-                    dcp_load(target, storage_reader=reader, planner=planner, **self._dcp_group(alone))
-            except BaseException as exc:  # DCP wraps every rank's error in a CheckpointException
-                found = carried_roll_error(exc)
-                if found is None:
-                    raise
-                raise found from None
-            finally:  # no cycle: the metadata and plans they hold go with the load, not at a collection
-                planner.reader = reader.planner = None
 
     def _source_rank(self, ranks: set[str]) -> str:
         mine = str(self.rank)

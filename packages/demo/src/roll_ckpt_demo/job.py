@@ -166,7 +166,7 @@ def train(args: Any) -> int:
                                       "no offload: this strategy has no offload_states/load_states"))
         counters = state["counters"]
         if start:
-            say(f"resumed from {manager.resumed_from} (step {start}); continuing at step {start + 1} "
+            say(f"resumed from {manager.resumed.path} (step {start}); continuing at step {start + 1} "
                 f"[restore took {_ms(time.perf_counter() - t_resume)}; {counters['episodes']} episodes so far]")
         elif cfg.resume_target:
             say(f"no committed checkpoint under {cc.output_dir} yet: starting fresh at step 1")
@@ -184,7 +184,7 @@ def train(args: Any) -> int:
         pending: dict[int, float] = {}  # step -> seconds the loop was blocked by its save
 
         def report_commits() -> None:
-            last = manager.last_save
+            last = manager.stats.last
             if last is not None and last.step in pending:
                 blocked = pending.pop(last.step)
                 how = "async" if last.is_async else "sync"
@@ -242,28 +242,28 @@ def train(args: Any) -> int:
                 manager.wait()  # a real crash would lose the save in flight; the demo keeps it deterministic
                 report_commits()
                 manager.close()
-                latest = latest_checkpoint(manager.storage, manager.root)
+                latest = latest_checkpoint(manager.storage, manager.storage.root)
                 say("", f"*** stopped abruptly after step {step} (simulated crash): no final save ***")
                 _say_resume(say, args, cfg, latest)
                 return 0
 
         manager.wait()
         report_commits()
-        done_already = manager.last_save is not None and manager.last_save.step == cfg.max_steps
+        done_already = manager.stats.last is not None and manager.stats.last.step == cfg.max_steps
         t0 = time.perf_counter()
         final = manager.save(cfg.max_steps, state, final=True,
                              metadata={"episodes": counters["episodes"], "rewarded": counters["rewarded"]})
         if done_already:
             say(f"final save -> {final}  (already committed by the periodic save of step {cfg.max_steps})")
         else:
-            last = manager.last_save
+            last = manager.stats.last
             say(f"final save -> {final}  (sync, durable before returning: "
                 f"{human_bytes(last.bytes) if last else '?'} in {_ms(time.perf_counter() - t0)})")
         manager.close()
         elapsed = time.perf_counter() - t_loop
         say("", f"done: steps {start + 1}-{cfg.max_steps} in {elapsed:.1f}s; "
             f"{counters['episodes']} episodes, mean reward {counters['rewarded'] / max(counters['episodes'], 1):.4f}")
-        refs = committed_checkpoints(manager.storage, manager.root)
+        refs = committed_checkpoints(manager.storage, manager.storage.root)
         say(f"committed checkpoints under {cc.output_dir}:")
         for ref in refs:
             say(f"  step {ref.step:4d}  {ref.path}")

@@ -51,7 +51,7 @@ _OURS_KEY = "per_rank."
 
 @dataclass
 class RollCheckpoint:
-    """A ``checkpoint-<N>`` folder ROLL wrote (a :class:`roll_ckpt.ForeignCheckpoint`)."""
+    """A ``checkpoint-<N>`` folder ROLL wrote (a :class:`roll_ckpt.plugin.ForeignCheckpoint`)."""
 
     storage: Storage
     path: str

@@ -110,7 +110,7 @@ class _SaveInFlight:
         self._manager, self._staging = manager, staging
 
     def done(self) -> bool:
-        return (self._staging is None or not self._staging.is_alive()) and not self._manager.save_in_flight
+        return (self._staging is None or not self._staging.is_alive()) and not self._manager.stats.in_flight
 
     def result(self, timeout: float | None = None) -> None:
         if self._staging is not None:
@@ -255,8 +255,8 @@ class RollCkptCheckpointManager(BaseCheckpointManager):
         if not self._is_coordinator():
             return
         storage = self.manager.storage
-        path = storage.join(self.manager.root, f"step-{step}")
-        if not storage.isdir(path) or path == self.manager.resumed_from:
+        path = storage.join(self.manager.storage.root, f"step-{step}")
+        if not storage.isdir(path) or path == self.manager.resumed.path:
             return
         log.warning("roll-ckpt: step-%d is already in %s (an earlier launch's, or a save cut short): the save of step "
                     "%d replaces it, as torchtitan's own does", step, self.folder, step)
@@ -365,9 +365,9 @@ class RollCkptCheckpointManager(BaseCheckpointManager):
         begin = time.monotonic()
         if step == -1:
             self.manager.resume(self._state(loading=True), "latest")
-            if self.manager.resumed_from is None:
+            if self.manager.resumed.path is None:
                 return self._initial_load(begin)
-            where = self.manager.resumed_from
+            where = self.manager.resumed.path
         else:
             where = self._step_path(step)
             self.manager.resume(self._state(loading=True, model_only=step == 0), where)

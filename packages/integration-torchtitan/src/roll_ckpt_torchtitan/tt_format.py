@@ -56,7 +56,7 @@ def step_of(path: str) -> int | None:
 
 @dataclass
 class TorchtitanCheckpoint:
-    """A ``step-<N>`` folder torchtitan wrote (a :class:`roll_ckpt.ForeignCheckpoint`)."""
+    """A ``step-<N>`` folder torchtitan wrote (a :class:`roll_ckpt.plugin.ForeignCheckpoint`)."""
 
     storage: Storage
     path: str

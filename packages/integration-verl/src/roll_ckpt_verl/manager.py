@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from roll_ckpt import CheckpointManager, load_config
-from roll_ckpt.plugin import ConfigError, PluginError, RollCkptError
+from roll_ckpt.plugin import ConfigError, PluginError, RollCkptError, get_plugins
 from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager
 
 from .steps import RoleSteps, clear_for_save
@@ -187,7 +187,7 @@ class RollCkptCheckpointManager(BaseCheckpointManager):
                 return self.manager  # (a load builds it with keep 0; the saves' value wins)
             self._close_manager()
         manager = CheckpointManager(self._config(where, keep), component=where.role, quiet=True)
-        if "verl" not in manager.plugins.formats():  # its hooks commit the PPO steps; its format reads verl's
+        if "verl" not in get_plugins().formats():  # (the registry the manager uses) its hooks commit the PPO steps
             manager.close()
             raise PluginError("roll-ckpt's verl plugin (entry point 'verl' of roll-ckpt-verl) is not loaded in this "
                               "process: ROLL_CKPT_PLUGINS or ROLL_CKPT_BLOCKED_PLUGINS leave it out, or "
@@ -196,7 +196,7 @@ class RollCkptCheckpointManager(BaseCheckpointManager):
             manager.hf_files(self.processing_class)
         manager.bind(self._state(saving=True))  # every rank of the role, here (a collective)
         self.manager, self._key = manager, key
-        if where.role is not None and manager.is_coordinator:
+        if where.role is not None and manager.strategy.is_coordinator:
             timeout = float(manager.config.checkpoint_config.collective_timeout_s)
             self.steps = RoleSteps(manager, where.role, tracker=self.async_save, timeout_s=timeout)
         if self.rank == 0:
@@ -245,7 +245,7 @@ class RollCkptCheckpointManager(BaseCheckpointManager):
         last = self.total_training_steps is not None and global_step >= self.total_training_steps
         asynchronous = self.async_save and where.role is not None and not last
         manager.wait()  # the save in flight (its step committed, or waited for) before this one's folder is touched
-        if manager.is_coordinator:
+        if manager.strategy.is_coordinator:
             if self.steps is not None:
                 self.steps.look_again(where.step)
             clear_for_save(manager.storage, os.path.join(where.root, f"global_step_{where.step}"), where.role)

@@ -88,7 +88,7 @@ def part_written(save: Any, error: BaseException | None) -> None:
         return
     role = save.path.rstrip("/").rsplit("/", 1)[-1]
     steps = _of(save.path, role)
-    if steps is not None and steps.wait_in_writer and steps.manager.is_coordinator:
+    if steps is not None and steps.wait_in_writer and steps.manager.strategy.is_coordinator:
         steps.await_step(save.step)
 
 
@@ -99,7 +99,7 @@ class RoleSteps:
         self.manager = manager
         """The role's roll-ckpt CheckpointManager (component ``role``, ``commit_steps: false``)."""
         self.storage = manager.storage
-        self.root = manager.root.rstrip("/")
+        self.root = manager.storage.root.rstrip("/")
         self.role = role
         self.tracker = tracker
         """Write ``latest_checkpointed_iteration.txt`` (verl's trainer does not, with ``async_save``)."""

@@ -41,7 +41,7 @@ _OURS = ("manifest.json", "trainer_state.json")
 
 @dataclass
 class VerlCheckpoint:
-    """A ``global_step_<N>`` folder verl wrote (a :class:`roll_ckpt.ForeignCheckpoint`)."""
+    """A ``global_step_<N>`` folder verl wrote (a :class:`roll_ckpt.plugin.ForeignCheckpoint`)."""
 
     storage: Storage
     path: str

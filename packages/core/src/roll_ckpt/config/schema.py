@@ -82,7 +82,7 @@ class CheckpointConfig:
     """What a preemption signal does."""
     on_save_error: str = "raise"
     """``raise`` (a failed save raises) or ``warn``: a failed periodic save is logged and
-    counted in ``manager.failed_saves``, and training goes on; final and preemption saves
+    counted in ``manager.stats.failed``, and training goes on; final and preemption saves
     always raise."""
     on_unusable_checkpoint: str = "warn"
     """What a resume of ``latest`` (or ``true``) does with the folders it passes over: a save

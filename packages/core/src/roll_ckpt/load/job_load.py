@@ -1,5 +1,6 @@
-"""A load coordinated by the job, not by DCP's global plan: ``.metadata`` read once, every
-file checked once, each process planning its own reads.
+"""The pieces of a load coordinated by the job, not by DCP's global plan: ``.metadata`` read
+once, every file checked once, each process planning its own reads (the sequence is
+``DCPStrategy.load``'s).
 
 DCP's load has every process read and unpickle ``.metadata`` (at 1,024 processes, 165 GB
 read from storage for a 161 MB file) and gathers and scatters load plans through the
@@ -17,21 +18,24 @@ Instead:
    the metadata), and the job agrees again that every process loaded.
 
 An error on one process is raised on every process (the same type and message).
+:func:`read_dcp` is the read itself, for the job's folders and for a folder one process wrote.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, MutableMapping
+import warnings
+from typing import Any, Mapping
 
 from ..runtime.collector import CollectorPause
 from ..runtime.distributed import decide
+from ..runtime.torch_compat import dcp_load
 from ..format.digest import hash_bytes
-from ..errors import CheckpointCorruptError
-from ..format.layout import basename, parent, parse_step, writer_rank
-from ..format.unpickle import METADATA_NAME, safe_load_metadata
+from ..errors import CheckpointCorruptError, carried_roll_error
+from ..format.layout import writer_rank
+from ..format.unpickle import METADATA_NAME, SafeLoadPlanner, safe_load_metadata
 from ..format.verify import content_fault
 
-__all__ = ["load_job", "job_metadata", "assigned_files", "writer_rank"]  # writer_rank: format.layout's, used here
+__all__ = ["read_dcp", "job_metadata", "assigned_files", "writer_rank"]  # writer_rank: format.layout's, used here
 
 
 def assigned_files(files: Mapping[str, Any], rank: int, world_size: int) -> list[str]:
@@ -58,46 +62,22 @@ def job_metadata(strategy: Any, storage: Any, dcp_path: str, files: Mapping[str,
         return safe_load_metadata(data, path), data
 
 
-def load_job(strategy: Any, state: MutableMapping[str, Any], reader: Any, storage: Any, dcp_path: str,
-             files: Mapping[str, Any] | None, checkpoint: str) -> None:
-    """Load a checkpoint of the job into ``state`` (``DCPStrategy.load``): ``.metadata`` read
-    once, each file checked by one process before any process reads it, each process
-    planning its own reads; an error anywhere is raised everywhere. Then the next save
-    starts from the checkpoint's layout (:meth:`FixedLayouts.adopt`)."""
-    with strategy.bounded("resume: loading", parse_step(basename(parent(dcp_path)))):
-        _load_job(strategy, state, reader, storage, dcp_path, files, checkpoint)
-
-
-def _load_job(strategy: Any, state: MutableMapping[str, Any], reader: Any, storage: Any, dcp_path: str,
-              files: Mapping[str, Any] | None, checkpoint: str) -> None:
-    step = parse_step(basename(parent(dcp_path)))
-    md, md_bytes = job_metadata(strategy, storage, dcp_path, files, checkpoint,
-                                strategy.config.checkpoint_config.pause_gc)
-    reader.use_metadata(md)
-    error: BaseException | None = None
-    try:
-        mine = assigned_files(files, strategy.rank, strategy.world_size) if files else []
-        if mine:
-            reader.start_checks(mine)  # the disk works while the target is built
-        target, src = strategy.load_targets(state, md, dcp_path)
-        if files:
-            reader.check_files(mine)
-            reader.job_checked = True
-    except Exception as exc:
-        error = exc
-    strategy.agree(error, "resume: checking the files", step)  # every check passed before any process reads
-    try:
-        strategy.read_into(target, reader, dcp_path, True)
-    except BaseException as exc:  # DCP's CheckpointException is a BaseException
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            raise
-        error = exc
-    strategy.agree(error, "resume: loading", step)
-    try:
-        strategy.hand_over(state, target, src)
-    except Exception as exc:  # e.g. a stateful object refusing its value: before the collective below
-        error = exc
-    strategy.agree(error, "resume: handing the values over", step)
-    if files is not None and METADATA_NAME in files:
-        strategy.adopt_layout(md_bytes, files[METADATA_NAME].checksum)
-
+def read_dcp(target: dict[str, Any], reader: Any, dcp_path: str, **group: Any) -> None:
+    """``dcp_path`` read into ``target`` through ``reader`` (a :class:`~roll_ckpt.load.reader.SafeReader`)
+    and a :class:`~roll_ckpt.format.unpickle.SafeLoadPlanner`; ``group``: DCP's ``process_group``
+    and ``no_dist``. An error of roll-ckpt's that DCP wrapped is raised as itself."""
+    reader.reset(dcp_path)
+    planner = SafeLoadPlanner()
+    planner.reader = reader
+    reader.planner = planner
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        try:
+            dcp_load(target, storage_reader=reader, planner=planner, **group)
+        except BaseException as exc:  # DCP wraps every rank's error in a CheckpointException
+            found = carried_roll_error(exc)
+            if found is None:
+                raise
+            raise found from None
+        finally:  # no cycle: the metadata and plans they hold go with the load, not at a collection
+            planner.reader = reader.planner = None

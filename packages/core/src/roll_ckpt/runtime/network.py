@@ -4,7 +4,7 @@ A networked backend counts the faults it met (``Storage.network_counts()``, a
 :class:`~roll_ckpt.contracts.NetworkCounts`; the S3 backend's policy is in
 ``roll_ckpt_fs.network``). The save pipeline reads the counts when a save starts and when
 it ends: the difference is ``SaveStats.network``, and a save that met any fault says so in
-one ``WARNING`` line (retried requests are otherwise silent). ``manager.network`` holds the
+one ``WARNING`` line (retried requests are otherwise silent). ``manager.stats.network`` holds the
 totals. Before the manifest of an object-store checkpoint is written, every object is
 checked to be there with the size the writer wrote (:func:`check_objects`): a checkpoint
 with a missing or short object is never committed.

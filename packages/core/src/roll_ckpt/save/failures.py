@@ -72,7 +72,7 @@ class WarnMode:
     def __init__(self, on_save_error: str) -> None:
         self.tolerant = on_save_error == "warn"
         self.failed_saves = 0
-        """Saves that failed and were absorbed (``manager.failed_saves``)."""
+        """Saves that failed and were absorbed (``manager.stats.failed``)."""
 
     def absorbs(self, exc: BaseException, final: bool = False) -> bool:
         """Whether ``exc`` (a save's failure) is logged and counted instead of raised."""

@@ -1,4 +1,4 @@
-"""What one save cost (:class:`SaveStats`, ``manager.last_save``)."""
+"""What one save cost (:class:`SaveStats`, ``manager.stats.last``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ __all__ = ["SaveStats"]
 
 @dataclass(frozen=True)
 class SaveStats:
-    """What one save cost; ``manager.last_save`` holds the latest."""
+    """What one save cost; ``manager.stats.last`` holds the latest."""
 
     step: int
     path: str

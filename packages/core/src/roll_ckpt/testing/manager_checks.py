@@ -49,7 +49,7 @@ class ManagerChecks:
         cfg = self._config(checkpoint_config, resume_from_checkpoint="latest")
         with CheckpointManager.from_config(cfg, quiet=True) as m2:
             assert m2.resume(fresh) == 3
-            assert m2.trainer_state["user"] == {"note": "conformance"}
+            assert m2.resumed.trainer_state["user"] == {"note": "conformance"}
         assert_same_state(state_snapshot(fresh), before)
 
         # an explicit checkpoint path/URL of this backend resumes too
@@ -73,7 +73,7 @@ class ManagerChecks:
                 for p in state["model"].parameters():
                     p.add_(1.0)  # the checkpoint must hold the values at save time
             m.wait()
-            assert m.last_save is not None and m.last_save.is_async
+            assert m.stats.last is not None and m.stats.last.is_async
         fresh = tiny_state(seed=3)
         with CheckpointManager.from_config(self._config(checkpoint_config, resume_from_checkpoint=True),
                                            quiet=True) as m2:

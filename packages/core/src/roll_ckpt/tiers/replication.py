@@ -25,7 +25,7 @@ root::
   Checkpoints of another live run under the same ``output_dir`` are neither counted nor
   touched.
 
-:attr:`Replicator.status` (``manager.backup_status``) tells, per checkpoint, where its
+:attr:`Replicator.status` (``manager.backup.status``) tells, per checkpoint, where its
 replica stands: ``queued``, ``copying``, ``committed``, ``failed``, ``interrupted`` or
 ``skipped`` (removed locally before it could be copied).
 """
@@ -86,7 +86,7 @@ class ReplicaStatus:
 
 @dataclass(frozen=True)
 class BackupStatus:
-    """A snapshot of the replication of this manager's checkpoints (``manager.backup_status``)."""
+    """A snapshot of the replication of this manager's checkpoints (``manager.backup.status``)."""
 
     target: str
     """The backup location (``backup.output_dir``)."""

@@ -1,0 +1,190 @@
+"""What a :class:`~roll_ckpt.CheckpointManager` shows beside its calls, grouped by subject:
+its saves (``manager.stats``), the checkpoint it resumed from (``manager.resumed``), its backup
+location (``manager.backup``) and its fast recovery tier (``manager.local``).
+
+Each is a view: it holds nothing of its own and reads the manager's parts when asked, so
+it is never stale. ``manager.backup`` and ``manager.local`` are ``None`` when the config has
+no ``checkpoint_config.backup`` / ``checkpoint_config.local``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, Any
+
+from .contracts import NetworkCounts, Storage
+from .errors import RollCkptDeprecationWarning
+
+if TYPE_CHECKING:
+    from .load.resume import Resumer
+    from .save.pipeline import SavePipeline, SaveStats
+    from .tiers.backup import BackupLink
+    from .tiers.job import Job
+    from .tiers.local_tier import LocalTier
+
+__all__ = ["SaveReport", "ResumeReport", "BackupView", "LocalView", "moved", "warn_moved"]
+
+
+class SaveReport:
+    """``manager.stats``: what this manager's saves cost and where they stand."""
+
+    def __init__(self, saves: "SavePipeline", job: "Job") -> None:
+        self._saves, self._job = saves, job
+
+    @property
+    def last(self) -> "SaveStats | None":
+        """What the latest finished save cost (a :class:`~roll_ckpt.SaveStats`); ``None`` before the first."""
+        return self._saves.last_save
+
+    @property
+    def failed(self) -> int:
+        """Periodic saves that failed and were let go (``checkpoint_config.on_save_error: warn``)."""
+        return self._saves.errors.failed_saves
+
+    @property
+    def in_flight(self) -> bool:
+        """True while an asynchronous save is still writing; never waits."""
+        return self._saves.in_flight
+
+    @property
+    def network(self) -> NetworkCounts:
+        """The network faults this manager's storage met so far, retries and time lost included
+        (all zero on a local disk); each save's own are in ``stats.last.network``."""
+        from .runtime.network import read_counts
+
+        return read_counts(self._job.storage) or NetworkCounts()
+
+    @property
+    def space_estimate(self) -> Any:
+        """The size estimated for the latest save (a ``SpaceEstimate``; ``None`` before the first)."""
+        return None if self._saves.space is None else self._saves.space.last_estimate
+
+
+class ResumeReport:
+    """``manager.resumed``: the checkpoint :meth:`~roll_ckpt.CheckpointManager.resume` loaded."""
+
+    def __init__(self, resumer: "Resumer", job: "Job") -> None:
+        self._resumer, self._job = resumer, job
+
+    @property
+    def path(self) -> str | None:
+        """Its path (or the replica's URL); ``None`` on a fresh start or before ``resume``."""
+        return self._job.resumed_from
+
+    @property
+    def from_backup(self) -> bool:
+        """True when it was taken from ``checkpoint_config.backup``."""
+        return self._resumer.resumed_from_backup
+
+    @property
+    def trainer_state(self) -> dict[str, Any]:
+        """Its ``trainer_state.json`` (empty on a fresh start)."""
+        return self._resumer.trainer_state
+
+    def candidates(self, target: str | None = None) -> tuple[Storage, str] | None:
+        """The storage and path ``resume(state, target)`` would load, or ``None`` for a fresh start.
+
+        ``"latest"`` is the newest committed checkpoint under ``output_dir`` and, with
+        ``checkpoint_config.backup``, at the backup location; when both hold it, the local
+        copy (``resume`` falls back to the replica if the local copy is damaged)."""
+        found = self._resumer.candidates(target)
+        return (found[0][0], found[0][1]) if found else None
+
+
+class BackupView:
+    """``manager.backup``: replication to ``checkpoint_config.backup``."""
+
+    def __init__(self, link: "BackupLink", saves: "SavePipeline") -> None:
+        self._link, self._saves = link, saves
+
+    @property
+    def storage(self) -> Storage:
+        """The backup location's storage; assignable before the first save (e.g. to wrap it)."""
+        return self._link.replica
+
+    @storage.setter
+    def storage(self, storage: Storage) -> None:
+        self._link.replica = storage
+
+    @property
+    def status(self) -> Any:
+        """Where replication stands (a ``BackupStatus``): per checkpoint ``queued``, ``copying``,
+        ``committed``, ``failed``, ``interrupted`` or ``skipped``, with attempts and the last error."""
+        return self._link.status
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until every checkpoint handed to replication is copied (or failed for good);
+        the save in flight first. Returns :attr:`status`; ``timeout`` (seconds) bounds the wait.
+        Training never needs this: ``close()`` waits at most ``checkpoint_config.backup.max_wait_s``."""
+        self._saves.wait()
+        self._link.wait(timeout)
+        return self._link.status
+
+
+class LocalView:
+    """``manager.local``: the fast recovery tier (``checkpoint_config.local``)."""
+
+    def __init__(self, tier: "LocalTier") -> None:
+        self._tier = tier
+
+    @property
+    def bytes_used(self) -> int:
+        """Bytes the tier holds in this node's folder (own units and the replicas kept for other
+        nodes; tmpfs counts as memory)."""
+        return self._tier.bytes_used()
+
+    @property
+    def last_save(self) -> dict[str, Any] | None:
+        """What the latest local save did (step, ok, seconds, bytes, replicated_to, replicas_kept,
+        node_bytes, blocked_s); ``None`` before the first."""
+        return self._tier.last_save
+
+    @property
+    def failed_saves(self) -> int:
+        """Local saves that failed (a full tmpfs...): logged, never raised."""
+        return self._tier.failed_saves
+
+
+class moved:  # noqa: N801 (used as a decorator-like descriptor: `last_save = moved("stats.last")`)
+    """A manager attribute that moved (issue 37: a smaller surface): reads (and writes, where the
+    new home takes them) go to ``new``, a dotted path from the manager, with a
+    :class:`~roll_ckpt.errors.RollCkptDeprecationWarning`. ``absent`` is what the old name gave
+    where the new home is ``None`` (no backup or local tier configured)."""
+
+    def __init__(self, new: str, absent: Any = None) -> None:
+        self.new, self.absent = new, absent
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.old = name
+
+    def __get__(self, manager: Any, owner: type | None = None) -> Any:
+        if manager is None:
+            return self
+        warn_moved(self.old, self.new)
+        value = manager
+        for part in self.new.split("."):
+            if value is None:
+                return self.absent
+            value = getattr(value, part)
+        return value
+
+    def __set__(self, manager: Any, value: Any) -> None:
+        warn_moved(self.old, self.new)
+        *parents, last = self.new.split(".")
+        target = manager
+        for part in parents:
+            target = getattr(target, part)
+        if target is None:
+            from .errors import RollCkptError
+
+            raise RollCkptError(f"manager.{self.new}: this manager has no {'.'.join(parents)} "
+                                f"(checkpoint_config.{parents[0]} is not set)")
+        setattr(target, last, value)
+
+
+def warn_moved(old: str, new: str) -> None:
+    """Warn, at the caller of the manager's attribute, that ``CheckpointManager.<old>`` is now
+    ``manager.<new>`` (a private ``new``: gone from the API, with nothing in its place)."""
+    instead = "keep what you gave the constructor" if new.startswith("_") else f"use manager.{new}"
+    warnings.warn(f"CheckpointManager.{old} is deprecated: {instead} (the old name goes at 1.0)",
+                  RollCkptDeprecationWarning, stacklevel=3)

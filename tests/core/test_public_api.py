@@ -1,0 +1,96 @@
+"""The public surface (issue 37 item 5): ``roll_ckpt`` exports what a training script uses,
+the manager has its calls plus four views, and every name that moved still works, with a
+``RollCkptDeprecationWarning`` naming its new home, giving what its home gives."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import pytest
+
+import roll_ckpt
+from roll_ckpt import CheckpointManager, load_config
+from roll_ckpt.errors import RollCkptDeprecationWarning
+from roll_ckpt.testing import tiny_state
+from roll_ckpt.views import moved
+
+# What a training script imports (the errors it catches most; all of them: roll_ckpt.errors).
+PACKAGE_API = {"__version__", "CheckpointManager", "SaveStats", "Preempted", "load_config", "Config", "DriverState",
+               "GlobalState", "new_run_name", "export_hf", "RollCkptError", "ConfigError", "StorageError", "SaveError",
+               "CheckpointNotFoundError", "CheckpointCorruptError"}
+MANAGER_CALLS = {"from_config", "bind", "resume", "maybe_save", "save", "prepare_save", "wait", "commit_step",
+                 "hf_files", "request_preemption", "close"}
+MANAGER_VALUES = {"config", "storage", "strategy", "run_dir", "preempted", "preemption_requested"}
+MANAGER_VIEWS = {"stats", "resumed", "backup", "local"}
+
+
+def test_the_package_exports_what_a_training_script_uses() -> None:
+    assert set(roll_ckpt.__all__) == PACKAGE_API
+    for name in roll_ckpt.__all__:
+        getattr(roll_ckpt, name)  # each resolves (the lazy ones import the manager / the export)
+
+
+@pytest.mark.parametrize("name", sorted(roll_ckpt._MOVED))
+def test_a_name_that_moved_still_imports_with_a_warning_naming_its_home(name: str) -> None:
+    import importlib
+
+    home = roll_ckpt._MOVED[name]
+    with pytest.warns(RollCkptDeprecationWarning, match=rf"roll_ckpt\.{name} moved to {home}\.{name}"):
+        old = getattr(roll_ckpt, name)
+    assert old is getattr(importlib.import_module(home), name)
+
+
+def _manager(tmp_path: Path, resume: str | bool = False, **sections) -> CheckpointManager:
+    return CheckpointManager(load_config({"resume_from_checkpoint": resume, "checkpoint_config": {
+        "output_dir": str(tmp_path / "ckpt"), **sections}}), quiet=True)
+
+
+def test_the_manager_has_its_calls_its_values_and_four_views(tmp_path: Path) -> None:
+    public = {n for n in dir(CheckpointManager) if not n.startswith("_")
+              and not isinstance(inspect.getattr_static(CheckpointManager, n), moved) and n != "wait_for_backup"}
+    with _manager(tmp_path) as m:
+        public |= {n for n in vars(m) if not n.startswith("_")}
+        assert public == MANAGER_CALLS | MANAGER_VALUES | MANAGER_VIEWS
+        assert m.backup is None and m.local is None  # neither configured
+        assert m.stats.last is None and m.resumed.path is None and m.resumed.trainer_state == {}
+
+
+def test_every_moved_manager_name_warns_and_reads_its_new_home(tmp_path: Path) -> None:
+    """Each old name gives what ``manager.<new>`` gives, on a manager with a backup and a local
+    tier that saved and resumed; the old setter of the backup storage sets the new one."""
+    sections = {"backup": {"output_dir": str(tmp_path / "backup")}}
+    with _manager(tmp_path, **sections) as m:
+        m.save(1, tiny_state())
+        m.wait()
+    with _manager(tmp_path, resume="latest", **sections) as m:
+        assert m.resume(tiny_state()) == 1
+        names = {n: v.new for n, v in vars(CheckpointManager).items() if isinstance(v, moved)}
+        assert {"last_save", "trainer_state", "resumed_from", "backup_storage", "local_tier_bytes", "root"} <= set(names)
+        for old, new in names.items():
+            with pytest.warns(RollCkptDeprecationWarning, match=rf"CheckpointManager\.{old} is deprecated"):
+                got = getattr(m, old)
+            want = m
+            for part in new.split("."):
+                want = None if want is None else getattr(want, part)
+            if new.startswith("local."):  # no local tier here: the old names' values without one
+                want = 0 if old in ("local_tier_bytes", "local_failed_saves") else None
+            assert got == want or (callable(got) and got.__func__ is want.__func__), (old, new, got, want)
+        m.save(2, tiny_state())
+        replica = m.backup.storage
+        with pytest.warns(RollCkptDeprecationWarning, match="backup_storage"):
+            m.backup_storage = replica
+        with pytest.warns(RollCkptDeprecationWarning, match=r"wait_for_backup is deprecated: use manager\.backup\.wait"):
+            status = m.wait_for_backup(timeout=30)
+        assert status is m.backup.status or status == m.backup.status
+        assert 2 in [c.step for c in status.committed]
+
+
+def test_a_moved_setter_says_when_its_home_is_not_configured(tmp_path: Path) -> None:
+    from roll_ckpt import RollCkptError
+
+    with _manager(tmp_path) as m:
+        with pytest.warns(RollCkptDeprecationWarning), pytest.raises(RollCkptError, match="checkpoint_config.backup"):
+            m.backup_storage = m.storage
+        with pytest.warns(RollCkptDeprecationWarning):
+            assert m.wait_for_backup() is None  # without a backup: waits for the save in flight, as before
