@@ -181,8 +181,8 @@ class Loop:
         cpu = time.process_time() - c0
         durable = 0.0
         if save:
-            if stats_of is not None and getattr(stats_of.last_save, "total_s", None):
-                durable = stats_of.last_save.total_s  # measured by the manager from its save call
+            if stats_of is not None and getattr(stats_of.stats.last, "total_s", None):
+                durable = stats_of.stats.last.total_s  # measured by the manager from its save call
             else:
                 durable = ended[0] if ended else wall - (t_call - t0)
         dist.barrier()

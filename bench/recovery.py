@@ -102,7 +102,8 @@ def worker(out: str, local: str, steps: int, die_at: int, use_local: bool, width
             m.wait()
             if rank == 0:
                 Path(out, "first.json").write_text(json.dumps({
-                    "blocked": blocked, "local_last": m.local.last_save, "local_bytes": m.local.bytes_used,
+                    "blocked": blocked, "local_last": m.local.last_save if m.local else None,
+                    "local_bytes": m.local.bytes_used if m.local else 0,
                     "persistent_total_s": m.stats.last.total_s, "persistent_bytes": m.stats.last.bytes}))
             dist.barrier()
             if rank * 2 // world == 1:
@@ -111,8 +112,8 @@ def worker(out: str, local: str, steps: int, die_at: int, use_local: bool, width
             time.sleep(600)
     m.wait()
     body = {"start": start, "resume_s": resume_s, "launch_to_training_s": (first_step_done or time.time()) - t_start,
-            "resumed_from": m.resumed.path, "blocked": blocked, "local_last": m.local.last_save,
-            "local_bytes": m.local.bytes_used,
+            "resumed_from": m.resumed.path, "blocked": blocked, "local_last": m.local.last_save if m.local else None,
+            "local_bytes": m.local.bytes_used if m.local else 0,
             "persistent_total_s": m.stats.last.total_s if m.stats.last else None}
     m.close()
     if rank == 0:

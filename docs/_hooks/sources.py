@@ -19,8 +19,8 @@ HOOKSPECS = "roll_ckpt.hookspecs"  # the hooks a plugin implements
 S3_RETRY = "roll_ckpt_fs.network"  # RetryPolicy, RETRY_KEYS: the file_system backend's storage_options on s3://
 
 # Packages whose ``__all__`` is the public API the API page documents (plugins' included).
-API_PACKAGES = ("roll_ckpt", "roll_ckpt.plugin", "roll_ckpt.testing", "roll_ckpt_fs", "roll_ckpt_fsdp2", "roll_ckpt_demo",
-                "roll_ckpt_roll", "roll_ckpt_verl")
+API_PACKAGES = ("roll_ckpt", "roll_ckpt.views", "roll_ckpt.errors", "roll_ckpt.config", "roll_ckpt.plugin",
+                "roll_ckpt.testing", "roll_ckpt_fs", "roll_ckpt_fsdp2", "roll_ckpt_demo", "roll_ckpt_roll", "roll_ckpt_verl")
 
 
 def module(name: str) -> ModuleType:

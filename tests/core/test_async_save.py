@@ -150,7 +150,7 @@ def test_periodic_async_saves_through_maybe_save(tmp_path: Path) -> None:
     for step, snap in snaps.items():
         fresh = tiny_state(seed=step)
         with CheckpointManager.from_config(config(tmp_path / "ckpt"), quiet=True) as r:
-            path = next(ref.path for ref in layout.committed(r.storage, r.root) if ref.step == step)
+            path = next(ref.path for ref in layout.committed(r.storage, r.storage.root) if ref.step == step)
             assert r.resume(fresh, target=path) == step
         assert_same_state(state_snapshot(fresh), snap)
 
@@ -245,7 +245,7 @@ def test_regular_staging_reads_each_tensor_anew_even_when_its_memory_is_swapped(
     for step, snap in zip((1, 2, 3), expected):
         fresh = tiny_state(seed=9)
         r = CheckpointManager(config(tmp_path / "ckpt"), quiet=True)
-        assert r.resume(fresh, target=str(next(p.path for p in layout.committed(r.storage, r.root)
+        assert r.resume(fresh, target=str(next(p.path for p in layout.committed(r.storage, r.storage.root)
                                                 if p.step == step))) == step
         r.close()
         assert_same_state(state_snapshot(fresh), snap)

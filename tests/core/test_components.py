@@ -158,7 +158,7 @@ def test_a_step_counts_once_every_part_is_committed_and_each_part_resumes_exactl
     assert math.isnan(driver2["history"][0]["loss"]) and driver2["big"] == 2 ** 70
     assert math.copysign(1.0, driver2["neg_zero"]) == -1.0
     assert (random.random(), np.random.rand()) == expected_random  # the driver's RNG came back too
-    assert actor2.trainer_state["component"] == "actor"
+    assert actor2.resumed.trainer_state["component"] == "actor"
     actor2.close()
     pipe2.close()
 
@@ -389,7 +389,7 @@ def test_components_on_memory_storage(memory_url: str) -> None:
     state = tiny_state(seed=6)
     actor.save(2, state)
     pipe.save(2, {"driver": DriverState(step=2)})
-    assert [r.step for r in layout.committed(actor.storage, actor.root)] == [2]
+    assert [r.step for r in layout.committed(actor.storage, actor.storage.root)] == [2]
     actor.close()
     pipe.close()
     actor2 = CheckpointManager(_config(memory_url, _later_run_name(), resume_from_checkpoint="latest"),

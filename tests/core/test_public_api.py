@@ -94,3 +94,65 @@ def test_a_moved_setter_says_when_its_home_is_not_configured(tmp_path: Path) -> 
             m.backup_storage = m.storage
         with pytest.warns(RollCkptDeprecationWarning):
             assert m.wait_for_backup() is None  # without a backup: waits for the save in flight, as before
+
+
+def test_a_strategy_of_the_old_protocol_still_saves_and_resumes_with_a_warning(tmp_path: Path) -> None:
+    """A strategy that does not subclass ``roll_ckpt.plugin.Strategy`` (written against the
+    protocol it replaced, without the optional members) is used with a deprecation warning and
+    the defaults it lacks; the deprecated ``StrategyDefaults`` / ``strategy_member`` still resolve."""
+    import roll_ckpt.plugin as api
+    from roll_ckpt import DriverState
+    from roll_ckpt.format.driver_state import JSONStrategy, holds_driver_state
+    from roll_ckpt.plugin import StrategyRecord, hookimpl
+    from roll_ckpt.plugins import Plugins
+
+    class OldStrategy:  # every member the protocol required, none of its optional ones, no base class
+        name, data_dir, rank, world_size, is_coordinator = "old", "state", 0, 1, True
+
+        def __init__(self, config):
+            self._inner = JSONStrategy(config)
+
+        def broadcast(self, obj):
+            return obj
+
+        def any_true(self, flag, step=None):
+            return flag
+
+        def state_dict(self, state):
+            return self._inner.state_dict(state)
+
+        def estimate(self, sd, user=None):
+            return self._inner.estimate(sd, user)
+
+        def write(self, sd, storage, path, on_bytes=None, **kw):
+            return self._inner.write(sd, storage, path, on_bytes, **kw)
+
+        def load(self, state, storage, path, on_bytes=None, **kw):
+            return self._inner.load(state, storage, path, on_bytes, **kw)
+
+        def close(self):
+            pass
+
+    class Plugin:
+        @hookimpl
+        def roll_ckpt_strategies(self):
+            return [StrategyRecord(name="old", factory=lambda config, plugins: OldStrategy(config),
+                                   applies=holds_driver_state, priority=50, description="the old protocol")]
+
+    plugins = Plugins()
+    plugins.register(Plugin(), name="old", distribution="roll-ckpt-old")
+    cfg = load_config({"resume_from_checkpoint": "latest", "checkpoint_config": {"output_dir": str(tmp_path)},
+                       "strategy_config": {"strategy_name": "old"}}, plugins=plugins)
+    with CheckpointManager(cfg, plugins=plugins, quiet=True) as m:
+        with pytest.warns(RollCkptDeprecationWarning, match="strategy 'old' .*does not subclass"):
+            m.save(3, {"driver": DriverState({"step": 3})})
+        assert isinstance(m.strategy, OldStrategy) and m.strategy.increments is None
+        assert m.strategy.collective_timeout_s == 0.0
+    with CheckpointManager(cfg, plugins=plugins, quiet=True) as m, pytest.warns(RollCkptDeprecationWarning):
+        state = {"driver": DriverState({"step": 0})}
+        assert m.resume(state) == 3 and dict(state["driver"]) == {"step": 3}
+    with pytest.warns(RollCkptDeprecationWarning, match="StrategyDefaults is deprecated"):
+        assert api.StrategyDefaults is api.Strategy
+    with pytest.warns(RollCkptDeprecationWarning, match="strategy_member is deprecated"):
+        member = api.strategy_member
+    assert member(OldStrategy(cfg), "collective_timeout_s") == 0.0

@@ -81,8 +81,8 @@ def test_replication_to_s3_end_to_end(tmp_path: Path, s3: s3server.SeaweedServer
     shutil.rmtree(tmp_path / "local")
     fresh = tiny_state(8)
     with manager(_config(tmp_path / "local", s3_url, s3, resume="latest")) as r:
-        assert r.resume(fresh) == 3 and r.resumed_from_backup
-        assert r.resumed_from == f"{s3_url}/{run}/checkpoint-3"
+        assert r.resume(fresh) == 3 and r.resumed.from_backup
+        assert r.resumed.path == f"{s3_url}/{run}/checkpoint-3"
     assert_same_state(state_snapshot(fresh), snaps[3])
 
 
@@ -99,8 +99,8 @@ def test_a_damaged_local_copy_falls_back_to_the_s3_replica(tmp_path: Path, s3: s
     caplog.set_level(logging.WARNING, logger="roll_ckpt")
     fresh = tiny_state(1)
     with manager(_config(tmp_path / "local", s3_url, s3, resume="latest")) as r:
-        assert r.resume(fresh) == 1 and r.resumed_from_backup
-        assert r.resumed_from.startswith("s3://")
+        assert r.resume(fresh) == 1 and r.resumed.from_backup
+        assert r.resumed.path.startswith("s3://")
     assert_same_state(state_snapshot(fresh), snap)
     assert any("dcp/__0_0.distcp" in rec.getMessage() for rec in caplog.records)
 

@@ -205,7 +205,7 @@ def test_a_manager_for_a_component_reads_its_worker_section(tmp_path) -> None:
         actor.save(1, tiny_state())
         assert actor.wait().is_async
         pipeline.save(1, {"counter": {"seen": 1}})
-        assert not pipeline.last_save.is_async
+        assert not pipeline.stats.last.is_async
     finally:
         actor.close()
         pipeline.close()

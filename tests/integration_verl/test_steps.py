@@ -81,7 +81,7 @@ def test_a_role_that_began_and_never_committed_keeps_the_step_open(tmp_path: Pat
 def test_an_async_part_waits_for_the_data_then_commits_and_tracks(tmp_path: Path) -> None:
     actor, a = _role(tmp_path, "actor", async_save=True)
     _save(actor, a, 3, asynchronous=True)
-    assert actor.save_in_flight or not (tmp_path / "global_step_3" / "manifest.json").exists()
+    assert actor.stats.in_flight or not (tmp_path / "global_step_3" / "manifest.json").exists()
     assert _tracker(tmp_path) is None  # not before the step is committed
     threading.Timer(0.5, _data, (tmp_path, 3)).start()
     actor.wait()  # the writer: the part, then the trainer's data.pt, then the step

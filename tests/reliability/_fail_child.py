@@ -45,6 +45,7 @@ def _target(phase: str) -> tuple[Any, str]:
     from roll_ckpt.load.reader import SafeReader
     from roll_ckpt.save.pipeline import SavePipeline
     from roll_ckpt.save.writer import DigestingWriter
+    import roll_ckpt.strategy as strategy_module
     from roll_ckpt.strategy import DCPStrategy
 
     return {
@@ -55,7 +56,7 @@ def _target(phase: str) -> tuple[Any, str]:
         "write": (DigestingWriter, "write_files"),
         "commit": (PendingCheckpoint, "commit"),
         "checks": (SafeReader, "check_files"),
-        "load": (DCPStrategy, "read_into"),
+        "load": (strategy_module, "read_dcp"),  # the job's DCP read (load/job_load.py's), as the strategy calls it
         "apply": (DCPStrategy, "hand_over"),
     }[phase]
 

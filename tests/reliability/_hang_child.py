@@ -53,10 +53,10 @@ def main(out: str, phase: str) -> None:
             if phase == "choose" and rank == 1:
                 stop()
             if phase == "load" and rank == 1:
-                from roll_ckpt.strategy import DCPStrategy
+                import roll_ckpt.strategy as strategy_module  # the job's DCP read (load/job_load.py's)
 
-                real = DCPStrategy.read_into
-                DCPStrategy.read_into = lambda self, *a, **k: (stop(), real(self, *a, **k))[1]  # type: ignore
+                real = strategy_module.read_dcp
+                strategy_module.read_dcp = lambda *a, **k: (stop(), real(*a, **k))[1]  # type: ignore
             t0 = time.monotonic()
             m.resume(state)
         else:

@@ -54,7 +54,7 @@ __all__ = [
 # `import roll_ckpt` stays light for entry points and the CLI.
 _LAZY = {"CheckpointManager": "roll_ckpt.manager", "SaveStats": "roll_ckpt.manager", "export_hf": "roll_ckpt.hf.export"}
 
-# Names this package exported in 0.1.0, and their home now (issue 37: a smaller surface).
+# Names this package exported before the surface was made smaller, and their home now (issue 37: a smaller surface).
 _MOVED = {
     **dict.fromkeys(["PluginError", "UnknownPluginError", "StorageFullError", "PartlyLoadedError",
                      "UnsafeCheckpointError", "BackupError"], "roll_ckpt.errors"),

@@ -26,7 +26,7 @@ from typing import Any, BinaryIO, Callable, Mapping, MutableMapping, Protocol, S
 
 __all__ = [
     "Entry", "NetworkCounts", "Storage", "TakesOver", "ListsByPrefix", "CountsNetwork", "AbortableWrite",
-    "STORAGE_CAPABILITIES", "capabilities", "Strategy", "StrategyDefaults", "strategy_member", "StagingPolicy", "StagingGate", "SaveContext", "CommitInfo", "SpaceEstimate",
+    "STORAGE_CAPABILITIES", "capabilities", "Strategy", "StagingPolicy", "StagingGate", "SaveContext", "CommitInfo", "SpaceEstimate",
     "BackendRecord", "StrategyRecord", "StagingPolicyRecord", "ConfigKeyRecord", "CommandRecord",
     "ForeignCheckpoint", "FormatRecord",
 ]
@@ -329,79 +329,64 @@ class CommitInfo:
 # --------------------------------------------------------------------------- strategies and staging
 
 
-class StrategyDefaults:
-    """The members of :class:`Strategy` a strategy may leave out, with the one default core
-    uses for each (:func:`strategy_member`). Subclassing it is optional: a strategy written
-    before a member joined the contract keeps working with that member's default, which is
-    right for a job of one process (a strategy that runs on several defines :meth:`agree`;
-    :class:`roll_ckpt.plugin.DCPStrategy` does)."""
-
-    collective_timeout_s: float = 0.0
-    """How long the strategy's collectives wait for the other ranks; ``0``: their process
-    group's own timeout (messages say so)."""
-
-    increments: Any = None
-    """The record of the newest committed checkpoint that incremental saves take unchanged
-    files over from (:class:`roll_ckpt.save.incremental.Increments`), or ``None``: every save whole."""
-
-    def agree(self, error: BaseException | None, phase: str, step: int | None = None) -> None:
-        """A job of one process: raise ``error``, if any (see :meth:`Strategy.agree`)."""
-        if error is not None:
-            raise error
-
-
-def strategy_member(strategy: Any, name: str) -> Any:
-    """``strategy.<name>``, or :class:`StrategyDefaults`'s default for it (bound to ``strategy``)."""
-    try:
-        return getattr(strategy, name)
-    except AttributeError:
-        default = getattr(StrategyDefaults, name)
-        return default.__get__(strategy) if callable(default) else default
-
-
-@runtime_checkable
-class Strategy(Protocol):
-    """Turns a training state into the files of a checkpoint and back.
+class Strategy:
+    """Turns a training state into the files of a checkpoint and back: the base class every
+    strategy subclasses (as fsspec's ``AbstractFileSystem``: the defaults make the optional
+    members optional, and core calls every member directly).
 
     Built by a :class:`StrategyRecord`'s factory once per manager, from the state of the
     first ``resume``/``save``. Every process of the job holds one; the manager calls these
     methods, in this order for a save: :meth:`state_dict`, (:meth:`estimate` on the
     coordinator), staging (core, through the staging policies), :meth:`write`.
+
+    A subclass sets ``name``, ``rank``, ``world_size`` and ``data_dir`` and defines
+    :meth:`state_dict`, :meth:`estimate`, :meth:`write` and :meth:`load`; the defaults of the
+    others are right for a job of one process (a strategy that runs on several defines
+    :meth:`broadcast`, :meth:`agree` and :meth:`any_true`; :class:`roll_ckpt.plugin.DCPStrategy` does).
     """
 
-    name: str
-    rank: int
-    world_size: int
-    data_dir: str
+    name: str = ""
+    rank: int = 0
+    world_size: int = 1
+    data_dir: str = ""
     """The checkpoint's folder this strategy writes its files into (``dcp``, ``state``)."""
-    collective_timeout_s: float
-    """Optional (:class:`StrategyDefaults`): how long its collectives wait for the other ranks."""
-    increments: Any
-    """Optional (:class:`StrategyDefaults`): what incremental saves take unchanged files over from."""
+    collective_timeout_s: float = 0.0
+    """How long the strategy's collectives wait for the other ranks; ``0``: their process
+    group's own timeout (messages say so)."""
+    increments: Any = None
+    """The record of the newest committed checkpoint that incremental saves take unchanged
+    files over from (:class:`roll_ckpt.save.incremental.Increments`), or ``None``: every save whole."""
 
     @property
     def is_coordinator(self) -> bool:
         """True on the one process that commits (rank 0 of the checkpoint group)."""
+        return self.rank == 0
 
     def broadcast(self, obj: Any) -> Any:
         """The coordinator's ``obj`` on every process (picklable; exceptions included)."""
+        return obj
 
     def agree(self, error: BaseException | None, phase: str, step: int | None = None) -> None:
-        """Optional (:class:`StrategyDefaults`). Raise on every process the error of the lowest rank that has one (``None``: this
+        """Raise on every process the error of the lowest rank that has one (``None``: this
         process has none); return when no process has. Every process calls it at the same
         point of a save or resume, so one rank's failure ends every rank's wait at once; the
         error raised names its rank (``rank N: ...``). ``phase`` names the point in a
         :class:`~roll_ckpt.errors.CollectiveTimeoutError` when a rank never gets there."""
+        if error is not None:
+            raise error
 
     def any_true(self, flag: bool, step: int | None = None) -> bool:
         """True on every process when ``flag`` is true on at least one (called every step by
         ``maybe_save`` to agree on a preemption request: it must cost well under a millisecond)."""
+        return flag
 
     def state_dict(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """The live, nested state dict of ``state``: nothing copied yet."""
+        raise NotImplementedError(f"{type(self).__name__}.state_dict")
 
     def estimate(self, sd: dict[str, Any], user: Mapping[str, Any] | None = None) -> SpaceEstimate:
         """The size of a checkpoint of ``sd`` (every process's files together)."""
+        raise NotImplementedError(f"{type(self).__name__}.estimate")
 
     def write(self, sd: dict[str, Any], storage: Storage, path: str,
               on_bytes: Callable[[int], None] | None = None, *,
@@ -411,6 +396,7 @@ class Strategy(Protocol):
         orders the tensors and says when each is ready. ``alone`` (the fast recovery tier):
         this process writes a folder of its own, loadable without any other process's
         files, without collectives, and gets its own files' checksums."""
+        raise NotImplementedError(f"{type(self).__name__}.write")
 
     def load(self, state: MutableMapping[str, Any], storage: Storage, path: str,
              on_bytes: Callable[[int], None] | None = None, *,
@@ -425,6 +411,7 @@ class Strategy(Protocol):
         :class:`~roll_ckpt.errors.PartlyLoadedError` with ``state`` partly loaded.
         ``alone``: a folder this process wrote with ``write(alone=True)``, loaded without
         collectives."""
+        raise NotImplementedError(f"{type(self).__name__}.load")
 
     def close(self) -> None:
         """Release what the strategy holds (process groups stay: they belong to the job)."""

@@ -12,9 +12,9 @@ should a third party's: every other module of ``roll_ckpt`` is private and may c
   protocols checked with ``isinstance`` (:data:`STORAGE_CAPABILITIES`: :class:`TakesOver`,
   :class:`ListsByPrefix`, :class:`CountsNetwork`; a write's :class:`AbortableWrite`), and
   :class:`NetworkCounts`. ``roll_ckpt.testing.BackendConformance`` is the suite a backend passes.
-* **Strategies**: the :class:`Strategy` protocol, :class:`StrategyDefaults` (the one default
-  of each optional member), :class:`SpaceEstimate`, and :class:`DCPStrategy`, the base class
-  a strategy on DCP subclasses (imported on first use: it imports torch).
+* **Strategies**: :class:`Strategy`, the base class every strategy subclasses (its defaults
+  make the optional members optional), :class:`SpaceEstimate`, and :class:`DCPStrategy`, the
+  base class a strategy on DCP subclasses (imported on first use: it imports torch).
 * **Staging**: :class:`StagingPolicy`, :class:`SaveContext` and :class:`StagingGate`.
 * **State values**: :class:`GlobalState`, an object whose state dict is the job's (a
   framework's wrapper of its sharded model parts or optimizers): saved as a module's is, as
@@ -60,7 +60,7 @@ from .contracts import (STORAGE_CAPABILITIES, AbortableWrite, BackendRecord, Com
                         ConfigKeyRecord, CountsNetwork, Entry, ForeignCheckpoint, FormatRecord, ListsByPrefix,
                         NetworkCounts, SaveContext,
                         SpaceEstimate, StagingGate, StagingPolicy, StagingPolicyRecord, Storage, Strategy,
-                        StrategyDefaults, StrategyRecord, TakesOver, capabilities, strategy_member)
+                        StrategyRecord, TakesOver, capabilities)
 from .errors import (BackupError, CheckpointCorruptError, CheckpointNotFoundError, CollectiveTimeoutError,
                      ConfigError, PartlyLoadedError, PluginError, RollCkptError, SaveError, StorageError,
                      StorageFullError, TorchCompatError, UnknownPluginError, UnsafeCheckpointError)
@@ -93,7 +93,7 @@ __all__ = [
     "Storage", "Entry", "NetworkCounts", "TakesOver", "ListsByPrefix", "CountsNetwork", "AbortableWrite",
     "STORAGE_CAPABILITIES", "capabilities",
     # strategies
-    "Strategy", "StrategyDefaults", "strategy_member", "SpaceEstimate", "DCPStrategy",
+    "Strategy", "SpaceEstimate", "DCPStrategy",
     # staging
     "StagingPolicy", "SaveContext", "StagingGate",
     # state values
@@ -137,6 +137,15 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
+    if name in ("StrategyDefaults", "strategy_member"):  # the defaults are Strategy's own now
+        import warnings
+
+        from .errors import RollCkptDeprecationWarning
+
+        warnings.warn(f"roll_ckpt.plugin.{name} is deprecated: subclass roll_ckpt.plugin.Strategy, whose defaults "
+                      "every strategy then has, and call its members directly (the old name goes at 1.0)",
+                      RollCkptDeprecationWarning, stacklevel=2)
+        return Strategy if name == "StrategyDefaults" else _strategy_member
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'roll_ckpt.plugin' has no attribute {name!r}")
@@ -144,3 +153,12 @@ def __getattr__(name: str) -> Any:
     value = getattr(importlib.import_module(module), attr)
     globals()[name] = value
     return value
+
+
+def _strategy_member(strategy: Any, name: str) -> Any:
+    """What ``strategy_member`` was: ``strategy.<name>``, or :class:`Strategy`'s default for it."""
+    try:
+        return getattr(strategy, name)
+    except AttributeError:
+        default = getattr(Strategy, name)
+        return default.__get__(strategy) if callable(default) else default

@@ -28,7 +28,7 @@ import torch
 
 from .runtime.distributed import bounded, checkpoint_group, first_error
 from .runtime.collector import CollectorPause
-from .contracts import SpaceEstimate, Storage, StrategyDefaults
+from .contracts import SpaceEstimate, Storage, Strategy
 from .errors import RollCkptError
 from .format.global_state import GlobalState
 from .format.layout import basename, parent, parse_step
@@ -52,7 +52,7 @@ def _is_stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
-class DCPStrategy(StrategyDefaults):
+class DCPStrategy(Strategy):
     """The :class:`~roll_ckpt.contracts.Strategy` ``dcp``: DCP on the default process group."""
 
     name = "dcp"

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from .tiers.job import Job
     from .tiers.local_tier import LocalTier
 
-__all__ = ["SaveReport", "ResumeReport", "BackupView", "LocalView", "moved", "warn_moved"]
+__all__ = ["SaveReport", "ResumeReport", "BackupView", "LocalView"]  # (moved, warn_moved: the manager's)
 
 
 class SaveReport:

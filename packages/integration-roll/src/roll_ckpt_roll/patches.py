@@ -291,9 +291,9 @@ class PipelinePart:
         driver = DriverState()
         assert self.watch is not None
         step = self.watch.resume({"driver": driver}, "latest" if target is True else str(target))
-        if step == 0 and self.watch.resumed_from is None:
+        if step == 0 and self.watch.resumed.path is None:
             return None
-        return str(self.watch.resumed_from), dict(driver)
+        return str(self.watch.resumed.path), dict(driver)
 
     def requested(self, clusters: list[Any]) -> bool:
         """A preemption signal reached the driver or a worker of a checkpoint cluster."""

@@ -401,7 +401,7 @@ class RollCkptCheckpointManager(BaseCheckpointManager):
     def _load_initial(self, path: str, state: dict[str, Any]) -> None:
         """``initial_load_path``: a roll-ckpt checkpoint, or any torchtitan folder (a model-only
         last step too), read into ``state`` on every rank; an error on one is raised on all."""
-        from roll_ckpt.plugin import get_plugins, open_storage, strategy_member
+        from roll_ckpt.plugin import get_plugins, open_storage
 
         from .state_map import load_torchtitan_folder
         from .tt_format import recognize
@@ -426,7 +426,7 @@ class RollCkptCheckpointManager(BaseCheckpointManager):
             load_torchtitan_folder(storage, storage.root, {MODEL: state[MODEL]} if found.model_only else state)
         except Exception as exc:
             error = exc
-        strategy_member(strategy, "agree")(error, f"initial load of {path}")
+        strategy.agree(error, f"initial load of {path}")
 
     # ------------------------------------------------------------------ waiting and closing
 

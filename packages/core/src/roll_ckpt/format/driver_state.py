@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping, MutableMapping
 
-from ..contracts import SpaceEstimate, Storage, StrategyDefaults
+from ..contracts import SpaceEstimate, Storage, Strategy
 from .digest import hash_bytes
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError, RollCkptError
 from ..runtime.rng import plain_rng_state, restore_plain_rng_state
@@ -93,10 +93,11 @@ def holds_driver_state(state: Mapping[str, Any]) -> bool:
     return bool(state) and all(isinstance(v, DriverState) for v in state.values())
 
 
-class JSONStrategy(StrategyDefaults):
+class JSONStrategy(Strategy):
     """One process, driver states only: ``state/state.json``, written and read without pickle.
 
-    A :class:`roll_ckpt.contracts.Strategy` that never imports torch.
+    A :class:`roll_ckpt.contracts.Strategy` that never imports torch (one process: the base
+    class's ``broadcast``, ``agree`` and ``any_true``).
     """
 
     name = "json"
@@ -107,12 +108,6 @@ class JSONStrategy(StrategyDefaults):
 
     def __init__(self, config: Any, plugins: Any = None) -> None:
         self.config = config
-
-    def broadcast(self, obj: Any) -> Any:
-        return obj
-
-    def any_true(self, flag: bool, step: int | None = None) -> bool:
-        return flag
 
     def state_dict(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """The bytes of ``state.json``: a snapshot taken now, so the caller may go on right away."""

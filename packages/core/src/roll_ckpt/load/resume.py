@@ -25,7 +25,6 @@ from ..format import layout
 from ..runtime.distributed import decide
 from ..format.components import complete_pending, components_of, open_part, read_resume_record
 from ..contracts import Storage, Strategy
-from ..contracts import strategy_member
 from ..errors import CheckpointNotFoundError, RollCkptError
 from ..format.foreign import Found, recognize, survey, what_is
 from ..format.manifest import MANIFEST_NAME
@@ -306,7 +305,7 @@ class Resumer:
             trainer_state = found.resume(state, strategy, component)
         except Exception as exc:
             error = exc
-        strategy_member(strategy, "agree")(error, f"resume: loading {path}",
+        strategy.agree(error, f"resume: loading {path}",
                                            layout.parse_step(layout.basename(path)))
         assert found is not None
         self.trainer_state = trainer_state

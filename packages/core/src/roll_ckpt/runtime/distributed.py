@@ -45,7 +45,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Iterator, TypeVar
 
-from ..contracts import Strategy, strategy_member
+from ..contracts import Strategy
 from ..errors import (CollectiveTimeoutError, RollCkptError, StorageError, StorageFullError, carried, disk_full,
                       portable)
 
@@ -180,7 +180,7 @@ def decide(strategy: Strategy, fn: Callable[[], T], *, where: str,
             error = exc
         except Exception as exc:  # every rank must hear of it: none may stay in the broadcast
             error, cause = on_error(exc, where), exc
-    with bounded(strategy.rank, phase, step, float(strategy_member(strategy, "collective_timeout_s"))):
+    with bounded(strategy.rank, phase, step, float(strategy.collective_timeout_s)):
         result, error = strategy.broadcast((result, error))
     if error is not None:
         raise error from cause

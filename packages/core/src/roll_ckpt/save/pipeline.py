@@ -44,7 +44,7 @@ from ..format.commit import PendingCheckpoint, pending_checkpoint
 from ..format.components import check_part_free
 from ..runtime.background import lower_priority
 from ..runtime.collector import CollectorPause
-from ..contracts import NetworkCounts, SaveContext, strategy_member
+from ..contracts import NetworkCounts, SaveContext
 from ..hf.in_checkpoint import HFPart, saved_state
 from ..errors import RollCkptError, SaveError
 from ..tiers.job import Job
@@ -294,7 +294,7 @@ class SavePipeline:
                     failed = exc
             self._agree(ctx, failed, "save: committing")
             self.committed_steps.add(ctx.step)
-            if (increments := strategy_member(strategy, "increments")) is not None:
+            if (increments := strategy.increments) is not None:
                 increments.committed(storage, ctx.path, strategy.data_dir)
         total_s = time.perf_counter() - save.t0
         stats = SaveStats(step=ctx.step, path=ctx.path, is_async=ctx.is_async, blocked_s=_blocked_s(ctx, total_s),
@@ -341,7 +341,7 @@ class SavePipeline:
         """Every rank: raise the failure of any rank (the first), or go on together."""
         job = self.job
         error = agreed_failure(failed, ctx.step, job.storage.url, ctx.world_size)
-        strategy_member(job.strategy, "agree")(error, phase, ctx.step)
+        job.strategy.agree(error, phase, ctx.step)
 
     @contextlib.contextmanager
     def _failing_cleanly(self, ctx: SaveContext, attempt: "_Attempt") -> Iterator[None]:
@@ -355,7 +355,7 @@ class SavePipeline:
             yield
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             error = exc
-            if (increments := strategy_member(strategy, "increments")) is not None:
+            if (increments := strategy.increments) is not None:
                 increments.failed()
             if ctx.gate is not None:
                 ctx.gate.abort(exc)  # the caller may be waiting to stage the next wave

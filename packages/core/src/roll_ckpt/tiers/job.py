@@ -7,14 +7,15 @@ import json
 import logging
 import threading
 import uuid
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from .backup import BackupLink
 from ..runtime.distributed import decide, storage_error
 from ..config.schema import Config
-from ..contracts import CommitInfo, Storage, Strategy, strategy_member
-from ..errors import RollCkptError
+from ..contracts import CommitInfo, Storage, Strategy
+from ..errors import RollCkptDeprecationWarning, RollCkptError
 from ..format.owners import hold, release
 from ..format.manifest import Manifest
 from ..plugins import Plugins
@@ -104,9 +105,9 @@ class Job:
             if not fitting:
                 raise RollCkptError("no installed strategy can save this state; `roll-ckpt plugins` lists them")
             record = max(fitting, key=lambda r: r.priority)
-        strategy = record.factory(self.config, self.plugins)
+        strategy = as_strategy(record.factory(self.config, self.plugins), record.name)
         with bounded(strategy.rank, "the first save or resume: agreeing on a token", None,
-                     float(strategy_member(strategy, "collective_timeout_s"))):
+                     float(strategy.collective_timeout_s)):
             self.token = strategy.broadcast(uuid.uuid4().hex[:12])
         self.strategy = strategy
         return strategy
@@ -136,3 +137,18 @@ class Job:
         self.plugins.hook.roll_ckpt_on_commit(info=CommitInfo(
             path=path, step=manifest.step, url=self.storage.url, manifest=json.loads(manifest.to_bytes()),
             component=component))
+
+
+def as_strategy(strategy: Any, name: str) -> Strategy:
+    """``strategy`` (what strategy ``name``'s factory built) as a :class:`Strategy`. One that does
+    not subclass it (written against the protocol that class replaced) keeps working until 1.0:
+    the defaults it leaves out are set on it, with a ``RollCkptDeprecationWarning``."""
+    if isinstance(strategy, Strategy):
+        return strategy
+    warnings.warn(f"strategy '{name}' ({type(strategy).__qualname__}) does not subclass roll_ckpt.plugin.Strategy: "
+                  "subclass it (objects of the old protocol work until 1.0)", RollCkptDeprecationWarning, stacklevel=4)
+    for member in ("collective_timeout_s", "increments", "agree"):  # the protocol's optional members
+        if not hasattr(strategy, member):
+            default = getattr(Strategy, member)
+            setattr(strategy, member, default.__get__(strategy) if callable(default) else default)
+    return strategy

@@ -34,7 +34,6 @@ import time
 import uuid
 from typing import Any, MutableMapping
 
-from ..contracts import strategy_member
 from ..format.commit import pending_checkpoint
 from ..errors import RollCkptError
 from ..format.layout import DCP_DIR, TRAINER_STATE, checkpoint_name, parse_step
@@ -93,7 +92,7 @@ class LocalTier:
             from .peer_replicas import PeerGroup
 
             self.peers = PeerGroup(self.node, self.config.replicas,
-                                   float(strategy_member(strategy, "collective_timeout_s")))
+                                   float(strategy.collective_timeout_s))
             if self.config.replicas and len(set(self.peers.nodes)) < 2:
                 log.warning("roll-ckpt: checkpoint_config.local.replicas is %d but every rank is on node %s: local "
                             "checkpoints get no replica (set %s per node to simulate nodes)",
