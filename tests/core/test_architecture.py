@@ -188,10 +188,15 @@ def test_the_plugin_api_names_what_it_exports() -> None:
     assert not missing, f"roll_ckpt.plugin.__all__ names what it does not have: {missing}"
 
 
+ROLES = {"roll_ckpt.save.pipeline": 700}
+"""Modules that hold one role whole, by design (issue 37: the saver -- staging's launch, the
+write, the commit, failures and stats -- read in one sitting), and their own cap."""
+
+
 def test_core_modules_stay_small() -> None:
     big = {m: n for m, p in CORE_MODULES.items()
-           if m not in SEAMS and (n := len(p.read_text().splitlines())) > MAX_LINES}
-    assert not big, f"modules over {MAX_LINES} lines: {big}"
+           if m not in SEAMS and (n := len(p.read_text().splitlines())) > ROLES.get(m, MAX_LINES)}
+    assert not big, f"modules over {MAX_LINES} lines (a role's own cap: {ROLES}): {big}"
 
 
 PRIVATE_IMPORT_EXCEPTIONS: dict[str, str] = {}

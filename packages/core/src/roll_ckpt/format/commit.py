@@ -13,11 +13,13 @@ Every process of a save builds the same :class:`PendingCheckpoint` from the same
 coordinator alone calls :meth:`~PendingCheckpoint.begin`, then
 :meth:`~PendingCheckpoint.commit` or :meth:`~PendingCheckpoint.abort`. An owner marker
 (:mod:`roll_ckpt.format.owners`) claims the save meanwhile, so a crashed save is cleaned up by
-a later start.
+a later start. What a failed save could not remove is removed by the next save of the
+process (:class:`Leftovers`).
 """
 
 from __future__ import annotations
 
+import logging
 import shutil
 import time
 
@@ -27,8 +29,10 @@ from .layout import TMP_PREFIX, basename, parent
 from .manifest import MANIFEST_NAME
 from .owners import MARKER_PREFIX, markers_named, owner_gone, write_marker
 
-__all__ = ["PendingCheckpoint", "RenameIntoPlace", "ManifestLast", "pending_checkpoint", "require_committed",
-           "take_over_file"]
+__all__ = ["PendingCheckpoint", "RenameIntoPlace", "ManifestLast", "Leftovers", "pending_checkpoint",
+           "require_committed", "take_over_file"]
+
+log = logging.getLogger("roll_ckpt")
 
 
 class PendingCheckpoint:
@@ -165,3 +169,35 @@ def take_over_file(storage: Storage, src: str, dst: str) -> str:
     with storage.open_read(src) as f, storage.open_write(dst) as out:
         shutil.copyfileobj(f, out, 8 << 20)
     return "copy"
+
+
+class Leftovers:
+    """What a failed save could not remove, removed by the next save.
+
+    A save that fails removes what it wrote (``PendingCheckpoint.abort``). When that cleanup
+    fails too — the store that failed the save is still unreachable — the folder and its owner
+    marker stay, and since the marker names a process that is still running, no later start
+    would judge them stale. This keeps such saves and tries again before each next save of the
+    process (and ``close()``); a process that exits first leaves a marker of a process that is
+    gone, which the next start or ``roll-ckpt prune`` cleans."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[PendingCheckpoint, bool]] = []
+
+    def discard(self, pending: PendingCheckpoint, begun: bool) -> None:
+        """Remove what the failed save ``pending`` wrote (``begun``: it claimed its folder);
+        kept for later if that fails."""
+        try:
+            pending.abort() if begun else pending.abandon()
+        except Exception as exc:
+            log.warning("roll-ckpt: could not clean up %s (%s: %s); the next save tries again",
+                        pending.write_path, type(exc).__name__, exc)
+            self.pending.append((pending, begun))
+
+    def retry(self) -> None:
+        """Try again to remove what earlier failed saves left."""
+        left, self.pending = self.pending, []
+        for pending, begun in left:
+            self.discard(pending, begun)
+            if not self.pending or self.pending[-1][0] is not pending:
+                log.info("roll-ckpt: removed %s, left by a failed save", pending.write_path)

@@ -1,4 +1,5 @@
-"""The save pipeline: state dict → space check → staging → write → commit → retention.
+"""The saver: state dict → space check → staging → write → commit → retention, and what a
+failed save raises (one module: a save read in one sitting).
 
 ::
 
@@ -17,7 +18,7 @@
                                      the step of components, retention, replication
         _agree                       every rank: the commit's outcome
       _failing_cleanly             around both: a failure removes what was written and
-                                     becomes one roll-ckpt error (save/failures.py)
+                                     becomes one roll-ckpt error (save_error, below)
 
 One save is in flight at most: a save issued while an asynchronous one is still writing
 waits for it first (and raises its error, if it failed).
@@ -26,39 +27,273 @@ waits for it first (and raises its error, if it failed).
 disk full, store unreachable, permission denied) a logged, counted event wherever it
 surfaces (the save itself, or the next call that waits for a background one); nothing of
 it is committed and the next save tries again. Final saves always raise.
+
+A save can fail on any rank at any step; whatever it met (an ``OSError`` of the disk,
+DCP's ``CheckpointException`` carrying another rank's error, a refusal of ours) becomes
+one roll-ckpt error that says which checkpoint, what happened and what to do
+(:func:`save_error`); :class:`WarnMode` is ``on_save_error``. What one save cost is a
+:class:`SaveStats` (``manager.stats.last``).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import errno
+import functools
 import json
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, NoReturn
 
+from ..contracts import NetworkCounts, SaveContext
+from ..errors import RollCkptError, SaveError, StorageError, StorageFullError, carried_roll_error, disk_full
 from ..format import layout
-from ..format.commit import PendingCheckpoint, pending_checkpoint
-from ..format.components import check_part_free
+from ..format.commit import Leftovers, PendingCheckpoint, pending_checkpoint
+from ..format.components import EXPECTS_KEY, STEP_ROOT_KEY, check_part_free, try_complete
+from ..format.digest import hash_bytes
+from ..format.layout import TRAINER_STATE
+from ..format.manifest import BESIDE_KEY, FileEntry, Manifest
+from ..format.owners import utc_now
+from ..hf.in_checkpoint import HFPart, saved_state
 from ..runtime.background import lower_priority
 from ..runtime.collector import CollectorPause
-from ..contracts import NetworkCounts, SaveContext
-from ..hf.in_checkpoint import HFPart, saved_state
-from ..errors import RollCkptError, SaveError
+from ..runtime.network import check_objects, read_counts, report_save
+from ..runtime.units import human_bytes
 from ..tiers.job import Job
-from ..format.leftovers import Leftovers
-from ..runtime.network import read_counts, report_save
 from ..tiers.retention import apply_retention
-from .committer import Committer
-from .failures import WarnMode, agreed_failure, save_error
 from .staging import stage_state_dict
-from .stats import SaveStats
 
-__all__ = ["SavePipeline", "SaveStats", "StagedSave"]
+__all__ = ["SavePipeline", "StagedSave", "SaveStats", "Committer", "WarnMode", "save_error", "agreed_failure"]
 
 log = logging.getLogger("roll_ckpt")
+
+
+# --------------------------------------------------------------------------- what one save cost
+
+
+@dataclass(frozen=True)
+class SaveStats:
+    """What one save cost; ``manager.stats.last`` holds the latest."""
+
+    step: int
+    path: str
+    is_async: bool
+    blocked_s: float
+    """Seconds the training loop waited inside ``save``."""
+    total_s: float
+    """Seconds from the call until the checkpoint was committed."""
+    bytes: int
+    bytes_copied: int
+    """Bytes copied while staging (0 when every tensor was staged without a copy)."""
+    bytes_allocated: int = 0
+    """Staging memory allocated inside the call (its page faults in the blocked time): the first
+    save, or a save nobody announced (:meth:`~roll_ckpt.CheckpointManager.prepare_save`) while
+    the buffers' memory was freed between saves; 0 when they were ready."""
+    policies: Mapping[str, int] = field(default_factory=dict)
+    """How many tensors each staging policy took (``regular``, ``zero_copy``...)."""
+    network: NetworkCounts | None = None
+    """Network faults this process met while writing and committing (``None``: not a networked store)."""
+    bytes_taken_over: int = 0
+    """Of :attr:`bytes`, those taken over unchanged from the newest committed checkpoint
+    (incremental saves, :mod:`roll_ckpt.save.incremental`): linked or copied by the storage,
+    not written. Like :attr:`bytes`, counted on the coordinator for every process."""
+
+    @property
+    def bytes_written(self) -> int:
+        return self.bytes - self.bytes_taken_over
+
+
+# --------------------------------------------------------------------------- what a failed save raises
+
+
+def save_error(exc: BaseException, step: int, url: str, world_size: int) -> RollCkptError:
+    """``exc`` as the roll-ckpt error the save of ``checkpoint-<step>`` under ``url`` raises;
+    one that DCP carried from another rank (its ``CheckpointException``) names the first
+    rank that failed."""
+    if isinstance(exc, RollCkptError):  # a refusal, an error agreed on by every rank: as it is
+        return exc
+    failures = getattr(exc, "failures", None)
+    failed_rank = min(failures) if isinstance(failures, dict) and failures else None
+    error = _translate(exc, failures[failed_rank] if failed_rank is not None else None, f"checkpoint-{step} under {url}")
+    if failed_rank is not None and error.origin_rank is None and world_size > 1:
+        error.origin_rank = failed_rank
+    return error
+
+
+def agreed_failure(exc: BaseException | None, step: int, url: str, world_size: int) -> RollCkptError | None:
+    """What this rank hands to an agreement of the save: its failure as the error every rank raises."""
+    if exc is None:
+        return None
+    error = save_error(exc, step, url, world_size)
+    if error is not exc and error.__cause__ is None:
+        error.__cause__ = exc  # (on this rank; the others get the message)
+    return error
+
+
+def _translate(exc: BaseException, first: Any, where: str) -> RollCkptError:
+    ours = carried_roll_error(exc, include_self=False)  # e.g. a refusal, carried by DCP from another rank
+    if ours is not None:
+        return ours
+    if disk_full(exc):
+        return StorageFullError(
+            f"no space left while writing {where}; nothing of it was committed and earlier "
+            "checkpoints are intact. Free space or lower checkpoint_config.max_ckpt_to_keep; "
+            "training can go on and the next save will try again")
+    cause = exc
+    if first is not None:  # DCP's CheckpointException: what the first rank hit, not its traceback
+        cause = first[0] if isinstance(first, tuple) and first else first
+    if isinstance(cause, PermissionError):
+        return StorageError(f"permission denied while writing {where}: {cause}; choose a writable "
+                            "checkpoint_config.output_dir")
+    if isinstance(cause, OSError) and cause.errno == errno.EROFS:
+        return StorageError(f"cannot write {where}: {cause.strerror}; nothing of it was committed "
+                            "and earlier checkpoints are intact; choose a writable checkpoint_config.output_dir")
+    return SaveError(f"saving {where} failed ({type(cause).__name__}: {cause}); nothing of it was "
+                     "committed and earlier checkpoints are intact")
+
+
+class WarnMode:
+    """``checkpoint_config.on_save_error``: whether a failed periodic save is raised or absorbed."""
+
+    def __init__(self, on_save_error: str) -> None:
+        self.tolerant = on_save_error == "warn"
+        self.failed_saves = 0
+        """Saves that failed and were absorbed (``manager.stats.failed``)."""
+
+    def absorbs(self, exc: BaseException, final: bool = False) -> bool:
+        """Whether ``exc`` (a save's failure) is logged and counted instead of raised."""
+        return self.tolerant and not final and isinstance(exc, (StorageError, SaveError))
+
+    def tolerate(self, step: int | None, exc: BaseException) -> None:
+        self.failed_saves += 1
+        what = f"checkpoint-{step}" if step is not None else "the background save"
+        log.warning("roll-ckpt: saving %s failed: %s -- training goes on and the next save tries again "
+                    "(checkpoint_config.on_save_error: warn; %d failed save(s) so far)", what, exc, self.failed_saves)
+
+
+# --------------------------------------------------------------------------- the commit, and what follows it
+
+
+def _plugin_versions(job: Job) -> dict[str, str]:
+    from importlib import metadata
+
+    out = {}
+    for dist in ("roll-ckpt-core", "torch", *sorted(set(job.plugins.distributions()))):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+class Committer:
+    def __init__(self, job: Job, hf: HFPart | None) -> None:
+        self.job = job
+        self.hf = hf
+        """The Hugging Face files each checkpoint carries, or ``None``."""
+
+    def commit(self, pending: PendingCheckpoint, ctx: SaveContext, user: dict[str, Any],
+                digests: dict[str, tuple], module: Any = None) -> tuple[int, int]:
+        """Coordinator: the HF files, trainer state, manifest, commit; then the step, retention, replication."""
+        job = self.job
+        storage, strategy = job.storage, job.strategy
+        files = {f"{strategy.data_dir}/{name}": FileEntry(*digest) for name, digest in digests.items()}
+        extra: dict[str, Any] = {"strategy": strategy.name}
+        if job.config.strategy_config.save_only_model:
+            extra["save_only_model"] = self.hf.config.key  # type: ignore[union-attr]
+        if self.hf is not None and module is not None:  # from the dcp/ files just written (hf_in_checkpoint)
+            hf_files, extra["hf"] = self.hf.write(storage, pending.write_path, module,
+                                                  storage.join(pending.write_path, strategy.data_dir))
+            files.update(hf_files)
+            if job.component and self.hf.config.step_root and hf_files:  # at checkpoint-<step>/ too
+                extra[STEP_ROOT_KEY] = sorted(hf_files)
+        cc = job.config.checkpoint_config
+        if job.component:  # every part this manager knows of: the step waits for them all
+            extra[EXPECTS_KEY] = list(cc.components or ())
+        if cc.beside:  # files another program adds to the folder once it is committed
+            extra[BESIDE_KEY] = list(cc.beside)
+        ts = self.trainer_state(ctx, user)
+        with storage.open_write(storage.join(pending.write_path, TRAINER_STATE)) as f:
+            f.write(ts)
+        files[TRAINER_STATE] = FileEntry(*hash_bytes(ts))
+        if not storage.atomic_rename:  # an object store: every upload completed, whole
+            check_objects(storage, pending.write_path, {name: e.size for name, e in files.items()})
+        manifest = Manifest(step=ctx.step, files=files, created=utc_now(), world_size=strategy.world_size,
+                            component=job.component, plugins=_plugin_versions(job), extra=extra)
+        pending.commit(manifest.to_bytes())
+        job.announce(ctx.path, manifest, job.component)
+        step_path = layout.parent(ctx.path) if job.component else ctx.path
+        if self.commit_step(step_path, ctx.step):  # the whole checkpoint, or the last part of the step
+            self.after_commit(step_path, ctx.step)
+        total, taken = sum(e.size for e in files.values()), sum(e.size for e in files.values() if e.taken_over)
+        if taken:
+            log.info("roll-ckpt: %s: %s written, %s taken over unchanged from %s", layout.basename(ctx.path),
+                     human_bytes(total - taken), human_bytes(taken),
+                     ", ".join(sorted({e.taken_over for e in files.values() if e.taken_over})))
+        return total, taken
+
+    def commit_step(self, step_path: str, step: int, parts: Any = None, files: Any = ()) -> bool:
+        """True when the step is committed by this process: always without components;
+        with them, when this part was the last one and this process's create won.
+        ``parts``/``files``: a step something else commits (``CheckpointManager.commit_step``)."""
+        job = self.job
+        if not job.component:
+            return True
+        if parts is None and not job.config.checkpoint_config.commit_steps:
+            return False  # another commits the step: it knows which parts it has
+        try:
+            manifest = try_complete(job.storage, step_path, step,
+                                    job.config.checkpoint_config.components or () if parts is None else parts,
+                                    files=files)
+        except Exception as exc:  # this part is committed; the step can be committed later
+            log.warning("roll-ckpt: the part of %s is committed, but committing step %d failed (%s: %s); the "
+                        "next resume commits the step once every part is there", job.component, step,
+                        type(exc).__name__, exc)
+            return False
+        if manifest is None:
+            return False
+        job.announce(step_path, manifest)
+        log.info("roll-ckpt: step %d committed (every component's part is in %s)", step, step_path)
+        return True
+
+    def protected(self, path: str) -> set[str]:
+        """Local checkpoints retention must leave alone: the one just written, the one being replicated."""
+        copying = self.job.backup.copying if self.job.backup is not None else None
+        return {path} | ({copying} if copying else set())
+
+    def after_commit(self, path: str, step: int) -> None:
+        """Retention and replication for the checkpoint just committed at ``path``."""
+        job = self.job
+        keep = job.config.checkpoint_config.max_ckpt_to_keep
+        if keep:
+            with job.local_lock:
+                removed = apply_retention(job.storage, job.root, keep, protect=self.protected(path),
+                                          own_run=job.run_dir)
+            for removed_path in removed:
+                log.info("roll-ckpt: retention removed %s", removed_path)
+        if job.backup is not None:
+            job.backup.submit(path, step)
+
+    def trainer_state(self, ctx: SaveContext, user: dict[str, Any]) -> bytes:
+        job = self.job
+        body = {
+            "step": ctx.step,
+            "time": utc_now(),
+            "timestamp": time.time(),
+            "world_size": ctx.world_size,
+            "strategy": job.strategy.name,
+            "exp_name": job.config.exp_name,
+            "component": job.component,
+            "resumed_from": job.resumed_from,
+            "user": user,
+        }
+        return (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
+
+
+# --------------------------------------------------------------------------- the pipeline
 
 
 class SavePipeline:
@@ -76,7 +311,6 @@ class SavePipeline:
         self.hf = HFPart.of(job.config.checkpoint_config, job.config.strategy_config)
         """The Hugging Face files each checkpoint carries (``hf_weights``, ``save_only_model``), or ``None``."""
         self.committer = Committer(job, self.hf)
-
 
     def save(self, step: int, state: Mapping[str, Any], *, final: bool,
              metadata: Mapping[str, Any] | None, local: bool = False) -> str | None:
@@ -128,6 +362,7 @@ class SavePipeline:
                                    "policies": dict(Counter(ctx.staging.values()))}
 
         self._launch(ctx, t0, write)
+
     def prepare(self) -> cf.Future | None:
         """A save is near: the staging policies make their buffers ready in the writer thread,
         after the write in flight (which then keeps them instead of freeing them)."""
@@ -157,6 +392,7 @@ class SavePipeline:
         if self._policies is None:
             self._policies = self.job.plugins.staging_order()
         return stage_state_dict(sd, ctx, self._policies)
+
     def _launch(self, ctx: SaveContext, t0: float, write: Any) -> None:
         """Run ``write`` now, or in the writer thread for an asynchronous save.
 
@@ -181,6 +417,7 @@ class SavePipeline:
                 # else the write's error surfaces at the next wait (every rank's: the write carries it)
             ctx.blocked_s = time.perf_counter() - t0
             ctx.gate.caller_done.set()
+
     def _save(self, step: int, state: Mapping[str, Any], *, final: bool, metadata: Mapping[str, Any] | None,
               local: bool = False) -> str:
         t0 = time.perf_counter()
@@ -219,7 +456,7 @@ class SavePipeline:
             save.local_unit = lambda: job.local.save(staged, step, trainer_state, save=ctx)
         if self.hf is not None:
             save.hf_module = state.get(self.hf.config.key)
-        self._launch(ctx, t0, lambda: self.write_and_commit(save))
+        self._launch(ctx, t0, functools.partial(self.write_and_commit, save))
         return final_path
 
     @property
@@ -414,7 +651,6 @@ class _Attempt:
     committed: bool = False
     total: int = 0
     taken: int = 0
-
 
 
 def _blocked_s(ctx: SaveContext, total_s: float) -> float:
