@@ -7,7 +7,6 @@ import logging
 import os
 import subprocess
 import sys
-import time
 import uuid
 from typing import Any, Iterator
 
@@ -16,7 +15,8 @@ import pytest
 pytest.importorskip("s3fs", reason="s3fs is not installed (pip install 'roll-ckpt[s3]')")
 
 from helpers.training import config, drift  # noqa: E402
-from roll_ckpt import CheckpointManager, NetworkCounts  # noqa: E402
+from roll_ckpt import CheckpointManager  # noqa: E402
+from roll_ckpt.plugin import NetworkCounts  # noqa: E402
 from roll_ckpt.format import layout  # noqa: E402
 from roll_ckpt.errors import RollCkptError, SaveError  # noqa: E402
 from roll_ckpt.testing import assert_same_state, state_snapshot, tiny_state  # noqa: E402
@@ -69,11 +69,9 @@ def test_each_fault_is_retried_counted_and_logged_once_per_save(
             proxy.inject(kind, method="PUT", path=".distcp", count=count)
             caplog.clear()
             with caplog.at_level(logging.WARNING, logger="roll_ckpt"):
-                t0 = time.monotonic()
                 m.save(step, state)
-                took = time.monotonic() - t0
             snaps[step] = state_snapshot(state)
-            net = m.last_save.network
+            net = m.stats.last.network
             assert net is not None
             lines = [r.getMessage() for r in caplog.records if "network fault" in r.getMessage()]
             if kind == "slow":
@@ -81,9 +79,10 @@ def test_each_fault_is_retried_counted_and_logged_once_per_save(
                 continue
             assert net.faults >= 1 and net.retries == net.faults, (kind, net)
             assert len(lines) == 1 and f"checkpoint-{step} committed" in lines[0], lines
-            if kind == "hang":
-                assert "read timeout" in net.kinds and took < 10, (net, took)  # read_timeout 2 s, not minutes
-        totals = m.network
+            if kind == "hang":  # ended by the client's read timeout (2 s here, not botocore's 60 s), then retried
+                assert net.kinds.get("read timeout") == 1, net
+                assert m.storage.fs.s3.meta.config.read_timeout == FAST["read_timeout"]
+        totals = m.stats.network
         assert totals.faults >= 5 and totals.lost_s > 1.9
         storage = m.storage
     assert proxy.injected == {"503": 1, "500": 2, "reset_upload": 2, "hang": 1, "slow": 1}
@@ -99,7 +98,7 @@ def test_each_fault_is_retried_counted_and_logged_once_per_save(
     with CheckpointManager.from_config(config(url, storage_options=_options(s3, proxy),
                                               resume_from_checkpoint="latest"), quiet=True) as m2:
         assert m2.resume(fresh) == 5
-        assert m2.network.faults >= 1
+        assert m2.stats.network.faults >= 1
     assert_same_state(state_snapshot(fresh), snaps[5])
     assert proxy.injected["reset_download"] == 2
 
@@ -120,7 +119,7 @@ def test_faults_past_the_attempts_fail_the_save_and_leave_nothing(
     with CheckpointManager.from_config(cfg, quiet=True) as m:
         first = m.save(1, state)
         proxy.inject("500", method="PUT", path="partNumber=2", count=3)
-        assert m.save(2, state) is None and m.failed_saves == 1
+        assert m.save(2, state) is None and m.stats.failed == 1
         storage = m.storage
         assert not _uploads(storage, storage.root), "the failed multipart upload was aborted"
         assert [(r.step, r.committed) for r in layout.scan(storage, storage.root)] == [(1, True)]
@@ -191,18 +190,20 @@ SOAK_SAVES = int(os.environ.get("ROLL_CKPT_SOAK_SAVES", "12"))
 def test_soak_with_random_faults(s3: s3server.SeaweedServer, proxy: FaultProxy) -> None:
     """``bench.soak`` in the suite: a job saves every step through random faults (resets,
     503, 500, slow answers, requests never answered); every committed checkpoint verifies,
-    the newest resumes exactly, no checkpoint is lost, and the job takes no longer than a
-    fault-free pass plus what each injected fault may cost (one attempt: connect + read
-    timeout + the longest backoff): no request waits without bound."""
+    the newest resumes exactly, no checkpoint is lost, and no request waits without bound:
+    the request the proxy never answers (it would hold it for ``hang_s``, 600 s) is ended by
+    the client's own read timeout and counted as one.
+    (How long the soak takes against a fault-free pass is the benchmark's: ``bench.soak``.)"""
     from bench.soak import soak
 
     result = soak(s3, proxy, saves=SOAK_SAVES, seed=23, options=FAST)
     assert result["lost"] == 0 and result["committed"] + result["failed"] == SOAK_SAVES, result
     assert result["committed"] >= SOAK_SAVES // 2 and result["injected"], result
     assert not result["leftover_folders"] and not result["leftover_uploads"], result
-    per_fault = FAST["connect_timeout"] + FAST["read_timeout"] + FAST["retry_backoff_max"]
-    bound = result["wall_without_faults_s"] + per_fault * sum(result["injected"].values()) + 30
-    assert result["wall_s"] <= bound, (result["wall_s"], bound, result)
+    # Seed 23 leaves a request of the saves unanswered. The client's read timeout ended it (a
+    # "read timeout" fault); a client without a bound of its own would have waited until the
+    # proxy let go (hang_s: a "connection error", or the test's timeout first).
+    assert result["fault_kinds"].get("read timeout", 0) >= result["injected"].get("hang", 0) >= 1, result
 
 
 # The server goes silent with the connection held open (the proxy lets go only when it
@@ -216,15 +217,17 @@ SILENT = [("hang", "PUT", ".distcp", "save"),            # accepts the upload, n
 @pytest.mark.parametrize("kind,method,path,phase", SILENT, ids=[f"{k}-{p.strip('.-')}" for k, _, p, _ in SILENT])
 def test_a_silent_server_costs_an_attempt_and_never_more_than_the_worst_case(
         s3: s3server.SeaweedServer, proxy: FaultProxy, kind: str, method: str, path: str, phase: str) -> None:
-    """One silent attempt costs ``read_timeout`` and is retried; a request that meets it on
-    every attempt fails (nothing committed, the state untouched) within
-    ``RetryPolicy.worst_case_s``, the bound the faults page states."""
+    """One silent attempt ends with the client's read timeout (counted as one fault) and is
+    retried; a request that meets the silence on every attempt is given up after
+    ``max_attempts`` of them: the save fails (nothing committed), the resume raises naming
+    the object (the state untouched). Nothing waits for the server: the proxy would hold each
+    silent request for 600 s, past this test's timeout. (``RetryPolicy.worst_case_s`` bounds
+    the seconds; how long it takes is the benchmark's, not asserted here.)"""
     import torch
     from roll_ckpt_fs.network import RetryPolicy
 
     opts = _options(s3, proxy, max_attempts=2, default_block_size=5 << 20)  # 5 MiB parts: S3's smallest
     policy = RetryPolicy.pop_from(dict(opts), "test")
-    one_attempt = policy.connect_timeout + policy.read_timeout + policy.retry_backoff_max + 3  # 3 s: the save itself
     url = _url(s3)
     state = tiny_state(seed=9)
     state["big"] = {"w": torch.randn(3 << 20)}  # 12 MiB: a multipart upload
@@ -233,36 +236,55 @@ def test_a_silent_server_costs_an_attempt_and_never_more_than_the_worst_case(
         saved = state_snapshot(state)
         if phase == "save":
             proxy.inject(kind, method=method, path=path, count=1)
-            t0 = time.monotonic()
             assert m.save(2, state) is not None
-            took = time.monotonic() - t0
-            assert took < one_attempt and m.last_save.network.kinds.get("read timeout"), (took, m.last_save)
+            net = m.stats.last.network  # one attempt lost to the silence, retried: nothing given up
+            assert net.kinds.get("read timeout") == 1 and net.retries == net.faults, net
+            _assert_cut_at(policy, m.storage)
             proxy.inject(kind, method=method, path=path, count=policy.max_attempts)
-            t0 = time.monotonic()
-            assert m.save(3, state) is None and m.failed_saves == 1
-            took = time.monotonic() - t0
-            assert took <= policy.worst_case_s + 3, (took, policy.worst_case_s)
+            before = m.stats.network
+            assert m.save(3, state) is None and m.stats.failed == 1
+            net = m.stats.network.since(before)  # every attempt of one request met the silence, then it gave up
+            assert net.kinds.get("read timeout") == policy.max_attempts and net.faults - net.retries == 1, net
+            assert proxy.injected[kind] == 1 + policy.max_attempts
             assert [r.step for r in layout.committed(m.storage, m.storage.root)] == [1, 2]
             return
     resume = config(url, storage_options=opts, resume_from_checkpoint="latest")
     proxy.inject(kind, method=method, path=path, count=1)
     fresh = tiny_state(seed=10)
     fresh["big"] = {"w": torch.zeros(3 << 20)}
-    t0 = time.monotonic()
     with CheckpointManager.from_config(resume, quiet=True) as m2:
         assert m2.resume(fresh) == 1
-    assert time.monotonic() - t0 < one_attempt + 3
+        net = m2.stats.network  # the body stalled once: read again from where it broke
+        assert net.faults == net.retries == 1 and all(k.startswith("download broke") for k in net.kinds), net
+        _assert_cut_at(policy, m2.storage)
     assert_same_state(state_snapshot(fresh), saved)
     proxy.inject(kind, method=method, path=path, count=policy.max_attempts)
     other = tiny_state(seed=11)
     other["big"] = {"w": torch.zeros(3 << 20)}
     untouched = state_snapshot(other)
-    t0 = time.monotonic()
     with CheckpointManager.from_config(resume, quiet=True) as m3:
-        with pytest.raises(RollCkptError, match=r"\.distcp"):
+        with pytest.raises(RollCkptError, match=rf"\.distcp failed after {policy.max_attempts} attempt") as info:
             m3.resume(other)
-    assert time.monotonic() - t0 <= policy.worst_case_s + 3
+    assert any("timeout" in type(e).__name__.lower() for e in _chain(info.value)), \
+        f"the stalled body was ended by the client's read timeout: {[type(e).__name__ for e in _chain(info.value)]}"
+    assert proxy.injected[kind] == 1 + policy.max_attempts
     assert_same_state(state_snapshot(other), untouched)
+
+
+def _assert_cut_at(policy: Any, storage: FsspecStorage) -> None:
+    """The client's own timeouts are the policy's (2 s here; not botocore's 60 s, s3fs's 15 s),
+    so a silent attempt ends after ``read_timeout``: the seconds it takes are not asserted."""
+    cfg = storage.fs.s3.meta.config
+    assert (cfg.read_timeout, cfg.connect_timeout) == (policy.read_timeout, policy.connect_timeout), cfg
+
+
+def _chain(exc: BaseException | None) -> list[BaseException]:
+    """``exc`` and the exceptions it was raised from or while handling."""
+    out: list[BaseException] = []
+    while exc is not None and exc not in out:
+        out.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return out
 
 
 def test_retry_settings_are_checked(s3: s3server.SeaweedServer) -> None:

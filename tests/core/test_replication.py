@@ -15,7 +15,8 @@ import pytest
 
 from helpers.damage import flip_byte
 from helpers.training import backup_config
-from roll_ckpt import BackupError, CheckpointCorruptError, CheckpointManager, ConfigError, load_config
+from roll_ckpt import CheckpointCorruptError, CheckpointManager, ConfigError, load_config
+from roll_ckpt.errors import BackupError
 from roll_ckpt.format import layout
 from roll_ckpt.tiers import replication
 from roll_ckpt.testing import assert_same_state, state_snapshot, tiny_state
@@ -43,10 +44,10 @@ def test_replication_end_to_end_with_keep_local(tmp_path: Path, backup_url: str)
     state = tiny_state(1)
     m = manager(backup_config(local, backup_url, async_save=True, keep_local=1))
     snaps = save_steps(m, state, (1, 2, 3))
-    status = m.wait_for_backup(timeout=30)
+    status = m.backup.wait(timeout=30)
     assert [c.state for c in status.checkpoints] == ["committed"] * 3, status
     assert [c.local_removed for c in status.checkpoints] == [True, True, False]
-    bk = m.backup_storage
+    bk = m.backup.storage
     run = Path(m.run_dir).name
     # the replica mirrors <run>/checkpoint-<step>, every checkpoint is whole and committed
     assert committed_steps(bk, bk.root) == [1, 2, 3]
@@ -55,13 +56,13 @@ def test_replication_end_to_end_with_keep_local(tmp_path: Path, backup_url: str)
         verify(bk, ref.path)
     assert leftovers(bk, bk.root) == []
     # keep_local: 1 -> only the newest local copy is left, the others live on at the replica
-    assert committed_steps(m.storage, m.root) == [3]
+    assert committed_steps(m.storage, m.storage.root) == [3]
     from roll_ckpt.tiers.transfer import committed_manifest
 
     assert committed_manifest(m.storage, str(Path(m.run_dir) / "checkpoint-3")) == \
         committed_manifest(bk, bk.join(bk.root, run, "checkpoint-3"))  # the manifest is copied unchanged
     m.close()
-    assert "3 committed" in str(m.backup_status)
+    assert "3 committed" in str(m.backup.status)
 
     # every replica resumes exactly, e.g. step 2 whose local copy is gone
     fresh = tiny_state(9)
@@ -79,16 +80,16 @@ def test_saves_do_not_wait_for_replication(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(transfer, "CHUNK_BYTES", 4096)
     m = manager(backup_config(tmp_path / "local", tmp_path / "backup", max_wait_s=0))
     gate = threading.Event()
-    m.backup_storage = held = SlowWrites(m.backup_storage, delay=0.2, gate=gate)  # then ~4 s a replica
+    m.backup.storage = held = SlowWrites(m.backup.storage, delay=0.2, gate=gate)  # then ~4 s a replica
     state = tiny_state()
     m.save(1, state)
     m.save(2, state)
-    status = m.backup_status
+    status = m.backup.status
     assert held.writes == 0  # the saves returned with nothing replicated
     gate.set()
     m.close()  # max_wait_s: 0 -> does not wait; the copies are interrupted
     assert status.pending and not status.committed, "replication runs in the background"
-    assert [c.state for c in m.backup_status.checkpoints] == ["interrupted", "interrupted"]
+    assert [c.state for c in m.backup.status.checkpoints] == ["interrupted", "interrupted"]
 
 
 # --------------------------------------------------------------------------- failures
@@ -97,13 +98,13 @@ def test_saves_do_not_wait_for_replication(tmp_path: Path, monkeypatch) -> None:
 def test_a_failed_copy_is_retried_then_committed(tmp_path: Path, caplog) -> None:
     caplog.set_level(logging.INFO, logger="roll_ckpt")
     m = manager(backup_config(tmp_path / "local", tmp_path / "backup", retries=3))
-    m.backup_storage = FailingWrites(m.backup_storage, failures=2)
+    m.backup.storage = FailingWrites(m.backup.storage, failures=2)
     m.save(1, tiny_state())
-    status = m.wait_for_backup(timeout=30)
+    status = m.backup.wait(timeout=30)
     (item,) = status.checkpoints
     assert item.state == "committed" and item.attempts == 3 and "injected I/O error" in (item.error or "")
     m.close()
-    assert committed_steps(m.backup_storage, m.backup_storage.root) == [1]
+    assert committed_steps(m.backup.storage, m.backup.storage.root) == [1]
     assert len([r for r in caplog.records if "retrying in" in r.getMessage()]) == 2
 
 
@@ -113,46 +114,77 @@ def test_a_copy_that_keeps_failing_is_reported_and_never_counted(tmpfs, tmp_path
     m = manager(backup_config(tmp_path / "local", readonly / "backup", retries=2, keep_local=1))
     m.save(1, tiny_state())
     m.save(2, tiny_state())
-    status = m.wait_for_backup(timeout=30)
+    status = m.backup.wait(timeout=30)
     assert [c.state for c in status.checkpoints] == ["failed", "failed"]
     assert all(c.attempts == 3 for c in status.checkpoints)
     # never counted as a backup: keep_local removed nothing
-    assert committed_steps(m.storage, m.root) == [1, 2]
+    assert committed_steps(m.storage, m.storage.root) == [1, 2]
     assert any(r.levelno == logging.ERROR and "has NO backup" in r.getMessage() for r in caplog.records)
     with pytest.raises(BackupError) as info:
         m.close()
     assert len(info.value.failed) == 2 and "could not be replicated" in str(info.value)
     assert "checkpoint-1" in str(info.value) and "local checkpoints are intact" in str(info.value)
-    for ref in layout.committed(m.storage, m.root):
+    for ref in layout.committed(m.storage, m.storage.root):
         verify(m.storage, ref.path)
 
 
+class _Gate(threading.Event):
+    """An event that also tells when a writer reached it (``reached``): ``SlowWrites`` waits on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reached = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.reached.set()
+        return super().wait(timeout)
+
+
 def test_close_waits_at_most_max_wait_s_and_the_next_run_catches_up(tmp_path: Path, monkeypatch) -> None:
+    """close() returns while the copy is held at a gate that no replica write can pass (the
+    test opens it only after close() returned): a close() that waited for the copy, beyond
+    max_wait_s and STOP_GRACE_S, would never return. So that such a close() fails the test
+    instead of hanging it, a timer opens the gate after 60 s anyway; close() then returns
+    with the gate open, which the test asserts against. Once the gate is open the held copy
+    sees the stop close() asked for, and is interrupted: nothing of it is committed."""
     import roll_ckpt.tiers.transfer as transfer
 
     monkeypatch.setattr(transfer, "CHUNK_BYTES", 4096)
     monkeypatch.setattr(replication, "STOP_GRACE_S", 2.0)
     local, backup = tmp_path / "local", tmp_path / "backup"
     m = manager(backup_config(local, backup, max_wait_s=0.5))
-    m.backup_storage = SlowWrites(m.backup_storage, delay=0.2)  # a copy would take ~5 s
-    m.save(1, tiny_state())
-    t0 = time.perf_counter()
-    m.close()  # not an error: replication is cut off by the bound, not failed
-    took = time.perf_counter() - t0
-    assert took < 0.5 + 2.0 + 0.5, f"close() blocked {took:.1f}s"
-    (item,) = m.backup_status.checkpoints
-    assert item.state == "interrupted"
-    bk = m.backup_storage
+    gate = _Gate()
+    m.backup.storage = held = SlowWrites(m.backup.storage, delay=0.2, gate=gate)  # once open: ~5 s a copy
+    fallback = threading.Timer(60, gate.set)  # only a close() that waits for the copy ever meets it
+    fallback.daemon = True
+    fallback.start()
+    try:
+        m.save(1, tiny_state())
+        assert gate.reached.wait(30), "the copy never reached its first replica write"
+        m.close()  # not an error: replication is cut off by the bound, not failed
+        closed_while_held = not gate.is_set()
+        written_before = held.writes
+    finally:
+        gate.set()
+        fallback.cancel()
+    assert closed_while_held, "close() returned only once the held copy could go on: it waited for replication"
+    assert written_before == 0, "nothing was written before close() returned"
+    deadline = time.monotonic() + 30  # the held copy ends (interrupted) once the gate is open
+    while m.backup.status.running and time.monotonic() < deadline:
+        time.sleep(0.02)
+    (item,) = m.backup.status.checkpoints
+    assert item.state == "interrupted", item
+    bk = m.backup.storage
     assert committed_steps(bk, bk.root) == [] and leftovers(bk, bk.root) == []  # nothing committed, nothing left
 
     # the next run's first save copies what the previous one could not
     m2 = manager(backup_config(local, backup, resume="latest"))
-    assert m2.resume(tiny_state()) == 1 and not m2.resumed_from_backup
+    assert m2.resume(tiny_state()) == 1 and not m2.resumed.from_backup
     m2.save(2, tiny_state())
-    status = m2.wait_for_backup(timeout=30)
+    status = m2.backup.wait(timeout=30)
     m2.close()
     assert sorted(c.step for c in status.committed) == [1, 2]
-    assert committed_steps(m2.backup_storage, m2.backup_storage.root) == [1, 2]
+    assert committed_steps(m2.backup.storage, m2.backup.storage.root) == [1, 2]
 
 
 def test_a_kill_during_replication_commits_nothing_and_is_copied_again(tmp_path: Path) -> None:
@@ -162,15 +194,15 @@ def test_a_kill_during_replication_commits_nothing_and_is_copied_again(tmp_path:
     kill_when_busy(REPLICATING_CHILD, json.dumps(raw), str(flag), flag=flag, delay=0.3)
     cfg = backup_config(local, backup, resume="latest")
     m = manager(cfg)
-    bk = m.backup_storage
+    bk = m.backup.storage
     assert committed_steps(bk, bk.root) == [], "a killed copy must not look committed"
     assert leftovers(bk, bk.root), "the killed copy left its temporary folder (removed below)"
-    (ref,) = layout.committed(m.storage, m.root)
+    (ref,) = layout.committed(m.storage, m.storage.root)
     verify(m.storage, ref.path)  # the local checkpoint is intact
 
-    assert m.resume(tiny_state()) == 1 and not m.resumed_from_backup
+    assert m.resume(tiny_state()) == 1 and not m.resumed.from_backup
     m.save(2, tiny_state())
-    status = m.wait_for_backup(timeout=30)
+    status = m.backup.wait(timeout=30)
     m.close()
     assert sorted(c.step for c in status.committed) == [1, 2]
     assert committed_steps(bk, bk.root) == [1, 2]
@@ -189,7 +221,7 @@ def _two_saved(local: Path, backup: str) -> tuple[CheckpointManager, dict, dict]
     state["counter"]["seen"] += 7
     m.save(2, state)
     snap = state_snapshot(state)
-    m.wait_for_backup(timeout=30)
+    m.backup.wait(timeout=30)
     m.close()
     return m, state, snap
 
@@ -201,8 +233,8 @@ def test_resume_from_the_replica_when_the_local_copy_is_gone(tmp_path: Path, bac
     fresh = tiny_state(11)
     with manager(backup_config(local, backup_url, resume="latest")) as r:
         assert r.resume(fresh) == 2
-        assert r.resumed_from_backup
-        assert r.resumed_from.endswith("checkpoint-2") and r.resumed_from.startswith(backup_url.rstrip("/"))
+        assert r.resumed.from_backup
+        assert r.resumed.path.endswith("checkpoint-2") and r.resumed.path.startswith(backup_url.rstrip("/"))
     assert_same_state(state_snapshot(fresh), snap)
 
 
@@ -214,26 +246,26 @@ def test_latest_is_the_newest_of_both_locations(tmp_path: Path) -> None:
     with manager(plain) as p:
         p.save(3, state)
     with manager(backup_config(local, backup, resume="latest")) as r:
-        storage, path = r.resolve_resume()
+        storage, path = r.resumed.candidates()
         assert storage is r.storage and path.endswith("checkpoint-3")
-        assert r.resume(tiny_state()) == 3 and not r.resumed_from_backup
+        assert r.resume(tiny_state()) == 3 and not r.resumed.from_backup
     # both hold the newest: the local copy is taken
     shutil.rmtree(Path(path))
     with manager(backup_config(local, backup, resume="latest")) as r:
-        assert r.resolve_resume()[0] is r.storage
-        assert r.resume(tiny_state()) == 2 and not r.resumed_from_backup
+        assert r.resumed.candidates()[0] is r.storage
+        assert r.resume(tiny_state()) == 2 and not r.resumed.from_backup
 
 
 def test_a_damaged_local_copy_falls_back_to_the_replica(tmp_path: Path, backup_url: str, caplog) -> None:
     local = tmp_path / "local"
     m, _, snap = _two_saved(local, backup_url)
-    (ckpt2,) = [r for r in layout.committed(m.storage, m.root) if r.step == 2]
+    (ckpt2,) = [r for r in layout.committed(m.storage, m.storage.root) if r.step == 2]
     flip_byte(Path(ckpt2.path) / "dcp" / "__0_0.distcp", 100)
     caplog.set_level(logging.WARNING, logger="roll_ckpt")
     fresh = tiny_state(5)
     with manager(backup_config(local, backup_url, resume="latest")) as r:
         assert r.resume(fresh) == 2
-        assert r.resumed_from_backup
+        assert r.resumed.from_backup
     assert_same_state(state_snapshot(fresh), snap)
     warned = [rec.getMessage() for rec in caplog.records if "cannot resume from the local copy" in rec.getMessage()]
     assert warned and "dcp/__0_0.distcp" in warned[0] and "checksum" in warned[0], warned
@@ -242,10 +274,10 @@ def test_a_damaged_local_copy_falls_back_to_the_replica(tmp_path: Path, backup_u
 def test_a_damaged_manifest_falls_back_too_and_both_damaged_is_refused(tmp_path: Path) -> None:
     local, backup = tmp_path / "local", tmp_path / "backup"
     m, _, _ = _two_saved(local, str(backup))
-    (ckpt2,) = [r for r in layout.committed(m.storage, m.root) if r.step == 2]
+    (ckpt2,) = [r for r in layout.committed(m.storage, m.storage.root) if r.step == 2]
     (Path(ckpt2.path) / "trainer_state.json").write_text("{}")  # altered (size changes)
     with manager(backup_config(local, backup, resume="latest")) as r:
-        assert r.resume(tiny_state()) == 2 and r.resumed_from_backup
+        assert r.resume(tiny_state()) == 2 and r.resumed.from_backup
     # the replica damaged as well: refused, naming the local copy's damage
     run = Path(ckpt2.path).parent.name
     flip_byte(backup / run / "checkpoint-2" / "dcp" / "__0_0.distcp", 100)
@@ -275,7 +307,7 @@ def test_backup_config_keys() -> None:
 
 
 def test_unknown_backup_type_names_the_installed_backends(tmp_path: Path) -> None:
-    from roll_ckpt import UnknownPluginError
+    from roll_ckpt.errors import UnknownPluginError
 
     cfg = load_config({"checkpoint_config": {"output_dir": str(tmp_path / "a"),
                                              "backup": {"type": "file_sytem", "output_dir": str(tmp_path / "b")}}})

@@ -426,9 +426,11 @@ def test_s3_server_killed_in_the_middle_of_a_save(seaweed: Any) -> None:
     if KILLS >= 20:
         scenarios += [("manifest", False), ("data", True)]
     url = f"s3://{server.bucket}/kill-{uuid.uuid4().hex[:8]}"
-    # bounded retries, so a dead server is reported in seconds
+    # bounded retries (botocore's max_attempts: the retries after the first attempt), so a dead
+    # server is reported after 3 attempts of a request, each refused at once
+    retries = 2
     options = dict(server.storage_options,
-                   config_kwargs={"connect_timeout": 2, "read_timeout": 10, "retries": {"max_attempts": 2}})
+                   config_kwargs={"connect_timeout": 2, "read_timeout": 10, "retries": {"max_attempts": retries}})
     snaps: dict[str, Snapshot] = {}
     step = 0
     for point, is_async in scenarios:
@@ -445,6 +447,13 @@ def test_s3_server_killed_in_the_middle_of_a_save(seaweed: Any) -> None:
         killer = m.storage = _ServerKiller(m.storage, server)
         killer.armed = point
         step += 1
+        gave_up: list[tuple[str, Any]] = []  # each request that failed for good: its error, its attempts
+
+        def failed_call(exception: Any = None, context: Any = None, **_: Any) -> None:
+            gave_up.append((type(exception).__name__, ((context or {}).get("retries") or {}).get("attempt")))
+
+        killer.fs.s3.meta.events.register("after-call-error.s3", failed_call, unique_id="test-crash-gave-up")
+        before = m.stats.network
         t0 = time.monotonic()
         with pytest.raises(RollCkptError) as info:
             m.save(step, state)
@@ -457,7 +466,12 @@ def test_s3_server_killed_in_the_middle_of_a_save(seaweed: Any) -> None:
         assert f"checkpoint-{step}" in msg and "nothing of it was committed" in msg, msg
         assert "Traceback" not in msg and "\n" not in msg, f"not one clear line: {msg}"
         assert "EndpointConnectionError" in msg or "connect" in msg.lower(), msg
-        assert took < 180, f"a dead server took {took:.0f}s to report"
+        # Reported, not waited for: every request met a refused connection, each attempt counted
+        # as one, and each request was given up after its 1 + `retries` attempts.
+        net = m.stats.network.since(before)
+        assert net.faults and set(net.kinds) == {"connection error (EndpointConnectionError)"}, net
+        assert gave_up and all(g == ("EndpointConnectionError", 1 + retries) for g in gave_up), gave_up
+        killer.fs.s3.meta.events.unregister("after-call-error.s3", unique_id="test-crash-gave-up")
 
         restart_seaweed(server)
         storage = open_storage(url, options)
