@@ -7,7 +7,7 @@ P = 300 only) of an FSDP2 Llama-shaped state of P parameters (embeddings, q/k/v/
 gate/up/down, norms, lm_head; every parameter ``Shard(0)`` over N) with AdamW (``exp_avg``,
 ``exp_avg_sq`` sharded like the parameter, a replicated 0-d ``step`` per parameter, the
 param group's values) and the per-process values roll-ckpt saves (``per_rank.<r>.__rng__.*``
-tensors, a scheduler and counters as byte values; see ``roll_ckpt.strategy``). Each rank's
+tensors, a scheduler and counters as byte values; see ``roll_ckpt.strategies.dcp``). Each rank's
 DCP ``WriteItem``s are built directly (as ``planner_helpers._create_write_items_for_dtensor``
 makes them for a ``Shard(0)`` DTensor: no process group, no tensor), and DCP's own code runs
 on them: ``DefaultSavePlanner.create_global_plan`` (dedup, ``ChainMap`` merge of planner

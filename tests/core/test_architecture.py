@@ -100,8 +100,8 @@ def test_no_import_cycle(package: str) -> None:
 # through ``hf``: the save pipeline writes Hugging Face files by reading back what it wrote.
 BASE = {"roll_ckpt.errors", "roll_ckpt.contracts", "roll_ckpt.hookspecs"}
 REGISTRY = "roll_ckpt.plugins"  # from config up: plugins' keys validated, backends opened through it
-LAYERS = ["runtime", "format", "config", "tiers", "load", "hf", "save"]
-ASSEMBLY = {"roll_ckpt", "roll_ckpt.plugins", "roll_ckpt._builtin", "roll_ckpt.strategy", "roll_ckpt.manager", "roll_ckpt.views",
+LAYERS = ["runtime", "format", "config", "tiers", "load", "hf", "save", "strategies"]
+ASSEMBLY = {"roll_ckpt", "roll_ckpt.plugins", "roll_ckpt._builtin", "roll_ckpt.manager", "roll_ckpt.views",
             "roll_ckpt.plugin"}
 ABOVE_ALL = ("cli", "testing")
 

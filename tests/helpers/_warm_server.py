@@ -56,7 +56,7 @@ def _preload() -> None:
     import torch.distributed.fsdp  # noqa: F401
     import torch.distributed.tensor  # noqa: F401
     import roll_ckpt.manager  # noqa: F401
-    import roll_ckpt.strategy  # noqa: F401
+    import roll_ckpt.strategies.dcp  # noqa: F401
 
     for optional in ("roll_ckpt_fsdp2", "roll_ckpt_fs", "transformers", "yaml", "safetensors.torch"):
         try:

@@ -45,8 +45,8 @@ def _target(phase: str) -> tuple[Any, str]:
     from roll_ckpt.load.reader import SafeReader
     from roll_ckpt.save.pipeline import SavePipeline
     from roll_ckpt.save.writer import DigestingWriter
-    import roll_ckpt.strategy as strategy_module
-    from roll_ckpt.strategy import DCPStrategy
+    import roll_ckpt.strategies.dcp as strategy_module
+    from roll_ckpt.strategies.dcp import DCPStrategy
 
     return {
         "state_dict": (DCPStrategy, "state_dict"),

@@ -13,7 +13,7 @@ FALLBACK = -(2 ** 31)
 
 
 def _make_dcp(config: Any, plugins: Any) -> Strategy:
-    from .strategy import DCPStrategy
+    from .strategies.dcp import DCPStrategy
 
     return DCPStrategy(config, plugins)
 

@@ -78,7 +78,7 @@ if TYPE_CHECKING:  # for type checkers and the API reference; at run time _LAZY 
     from .runtime.memory import exact_alias
     from .runtime.torch_compat import (collective, fsdp2_options, local_chunk, local_tensor, rewrap_dtensor,
                                        set_local_tensor)
-    from .strategy import DCPStrategy
+    from .strategies.dcp import DCPStrategy
     from .tiers.job import open_storage
     from .load.placeholders import placeholders as dcp_placeholders
     from .load.dcp_folder import dcp_folder_problems, load_dcp, read_dcp_metadata, write_dcp
@@ -115,7 +115,7 @@ __all__ = [
 
 _LAZY = {
     "safetensors_problems": "roll_ckpt.format.hf_files",
-    "DCPStrategy": "roll_ckpt.strategy",
+    "DCPStrategy": "roll_ckpt.strategies.dcp",
     "local_tensor": "roll_ckpt.runtime.torch_compat",
     "set_local_tensor": "roll_ckpt.runtime.torch_compat",
     "rewrap_dtensor": "roll_ckpt.runtime.torch_compat",

@@ -10,7 +10,7 @@ would pickle its own shards, nothing could be resharded, and the tensors would b
     state = {"model": GlobalState(model_wrapper), "optimizer": GlobalState(optimizers),
              "loader": dataloader}              # the dataloader stays per process
 
-The strategy then treats its state dict as it treats a module's (:mod:`roll_ckpt.strategy`):
+The strategy then treats its state dict as it treats a module's (:mod:`roll_ckpt.strategies.dcp`):
 
 * **save** -- ``obj.state_dict()`` is called at every save. Its tensors become DCP entries
   ``<key>.<path>`` (``<path>``: the keys down to the tensor, joined with dots): a DTensor is

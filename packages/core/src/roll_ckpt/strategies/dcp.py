@@ -26,21 +26,21 @@ from typing import Any, Mapping, MutableMapping
 
 import torch
 
-from .runtime.distributed import bounded, checkpoint_group, first_error
-from .runtime.collector import CollectorPause
-from .contracts import SpaceEstimate, Storage, Strategy
-from .errors import RollCkptError
-from .format.global_state import GlobalState
-from .format.layout import basename, parent, parse_step
-from .runtime.optimizers import (fit_target, group_names, load_optimizer, optimizer_state_dict, owners_of,
+from ..runtime.distributed import bounded, checkpoint_group, first_error
+from ..runtime.collector import CollectorPause
+from ..contracts import SpaceEstimate, Storage, Strategy
+from ..errors import RollCkptError
+from ..format.global_state import GlobalState
+from ..format.layout import basename, parent, parse_step
+from ..runtime.optimizers import (fit_target, group_names, load_optimizer, optimizer_state_dict, owners_of,
                                  sole_optimizer)
-from .runtime.rng import capture_rng, restore_rng
-from .save.state_dict_cache import StateDictCache
-from .format.unpickle import METADATA_NAME
-from .load.job_load import assigned_files, job_metadata, read_dcp
-from .load.placeholders import placeholders, top_keys
-from .save.incremental import Increments
-from .runtime.torch_compat import collective, dcp_save, loaded_in_place, local_tensor
+from ..runtime.rng import capture_rng, restore_rng
+from ..save.state_dict_cache import StateDictCache
+from ..format.unpickle import METADATA_NAME
+from ..load.job_load import assigned_files, job_metadata, read_dcp
+from ..load.placeholders import placeholders, top_keys
+from ..save.incremental import Increments
+from ..runtime.torch_compat import collective, dcp_save, loaded_in_place, local_tensor
 
 __all__ = ["DCPStrategy", "PER_RANK", "RNG_KEY"]
 
@@ -90,7 +90,7 @@ class DCPStrategy(Strategy):
         """The layout of the last full save, repeated by saves of the same structure
         (:class:`roll_ckpt.save.fixed_layout.FixedLayouts`)."""
         if self._layouts is None:
-            from .save.fixed_layout import FixedLayouts
+            from ..save.fixed_layout import FixedLayouts
 
             self._layouts = FixedLayouts(self._dist, self.rank, self.world_size)
         return self._layouts
@@ -185,7 +185,7 @@ class DCPStrategy(Strategy):
         (the fast recovery tier's unit): its metadata lists only this process's chunks, and
         replicated values are written in full, so it loads without any other process's files.
         """
-        from .save.writer import DigestingWriter, ReusingSavePlanner
+        from ..save.writer import DigestingWriter, ReusingSavePlanner
 
         gate = getattr(save, "gate", None)
         threads = 1 if gate is not None else self.writer_threads(_local_bytes(sd))
@@ -220,7 +220,7 @@ class DCPStrategy(Strategy):
     def _write_fixed(self, sd: dict[str, Any], writer: Any, threads: int, gate: Any) -> dict[str, tuple] | None:
         """The save at the last full save's offsets (:mod:`roll_ckpt.save.fixed_layout`): the
         coordinator's file digests, or ``None`` when it takes DCP's full path."""
-        from .save.writer import ReusingSavePlanner
+        from ..save.writer import ReusingSavePlanner
 
         layouts = self.layouts
         if layouts.layout is None and layouts.resumed is None:  # then on no process: DCP's protocol
@@ -244,7 +244,7 @@ class DCPStrategy(Strategy):
     def estimate(self, sd: dict[str, Any], user: Mapping[str, Any] | None = None) -> SpaceEstimate:
         """The size of a save of ``sd`` (every process's files). The modules' and optimizers'
         part is estimated once per structure of the state (:class:`StateDictCache`)."""
-        from .tiers.space import estimate_checkpoint_bytes, estimate_items
+        from ..tiers.space import estimate_checkpoint_bytes, estimate_items
 
         if self._estimate[0] != self._state_dicts.builds:
             tensors = {k: v for k, v in sd.items() if k != PER_RANK}
@@ -273,7 +273,7 @@ class DCPStrategy(Strategy):
         this process wrote alone (``write(alone=True)``), loaded without collectives. ``stream``:
         one pass, each piece checked just before its bytes are used (:mod:`roll_ckpt.format.streamed_files`);
         damage then raises :class:`~roll_ckpt.errors.PartlyLoadedError`."""
-        from .load.reader import SafeReader
+        from ..load.reader import SafeReader
 
         reader = SafeReader(storage, dcp_path, on_bytes, files=files, checkpoint=checkpoint, stream=stream)
         step = parse_step(basename(parent(dcp_path)))
