@@ -236,7 +236,7 @@ def export_hf(path: str, out: str | os.PathLike[str], *, component: str | None =
     are copied. An existing ``out`` is refused unless ``overwrite``. ``notes`` receives
     remarks for the user (e.g. a part of a step that is not committed).
     """
-    from ..runtime.progress import Progress
+    from ..runtime.progress import progress
 
     out = os.fspath(out)
     if "://" in out:
@@ -265,8 +265,8 @@ def export_hf(path: str, out: str | os.PathLike[str], *, component: str | None =
         notes(note)
     manifest = read_manifest(storage, target)
     require_tensors(manifest, target)
-    with Progress("verify", sum(e.size for e in manifest.files.values()), enabled=not quiet) as progress:
-        manifest = verify(storage, target, on_bytes=progress).manifest
+    with progress("verify", sum(e.size for e in manifest.files.values()), enabled=not quiet) as on_bytes:
+        manifest = verify(storage, target, on_bytes=on_bytes).manifest
     dcp_dir = storage.join(target, DCP_DIR)
     md = SafeReader(storage, dcp_dir, checkpoint=target).read_metadata()
     names, skipped = module_keys(md, key, target)
@@ -285,8 +285,8 @@ def export_hf(path: str, out: str | os.PathLike[str], *, component: str | None =
     tmp = f"{out}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         os.makedirs(tmp)
-        with Progress("export", read_total, enabled=not quiet) as progress:
-            reader = SafeReader(storage, dcp_dir, progress, checkpoint=target)
+        with progress("export", read_total, enabled=not quiet) as on_bytes:
+            reader = SafeReader(storage, dcp_dir, on_bytes, checkpoint=target)
 
             def read(module_keys: list[str]) -> dict[str, Any]:
                 full = read_full_tensors(reader, md, [names[n] for n in module_keys], target)

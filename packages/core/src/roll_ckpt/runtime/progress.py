@@ -5,17 +5,26 @@ Shown on stderr by the coordinator only; ``ROLL_CKPT_QUIET=1`` (or ``--quiet``) 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-from typing import Any
+from typing import Any, ContextManager
 
-__all__ = ["Progress", "quiet"]
+__all__ = ["Progress", "progress", "quiet"]
 
 _DELAY_S = 1.0
 
 
 def quiet() -> bool:
     return os.environ.get("ROLL_CKPT_QUIET", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def progress(desc: str, total: int | None = None, *, enabled: bool = True) -> ContextManager["Progress | None"]:
+    """A :class:`Progress` for ``with ... as on_bytes``, or, when no bar can be shown (``enabled``
+    false, or ``ROLL_CKPT_QUIET``), ``None`` in its place: nothing counts bytes nobody sees."""
+    if enabled and not quiet():
+        return Progress(desc, total)
+    return contextlib.nullcontext()
 
 
 class Progress:

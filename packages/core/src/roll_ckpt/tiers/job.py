@@ -9,7 +9,7 @@ import threading
 import uuid
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, ContextManager, Mapping
 
 from .backup import BackupLink
 from ..runtime.distributed import decide, storage_error
@@ -19,7 +19,7 @@ from ..errors import RollCkptDeprecationWarning, RollCkptError
 from ..format.owners import hold, release
 from ..format.manifest import Manifest
 from ..plugins import Plugins
-from ..runtime.progress import Progress
+from ..runtime.progress import Progress, progress
 from .retention import note_open_run
 from ..format.owners import claim_run_folder, release_folder
 from ..runtime.distributed import bounded
@@ -127,8 +127,9 @@ class Job:
             note_open_run(self.run_dir, self)  # retention by other managers leaves it alone
         return self.run_dir
 
-    def progress(self, desc: str, total: int | None = None) -> Progress:
-        return Progress(desc, total, enabled=not self.quiet and self.is_coordinator)
+    def progress(self, desc: str, total: int | None = None) -> ContextManager[Progress | None]:
+        """The coordinator's progress bar for ``with ... as on_bytes`` (``None`` where none is shown)."""
+        return progress(desc, total, enabled=not self.quiet and self.is_coordinator)
 
     def announce(self, path: str, manifest: Manifest, component: str | None = None) -> None:
         """``roll_ckpt_on_commit`` for a checkpoint, a step or a part just committed here
