@@ -297,3 +297,15 @@ def test_retry_settings_are_checked(s3: s3server.SeaweedServer) -> None:
     assert st.network_counts() == NetworkCounts()
     config_kwargs = st.fs.s3.meta.config
     assert config_kwargs.read_timeout == 10.0 and config_kwargs.connect_timeout == 5.0
+
+
+def test_a_users_own_botocore_retries_bound_the_counted_attempts(s3: s3server.SeaweedServer) -> None:
+    """botocore stops at ``config_kwargs.retries`` when the user sets it, so the policy that
+    counts the faults (and says which were retried) takes the same bound; without it, ours."""
+    from roll_ckpt_fs.network import RetryPolicy
+
+    for retries, attempts in [({"max_attempts": 2}, 3), ({"total_max_attempts": 4}, 4), ({"mode": "standard"}, 5)]:
+        options = {**s3.storage_options, "config_kwargs": {"retries": retries}}
+        assert FsspecStorage(_url(s3), options).network.policy.max_attempts == attempts, retries
+    assert RetryPolicy(max_attempts=7).honouring({}).max_attempts == 7
+    assert FsspecStorage(_url(s3), {**s3.storage_options, "max_attempts": 2}).network.policy.max_attempts == 2

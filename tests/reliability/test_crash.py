@@ -471,6 +471,8 @@ def test_s3_server_killed_in_the_middle_of_a_save(seaweed: Any) -> None:
         net = m.stats.network.since(before)
         assert net.faults and set(net.kinds) == {"connection error (EndpointConnectionError)"}, net
         assert gave_up and all(g == ("EndpointConnectionError", 1 + retries) for g in gave_up), gave_up
+        # the counts follow botocore's bound too: every attempt but each request's last was retried
+        assert net.retries == net.faults - len(gave_up), (net, gave_up)
         killer.fs.s3.meta.events.unregister("after-call-error.s3", unique_id="test-crash-gave-up")
 
         restart_seaweed(server)

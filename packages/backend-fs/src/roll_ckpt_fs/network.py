@@ -27,6 +27,8 @@ or read timeout, and answers 500, 502, 503 (``SlowDown``), 504 and 429. Anything
 request, so a part of a multipart upload goes again whole); a download that breaks while
 its body is read is read again from where it broke (:class:`RetryingReader`). s3fs's own
 retry loop is set to one pass (``S3FileSystem.retries = 1``) so attempts do not multiply.
+A user's own botocore setting (``config_kwargs: {retries: {...}}``) bounds the attempts instead
+of ``max_attempts`` (botocore stops there), and the counts follow it (:meth:`RetryPolicy.honouring`).
 
 Every fault is counted (:class:`FaultCounter`): the save pipeline reads the counts before
 and after each save (``SaveStats.network``, one log line per save that met any) and the
@@ -38,7 +40,7 @@ from __future__ import annotations
 import random
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from roll_ckpt import StorageError
@@ -81,6 +83,21 @@ class RetryPolicy:
                 raise StorageError(f"checkpoint_config.storage_options.{key} must be {what}, got {value!r} (for {url})")
             values[key] = int(value) if integer else float(value)
         return cls(**values)
+
+    def honouring(self, options: Mapping[str, Any]) -> "RetryPolicy":
+        """This policy with the attempts a user's own ``config_kwargs.retries`` allows: botocore
+        stops there whatever :meth:`FaultCounter.needs_retry` says, so the counts must too
+        (``total_max_attempts`` counts the first attempt; ``max_attempts`` does not)."""
+        retries = (options.get("config_kwargs") or {}).get("retries")
+        if not isinstance(retries, Mapping):
+            return self
+        if isinstance(retries.get("total_max_attempts"), int):
+            attempts = retries["total_max_attempts"]
+        elif isinstance(retries.get("max_attempts"), int):
+            attempts = retries["max_attempts"] + 1
+        else:
+            return self
+        return replace(self, max_attempts=max(1, attempts))
 
     @property
     def worst_case_s(self) -> float:
