@@ -176,7 +176,7 @@ time.sleep(120)
 COPYING_CHILD = r'''
 import os, sys
 from core._backup_helpers import SlowWrites
-import roll_ckpt.tiers.job as job
+import roll_ckpt.tiers.run as job
 import roll_ckpt.tiers.transfer as transfer
 from roll_ckpt import cli
 

@@ -503,9 +503,13 @@ def test_every_component_of_a_launch_resumes_from_the_step_the_first_one_chose(t
     actor, pipe = _managers(tmp_path, run, resume_from_checkpoint="latest")
     assert actor.resume(tiny_state(seed=3)) == 10
     # a straggler of the earlier launch commits its part of step 20 now: the step is whole
+    from roll_ckpt.tiers.run import Run
+
     straggler = CheckpointManager(_config(tmp_path, old), component="pipeline", quiet=True)
-    straggler._job.run_dir = str(tmp_path / old)  # a process of that launch, still running
-    straggler.save(20, {"driver": DriverState(step=20)})
+    state = {"driver": DriverState(step=20)}
+    straggler.bind(state)
+    straggler._run = Run(straggler.storage, straggler._token, str(tmp_path / old))  # a process of that launch
+    straggler.save(20, state)
     straggler.close()
     assert 20 in _steps(tmp_path)
     restored = DriverState()

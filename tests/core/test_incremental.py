@@ -154,7 +154,7 @@ def test_memory_store_takes_over_by_copy_and_the_copy_is_whole(memory_url: str, 
             m.save(s, {"model": model, "optimizer": opt})
             m.wait()
         assert m.stats.last.bytes_taken_over >= frozen_bytes(model)
-        storage = m._job.storage
+        storage = m.storage
         storage.remove_tree(storage.join(storage.root, "checkpoint-1"))
     other, other_opt = lora(seed=3)
     with CheckpointManager.from_config(load_config(cfg), quiet=True) as m:

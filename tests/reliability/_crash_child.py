@@ -157,7 +157,7 @@ def worker(spec: dict[str, Any]) -> int:
     if switch is not None:
         # Claim the run folder (and clean leftovers) first, so that operation N is the same
         # point of the save protocol in every worker: the random kills cover the start-up.
-        manager._job.ensure_run_dir()
+        manager._claimed_run()
         switch.armed = True
     reported = start
     last_step = start + int(spec["saves"]) if "saves" in spec else int(spec.get("max_steps", 100_000))

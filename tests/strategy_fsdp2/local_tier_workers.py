@@ -73,7 +73,7 @@ def main(out: str, local: str, steps: str, die_at: str, options: str = "") -> No
     m = CheckpointManager.from_config(load_config(cfg), quiet=True)
     state = {"model": model, "optimizer": opt, "scheduler": sched}
     start = m.resume(state)
-    tier = m._job.local
+    tier = m._local
     if "full_local" in opts and node == "node1":
         def full_disk(path: str):  # a tmpfs with no room left
             raise OSError(errno.ENOSPC, "No space left on device", path)

@@ -1,24 +1,32 @@
 """CheckpointManager: the public entry point for saving and resuming a training job.
 
-The manager guards and dispatches; the work is done in modules of their own:
-:mod:`roll_ckpt.save.pipeline` (the save pipeline), :mod:`roll_ckpt.load.resume` (which checkpoint
-to resume from, and loading it), :mod:`roll_ckpt.format.owners` (run folders),
+The manager owns the launch's state -- the strategy, the :class:`~roll_ckpt.tiers.run.Run` (storage,
+token, run folder: an immutable value, replaced when the folder is claimed or the storage
+wrapped), the hold on the checkpoint it resumed from, the backup link and the local tier -- and
+hands each part what it needs; the work is done in modules of their own:
+:mod:`roll_ckpt.save.pipeline` (the saver, with retention and replication as its commit hooks),
+:mod:`roll_ckpt.load.resume` (which checkpoint to resume from, and loading it),
+:mod:`roll_ckpt.tiers.run` (the strategy chosen, the run folder claimed),
 :mod:`roll_ckpt.format.components` (steps made of several parts) and
 :mod:`roll_ckpt.tiers.backup` (replication to ``checkpoint_config.backup``).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import threading
 from concurrent.futures import Future
 from typing import Any, Iterable, Mapping, MutableMapping
 
 from .tiers.backup import BackupLink
 from .format.components import check_component
+from .format.owners import release_folder
 from .config.schema import Config, load_config
-from .contracts import NetworkCounts, Storage, Strategy
+from .contracts import CommitInfo, Storage, Strategy
 from .errors import RollCkptError
-from .tiers.job import Job, open_storage
+from .tiers.retention import Retention
+from .tiers.run import LaunchHold, Run, Setup, choose_strategy, claim_run, open_storage
 from .plugins import Plugins, get_plugins
 from .runtime.preemption import PreemptionWatch, pass_on, preemption_done, run_without_interruption
 from .load.resume import Resumer
@@ -69,26 +77,37 @@ class CheckpointManager:
         plugins = plugins or get_plugins()
         if component is not None:  # the worker section's strategy_config (ROLL's actor_train...) first
             config = config.for_component(component, plugins=plugins)
-        storage = open_storage(plugins, cc.type, cc.output_dir, cc.storage_options)
         self.config = config
-        self._job = Job(config, component, storage, plugins, quiet=quiet)
+        self._setup = Setup(config, component, plugins, quiet)
+        self._storage = open_storage(plugins, cc.type, cc.output_dir, cc.storage_options)
+        self._strategy: Strategy | None = None
+        self._token = ""
+        self._run: Run | None = None
+        """This launch's run, once its folder is claimed (:meth:`_claimed_run`)."""
+        self._holds = LaunchHold()
+        lock = threading.Lock()  # held by retention and backup.keep_local while they remove local checkpoints
+        self._backup: BackupLink | None = None
         if cc.backup is not None:
             replica = open_storage(plugins, cc.backup.type, cc.backup.output_dir, cc.backup.storage_options)
-            self._job.backup = BackupLink(lambda: self._job.storage, replica, cc.backup, lock=self._job.local_lock,
-                                          own_run=lambda: self._job.run_dir, nice=cc.background_nice)
+            self._backup = BackupLink(replica, cc.backup, lock=lock, nice=cc.background_nice)
+        self._local: Any = None
         if cc.local is not None:
             if component is not None:
                 raise RollCkptError("checkpoint_config.local (the fast recovery tier) does not work with "
                                     "components yet; remove one of them")
             from .tiers.local_tier import LocalTier
 
-            self._job.local = LocalTier(cc.local, open_storage(plugins, "file_system", cc.local.dir, {}))
-        self._saves = SavePipeline(self._job)
-        self._resumer = Resumer(self._job)
-        self.stats = SaveReport(self._saves, self._job)
-        self.resumed = ResumeReport(self._resumer, self._job)
-        self.backup = None if self._job.backup is None else BackupView(self._job.backup, self._saves)
-        self.local = None if self._job.local is None else LocalView(self._job.local)
+            self._local = LocalTier(cc.local, open_storage(plugins, "file_system", cc.local.dir, {}))
+        retention = Retention(cc.max_ckpt_to_keep, lock, self._backup)
+        hooks = [retention.after_commit] + ([self._backup.submit] if self._backup is not None else [])
+        self._saves = SavePipeline(self._setup, local=self._local, retention=retention, announce=self._announce,
+                                   after_commit=hooks)
+        self._resumer = Resumer(self._setup, local=self._local, backup=self._backup, announce=self._announce,
+                                holds=self._holds)
+        self.stats = SaveReport(self._saves, lambda: self._storage)
+        self.resumed = ResumeReport(self._resumer, lambda: self._storage)
+        self.backup = None if self._backup is None else BackupView(self._backup, self._saves)
+        self.local = None if self._local is None else LocalView(self._local)
         self._closed = False
         self.preempted = False
         """True once a preemption checkpoint is committed (with ``preemption.exit: false``)."""
@@ -105,31 +124,57 @@ class CheckpointManager:
     def storage(self) -> Storage:
         """Where checkpoints are written (``checkpoint_config.type`` at ``output_dir``).
 
-        Assignable before the first save (e.g. to wrap it with instrumentation)."""
-        return self._job.storage
+        Assignable (e.g. to wrap it with instrumentation): the saves after it write through it."""
+        return self._storage
 
     @storage.setter
     def storage(self, storage: Storage) -> None:
-        self._job.storage = storage
+        self._storage = storage
+        if self._run is not None:
+            self._run = Run(storage, self._run.token, self._run.folder)
 
     # ------------------------------------------------------------------ strategy
 
     @property
     def strategy(self) -> Strategy:
         """The strategy in use; chosen from the state at the first ``resume``/``save``."""
-        if self._job.strategy is None:
+        if self._strategy is None:
             raise RollCkptError("the strategy is chosen from the state: call bind(state), resume(state) "
                                 "or save(step, state) first")
-        return self._job.strategy
+        return self._strategy
 
     def bind(self, state: Mapping[str, Any]) -> Strategy:
-        """Choose the strategy for ``state`` (done by the first resume/save)."""
-        return self._job.bind(state)
+        """Choose the strategy for ``state`` (done by the first resume/save): every process
+        of the job calls it, and they agree on this launch's token."""
+        if self._strategy is None:
+            self._strategy, self._token = choose_strategy(self.config, self._setup.plugins, state)
+        return self._strategy
 
     @property
     def run_dir(self) -> str | None:
         """This run's folder (created by the first save)."""
-        return self._job.run_dir
+        return None if self._run is None else self._run.folder
+
+    def _claimed_run(self) -> Run:
+        """This launch's run, its folder claimed by the coordinator on first use."""
+        if self._run is None:
+            assert self._strategy is not None
+            self._run = claim_run(Run(self._storage, self._token), self._strategy, self.config,
+                                  self._setup.component, self._writing)
+        return self._run
+
+    def _writing(self) -> bool:
+        """Whether this launch may still write its run folder (retention by other managers of
+        this process leaves it alone while it may)."""
+        return not self._closed
+
+    def _announce(self, path: str, manifest: Any, component: str | None = None) -> None:
+        """``roll_ckpt_on_commit`` for a checkpoint, a step or a part just committed here
+        (the checkpoint this launch resumed from need not be held any longer)."""
+        self._holds.release()
+        self._setup.plugins.hook.roll_ckpt_on_commit(info=CommitInfo(
+            path=path, step=manifest.step, url=self._storage.url, manifest=json.loads(manifest.to_bytes()),
+            component=component))
 
     # ------------------------------------------------------------------ saving
 
@@ -146,11 +191,11 @@ class CheckpointManager:
         """
         self._check_open()
         if self._watch.signals:
-            strategy = self._job.bind(state)
+            strategy = self.bind(state)
             if strategy.any_true(self._watch.requested, step):
                 return self._preempt(step, state)
         every = self.config.save_steps
-        local = self._job.local
+        local = self._local
 
         def due(k: int) -> tuple[bool, bool]:
             return (every > 0 and k > 0 and k % every == 0,
@@ -159,9 +204,10 @@ class CheckpointManager:
         persistent, local_due = due(step)
         path = None
         if persistent:
-            path = self._saves.save(step, state, final=False, metadata=None, local=local_due)
+            path = self._saves.save(self._claimed_run, self.bind(state), step, state, final=False, metadata=None,
+                                    local=local_due)
         elif local_due:
-            self._saves.save_local(step, state)
+            self._saves.save_local(self.bind(state), step, state)
         if any(due(step + 1)):  # the next call saves: its staging buffers made ready meanwhile, off the loop
             self._saves.prepare()
         return path
@@ -196,7 +242,8 @@ class CheckpointManager:
             except RollCkptError as exc:
                 log.error("roll-ckpt: the save in flight failed: %s; saving step %d anyway", exc, step)
             path = run_without_interruption(self._watch, lambda: self._saves.save(
-                step, state, final=True, metadata={"preempted": self._watch.describe()}))
+                self._claimed_run, self.bind(state), step, state, final=True,
+                metadata={"preempted": self._watch.describe()}))
             self._watch.committed = True  # the signals held so far are passed on below, not by close()
         except BaseException as exc:  # close() passes the signal on: the error must not vanish with the process
             log.error("roll-ckpt: the preemption save of step %d failed: %s", step, exc)
@@ -221,7 +268,7 @@ class CheckpointManager:
         save that is not final returns ``None`` (logged, counted in ``stats.failed``).
         """
         self._check_open()
-        return self._saves.save(step, state, final=final, metadata=metadata)
+        return self._saves.save(self._claimed_run, self.bind(state), step, state, final=final, metadata=metadata)
 
     def commit_step(self, step: int, parts: Iterable[str], files: Iterable[str] = ()) -> bool:
         """Commit step ``step`` once ``parts`` are all committed, for a job whose steps something
@@ -232,13 +279,12 @@ class CheckpointManager:
         False when a part is missing or another process committed it first. Coordinator."""
         from .format.layout import checkpoint_name
 
-        job = self._job
-        cc = self.config.checkpoint_config
-        step_path = job.storage.join(job.ensure_run_dir(), checkpoint_name(step, cc.name_format))
+        run = self._claimed_run()
+        step_path = run.storage.join(run.folder, checkpoint_name(step, self.config.checkpoint_config.name_format))
         committer = self._saves.committer
-        if not committer.commit_step(step_path, step, parts=list(parts), files=list(files)):
+        if not committer.commit_step(run, step_path, step, parts=list(parts), files=list(files)):
             return False
-        committer.after_commit(step_path, step)
+        committer.after_commit(run, step_path, step)
         return True
 
     def hf_files(self, *objects: Any) -> None:
@@ -266,9 +312,14 @@ class CheckpointManager:
         (verified the same way; a warning names the damaged file).
         """
         self._check_open()
-        step = self._resumer.resume(state, target)
-        if self._job.local is not None:
-            self._job.local.started(step)
+        strategy = self.bind(state)
+        # with components the run folder is claimed first: a run_name an earlier launch used is
+        # refused before anything loads, and the launch's choice is recorded there
+        run = self._claimed_run() if self._setup.component else Run(self._storage, self._token)
+        step = self._resumer.resume(run, strategy, state, target)
+        self._saves.committer.resumed_from = self._resumer.path  # (trainer_state.json names it)
+        if self._local is not None:
+            self._local.started(step)
         return step
 
     # ------------------------------------------------------------------ moved (deprecated until 1.0)
@@ -288,10 +339,10 @@ class CheckpointManager:
     local_failed_saves = moved("local.failed_saves", absent=0)
     backup_storage = moved("backup.storage")
     backup_status = moved("backup.status")
-    component = moved("_job.component")
-    plugins = moved("_job.plugins")
-    quiet = moved("_job.quiet")
-    is_coordinator = moved("_job.is_coordinator")
+    component = moved("_setup.component")
+    plugins = moved("_setup.plugins")
+    quiet = moved("_setup.quiet")
+    is_coordinator = moved("_coordinator")
 
     def wait_for_backup(self, timeout: float | None = None) -> Any:
         """Deprecated (until 1.0): ``manager.backup.wait(timeout)``."""
@@ -314,18 +365,17 @@ class CheckpointManager:
         if self._closed:
             return
         self._closed = True
-        self._job.open = False
         held = self._watch.uninstall()  # signals that came after the last maybe_save: passed on last
         try:
             try:
                 self._saves.close()
             finally:
                 try:
-                    if self._job.strategy is not None:
-                        self._job.strategy.close()
-                    self._job.release()
+                    if self._strategy is not None:
+                        self._strategy.close()
+                    self._release()
                 finally:
-                    backup_error = self._job.backup.close() if self._job.backup is not None else None
+                    backup_error = self._backup.close() if self._backup is not None else None
             if backup_error is not None:
                 raise backup_error
         except BaseException as exc:
@@ -334,6 +384,20 @@ class CheckpointManager:
             raise
         finally:
             pass_on(held)
+
+    def _release(self) -> None:
+        """Let go of the hold and, with ``timestamp_subdir: false``, of ``output_dir`` (coordinator)."""
+        try:
+            self._holds.release()
+            if self._run is not None and self._run.folder == self._run.root and self._coordinator:
+                release_folder(self._storage, self._run.root)
+        except Exception as exc:  # a hold or lock of a process that is gone counts for nothing
+            log.warning("roll-ckpt: could not remove this launch's hold or lock under %s (%s: %s)",
+                        self._storage.root, type(exc).__name__, exc)
+
+    @property
+    def _coordinator(self) -> bool:
+        return self._strategy is None or self._strategy.is_coordinator
 
     def __enter__(self) -> "CheckpointManager":
         return self

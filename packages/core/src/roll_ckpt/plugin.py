@@ -79,7 +79,7 @@ if TYPE_CHECKING:  # for type checkers and the API reference; at run time _LAZY 
     from .runtime.torch_compat import (collective, fsdp2_options, local_chunk, local_tensor, rewrap_dtensor,
                                        set_local_tensor)
     from .strategies.dcp import DCPStrategy
-    from .tiers.job import open_storage
+    from .tiers.run import open_storage
     from .load.placeholders import placeholders as dcp_placeholders
     from .load.dcp_folder import dcp_folder_problems, load_dcp, read_dcp_metadata, write_dcp
     from .load.torch_file import torch_file_problem, torch_load
@@ -123,7 +123,7 @@ _LAZY = {
     "collective": "roll_ckpt.runtime.torch_compat",
     "fsdp2_options": "roll_ckpt.runtime.torch_compat",
     "exact_alias": "roll_ckpt.runtime.memory",
-    "open_storage": "roll_ckpt.tiers.job",
+    "open_storage": "roll_ckpt.tiers.run",
     "cli_main": "roll_ckpt.cli",
     "read_dcp_metadata": "roll_ckpt.load.dcp_folder",
     "dcp_folder_problems": "roll_ckpt.load.dcp_folder",

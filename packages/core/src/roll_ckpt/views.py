@@ -10,7 +10,7 @@ no ``checkpoint_config.backup`` / ``checkpoint_config.local``.
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from .contracts import NetworkCounts, Storage
 from .errors import RollCkptDeprecationWarning
@@ -19,7 +19,6 @@ if TYPE_CHECKING:
     from .load.resume import Resumer
     from .save.pipeline import SavePipeline, SaveStats
     from .tiers.backup import BackupLink
-    from .tiers.job import Job
     from .tiers.local_tier import LocalTier
 
 __all__ = ["SaveReport", "ResumeReport", "BackupView", "LocalView"]  # (moved, warn_moved: the manager's)
@@ -28,8 +27,8 @@ __all__ = ["SaveReport", "ResumeReport", "BackupView", "LocalView"]  # (moved, w
 class SaveReport:
     """``manager.stats``: what this manager's saves cost and where they stand."""
 
-    def __init__(self, saves: "SavePipeline", job: "Job") -> None:
-        self._saves, self._job = saves, job
+    def __init__(self, saves: "SavePipeline", storage: Callable[[], Storage]) -> None:
+        self._saves, self._storage = saves, storage
 
     @property
     def last(self) -> "SaveStats | None":
@@ -52,7 +51,7 @@ class SaveReport:
         (all zero on a local disk); each save's own are in ``stats.last.network``."""
         from .runtime.network import read_counts
 
-        return read_counts(self._job.storage) or NetworkCounts()
+        return read_counts(self._storage()) or NetworkCounts()
 
     @property
     def space_estimate(self) -> Any:
@@ -63,13 +62,13 @@ class SaveReport:
 class ResumeReport:
     """``manager.resumed``: the checkpoint :meth:`~roll_ckpt.CheckpointManager.resume` loaded."""
 
-    def __init__(self, resumer: "Resumer", job: "Job") -> None:
-        self._resumer, self._job = resumer, job
+    def __init__(self, resumer: "Resumer", storage: Callable[[], Storage]) -> None:
+        self._resumer, self._storage = resumer, storage
 
     @property
     def path(self) -> str | None:
         """Its path (or the replica's URL); ``None`` on a fresh start or before ``resume``."""
-        return self._job.resumed_from
+        return self._resumer.path
 
     @property
     def from_backup(self) -> bool:
@@ -87,7 +86,7 @@ class ResumeReport:
         ``"latest"`` is the newest committed checkpoint under ``output_dir`` and, with
         ``checkpoint_config.backup``, at the backup location; when both hold it, the local
         copy (``resume`` falls back to the replica if the local copy is damaged)."""
-        found = self._resumer.candidates(target)
+        found = self._resumer.candidates(self._storage(), target)
         return (found[0][0], found[0][1]) if found else None
 
 

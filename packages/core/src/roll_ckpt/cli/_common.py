@@ -54,7 +54,7 @@ def keep_count(text: str) -> int:
 
 def open_storage_arg(args: argparse.Namespace, url: str) -> Any:
     """The storage for ``url``, rooted there (``storage.root`` is ``url`` as a backend path)."""
-    from ..tiers.job import open_storage
+    from ..tiers.run import open_storage
     from ..plugins import get_plugins
 
     options = dict(args.storage_option or [])
@@ -142,7 +142,7 @@ def require_dir(storage: Any, url: str) -> None:
 
 def side_storage(args: argparse.Namespace, url: str, side: str) -> Any:
     """The storage for one side of ``copy``: ``--type``/``--storage-option``, then ``--src-*``/``--dst-*``."""
-    from ..tiers.job import open_storage
+    from ..tiers.run import open_storage
     from ..plugins import get_plugins
 
     type_ = getattr(args, f"{side}_type") or args.type

@@ -16,10 +16,11 @@ local copy goes first and the replica is tried when the local copy is damaged.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import warnings
-from typing import Any, MutableMapping
+from typing import Any, Callable, MutableMapping
 
 from ..format import layout
 from ..runtime.distributed import decide
@@ -28,7 +29,7 @@ from ..contracts import Storage, Strategy
 from ..errors import CheckpointNotFoundError, RollCkptError
 from ..format.foreign import Found, recognize, survey, what_is
 from ..format.manifest import MANIFEST_NAME
-from ..tiers.job import Job, open_storage
+from ..tiers.run import LaunchHold, Run, Setup, open_storage
 from ..format.layout import TRAINER_STATE
 from ..format.manifest import Manifest
 from ..format.owners import utc_now
@@ -43,8 +44,16 @@ Candidate = tuple[Storage, str, bool]
 
 
 class Resumer:
-    def __init__(self, job: Job) -> None:
-        self.job = job
+    """One manager's resumes. ``local``: the fast recovery tier (or ``None``); ``backup``: the
+    link to ``checkpoint_config.backup`` (or ``None``); ``announce``: ``roll_ckpt_on_commit``
+    for a step this resume commits; ``holds``: the launch's hold on what it resumes from."""
+
+    def __init__(self, setup: Setup, *, local: Any, backup: Any, announce: Callable[..., None],
+                 holds: LaunchHold) -> None:
+        self.setup = setup
+        self.local, self.backup, self.announce, self.holds = local, backup, announce, holds
+        self.path: str | None = None
+        """The checkpoint the resume loaded (its path, or the replica's URL); ``None``: none."""
         self.trainer_state: dict[str, Any] = {}
         self.resumed_from_backup = False
         self.initial_load: Any = None
@@ -52,29 +61,28 @@ class Resumer:
 
     # ------------------------------------------------------------------ where from
 
-    def candidates(self, target: str | None) -> list[Candidate]:
+    def candidates(self, storage: Storage, target: str | None) -> list[Candidate]:
         """What to try in turn (this process's view): the newest checkpoint, local copy first.
 
         For ``latest``, the newest *usable* folder under ``output_dir``: a committed
         checkpoint, or another framework's that a format plugin recognizes complete
         (:mod:`roll_ckpt.format.foreign`). Every newer folder passed over is named in a
         WARNING with the reason, or, with ``checkpoint_config.on_unusable_checkpoint:
-        raise``, stops the resume.
+        raise``, stops the resume. ``storage``: this manager's.
         """
-        job = self.job
-        target = job.config.resume_target if target is None else target
+        setup = self.setup
+        cc = setup.config.checkpoint_config
+        target = setup.config.resume_target if target is None else target
         if target is None:
             return []
         if target != "latest":
-            cc = job.config.checkpoint_config
-            storage = open_storage(job.plugins, cc.type, target, cc.storage_options)
-            return [(storage, storage.root, False)]
-        found = survey(job.storage, job.root, job.plugins.formats(),
-                       job.config.checkpoint_config.components if job.component else None)
+            there = open_storage(setup.plugins, cc.type, target, cc.storage_options)
+            return [(there, there.root, False)]
+        found = survey(storage, storage.root, setup.plugins.formats(), cc.components if setup.component else None)
         usable = [f for f in found if f.usable]
         local = usable[-1] if usable else None
         remote = None
-        backup = job.backup.replica if job.backup is not None else None
+        backup = self.backup.replica if self.backup is not None else None
         if backup is not None:
             try:
                 remote = layout.latest(backup, backup.root)
@@ -82,34 +90,34 @@ class Resumer:
                 log.warning("roll-ckpt: cannot list the backup at %s (%s); only local checkpoints are "
                             "considered", backup.url, exc)
         newest = max((r.order for r in (local, remote) if r is not None), default=None)
-        self._passed_over([f for f in found if not f.usable and (newest is None or f.order > newest)], newest)
+        self._passed_over(storage, [f for f in found if not f.usable and (newest is None or f.order > newest)], newest)
         if local is None and remote is None:
-            where = job.storage.url + (f" nor at the backup {backup.url}" if backup is not None else "")
+            where = storage.url + (f" nor at the backup {backup.url}" if backup is not None else "")
             log.info("roll-ckpt: no checkpoint to resume from under %s; starting fresh", where)
             return []
         if remote is None or (local is not None and local.order > remote.order):
-            return [(job.storage, local.path, False)]
+            return [(storage, local.path, False)]
         if local is None or remote.order > local.order:
             return [(backup, remote.path, True)]
-        return [(job.storage, local.path, False), (backup, remote.path, True)]
+        return [(storage, local.path, False), (backup, remote.path, True)]
 
-    def _passed_over(self, passed: list[Found], newest: Any) -> None:
+    def _passed_over(self, storage: Storage, passed: list[Found], newest: Any) -> None:
         """Name the folders ``latest`` could not use: a WARNING, or the error the config asks for."""
         if not passed:
             return
         what = "starting fresh (step 0)" if newest is None else "resuming from an older checkpoint"
         lines = [f"  {f.path}: {f.reason}" for f in passed]
-        if self.job.config.checkpoint_config.on_unusable_checkpoint == "raise":
+        if self.setup.config.checkpoint_config.on_unusable_checkpoint == "raise":
             raise CheckpointNotFoundError(
                 f"resume_from_checkpoint: latest would be {what}, passing over {len(passed)} folder(s) it cannot "
-                f"use under {self.job.storage.url}:\n" + "\n".join(lines) + "\n(checkpoint_config."
+                f"use under {storage.url}:\n" + "\n".join(lines) + "\n(checkpoint_config."
                 "on_unusable_checkpoint: raise.) Resume one of them by hand once it is whole, remove them, or set "
                 "on_unusable_checkpoint: warn to go on without them")
         log.warning("roll-ckpt: %s; passed over %d folder(s) that cannot be resumed from:\n%s\n"
                     "(checkpoint_config.on_unusable_checkpoint: raise makes this an error)", what, len(passed),
                     "\n".join(lines))
 
-    def agreed_candidates(self, target: str | None, strategy: Strategy) -> list[Candidate]:
+    def agreed_candidates(self, run: Run, strategy: Strategy, target: str | None) -> list[Candidate]:
         """Where to resume from: the same on every rank and in every component of a launch.
 
         Ranks that listed the folders themselves could see different steps (one may be
@@ -119,70 +127,69 @@ class Resumer:
         starts from the same step, even if a straggler of an earlier launch commits one
         while they start.
         """
-        job = self.job
-        target = job.config.resume_target if target is None else target
+        target = self.setup.config.resume_target if target is None else target
         if target != "latest":
-            return self.candidates(target)
-        agreed = decide(strategy, self._pick_latest,
-                        where=f"cannot find the checkpoint to resume from under {job.storage.url}",
+            return self.candidates(run.storage, target)
+        agreed = decide(strategy, functools.partial(self._pick_latest, run),
+                        where=f"cannot find the checkpoint to resume from under {run.storage.url}",
                         phase="resume: choosing the checkpoint")
-        backup = job.backup.replica if job.backup is not None else None
-        return [(backup if from_backup else job.storage, path, from_backup)  # type: ignore[misc]
+        backup = self.backup.replica if self.backup is not None else None
+        return [(backup if from_backup else run.storage, path, from_backup)  # type: ignore[misc]
                 for path, from_backup in agreed]
 
-    def _pick_latest(self) -> list[tuple[str, bool]]:
-        """The coordinator's ``(path, from_backup)`` candidates for ``latest``."""
-        job = self.job
-        if not job.component:
-            return [(path, from_backup) for _, path, from_backup in self.candidates("latest")]
-        run_dir = job.ensure_run_dir()
-        shared = run_dir != job.root  # without run folders there is no launch's own folder to record in
-        record = job.storage.join(run_dir, layout.RESUME_RECORD)
-        chosen = read_resume_record(job.storage, record) if shared else None
+    def _pick_latest(self, run: Run) -> list[tuple[str, bool]]:
+        """The coordinator's ``(path, from_backup)`` candidates for ``latest`` (with components,
+        ``run``'s folder is claimed: the launch's choice is recorded there)."""
+        storage, component = run.storage, self.setup.component
+        if not component:
+            return [(path, from_backup) for _, path, from_backup in self.candidates(storage, "latest")]
+        assert run.folder is not None
+        shared = run.folder != run.root  # without run folders there is no launch's own folder to record in
+        record = storage.join(run.folder, layout.RESUME_RECORD)
+        chosen = read_resume_record(storage, record) if shared else None
         if chosen is not None:
             return chosen
-        cc = job.config.checkpoint_config
+        cc = self.setup.config.checkpoint_config
         if cc.commit_steps:  # else something else commits the steps (roll_ckpt_verl)
-            for path, manifest in complete_pending(job.storage, job.root, cc.components or ()):
+            for path, manifest in complete_pending(storage, run.root, cc.components or ()):
                 log.info("roll-ckpt: committed %s (its parts were all committed)", path)
-                job.announce(path, manifest)
-        mine = [(path, from_backup) for _, path, from_backup in self.candidates("latest")]
+                self.announce(path, manifest)
+        mine = [(path, from_backup) for _, path, from_backup in self.candidates(storage, "latest")]
         if not shared:
             return mine
-        body = {"candidates": mine, "component": job.component, "time": utc_now()}
+        body = {"candidates": mine, "component": component, "time": utc_now()}
         try:
-            job.storage.write_create(record, json.dumps(body).encode())
+            storage.write_create(record, json.dumps(body).encode())
         except FileExistsError:  # another component chose first
-            chosen = read_resume_record(job.storage, record)
+            chosen = read_resume_record(storage, record)
             if chosen is not None:
                 return chosen
         return mine
 
     # ------------------------------------------------------------------ loading
 
-    def resume(self, state: MutableMapping[str, Any], target: str | None) -> int:
-        job = self.job
-        strategy = job.bind(state)
-        if job.component:
-            job.ensure_run_dir()  # refuses a run_name an earlier launch used, before anything loads
-        candidates = self.agreed_candidates(target, strategy)
-        if job.local is not None and (job.config.resume_target if target is None else target) == "latest":
+    def resume(self, run: Run, strategy: Strategy, state: MutableMapping[str, Any], target: str | None) -> int:
+        """Restore ``state``; its step (0: a fresh start). ``run``: this launch's (with components,
+        its folder claimed first: a ``run_name`` an earlier launch used is refused before anything loads)."""
+        config = self.setup.config
+        candidates = self.agreed_candidates(run, strategy, target)
+        if self.local is not None and (config.resume_target if target is None else target) == "latest":
             newest = max((layout.parse_step(layout.basename(p)) or 0 for _, p, _ in candidates), default=-1)
-            stream = not job.config.checkpoint_config.verify_before_load
-            found = job.local.resume(state, strategy, newest, stream=stream)
+            stream = not config.checkpoint_config.verify_before_load
+            found = self.local.resume(state, strategy, newest, stream=stream)
             if found is not None:
-                step, self.trainer_state, job.resumed_from = found
+                step, self.trainer_state, self.path = found
                 log.info("roll-ckpt: resumed step %d from the local tier (%s; the newest persistent step is %s)",
-                         step, job.resumed_from, newest if newest >= 0 else "none")
+                         step, self.path, newest if newest >= 0 else "none")
                 return step
-            if job.local.partly_loaded and not candidates:
+            if self.local.partly_loaded and not candidates:
                 raise RollCkptError("loading the newest local checkpoint failed after it began (logged above) and "
-                                    f"there is no persistent checkpoint under {job.storage.url}: the state is partly "
+                                    f"there is no persistent checkpoint under {run.storage.url}: the state is partly "
                                     "loaded; start again from scratch")
         first_error: RollCkptError | None = None
         for i, (storage, path, from_backup) in enumerate(candidates):
             try:
-                step = self._resume_from(state, storage, path)
+                step = self._resume_from(run, strategy, state, storage, path)
             except RollCkptError as exc:  # raised alike on every rank (verification is broadcast)
                 if i + 1 < len(candidates):
                     from ..tiers.replication import replica_url
@@ -200,18 +207,19 @@ class Resumer:
             if from_backup:
                 from ..tiers.replication import replica_url
 
-                job.resumed_from = replica_url(storage, path)
-                log.info("roll-ckpt: resumed step %d from the backup %s", step, job.resumed_from)
+                self.path = replica_url(storage, path)
+                log.info("roll-ckpt: resumed step %d from the backup %s", step, self.path)
             return step
-        return self._initial_load(state)
+        return self._initial_load(strategy, state)
 
-    def _initial_load(self, state: MutableMapping[str, Any]) -> int:
+    def _initial_load(self, strategy: Strategy, state: MutableMapping[str, Any]) -> int:
         """A fresh start: ``checkpoint_config.initial_load``'s weights, if any, into ``state``. Returns 0."""
-        initial = self.job.config.checkpoint_config.initial_load
+        initial = self.setup.config.checkpoint_config.initial_load
         if initial is not None:
             from .hf_folder import load_initial
 
-            self.initial_load = load_initial(state, initial, self.job.strategy, self.job.progress)
+            self.initial_load = load_initial(state, initial, strategy,
+                                             functools.partial(self.setup.progress, strategy=strategy))
         return 0
 
     def _verify_part(self, storage: Storage, path: str, strategy: Strategy) -> tuple[str, Manifest]:
@@ -221,23 +229,23 @@ class Resumer:
         # deserialized): .metadata by the coordinator, each data file by one rank
         # (roll_ckpt.load.job_load); everything else here.
         data_dir = f"{strategy.data_dir}/"
-        with self.job.progress("verify") as progress:
+        with self.setup.progress("verify", strategy) as progress:
             manifest = verify(storage, part, on_bytes=progress, defer=lambda name: name.startswith(data_dir)).manifest
         _check_written_by(manifest, part, strategy)
         return part, manifest
 
-    def _resume_from(self, state: MutableMapping[str, Any], storage: Storage, path: str) -> int:
-        """Verify the checkpoint at ``path``, load it into ``state``; return its step."""
-        job = self.job
-        strategy = job.strategy
-        assert strategy is not None
-        foreign = decide(strategy, lambda: self._foreign_part(storage, path), where=f"cannot resume from {path}",
-                         phase="resume: verifying", step=layout.parse_step(layout.basename(path)))
+    def _resume_from(self, run: Run, strategy: Strategy, state: MutableMapping[str, Any], storage: Storage,
+                     path: str) -> int:
+        """Verify the checkpoint at ``path`` (of ``storage``), load it into ``state``; return its step."""
+        foreign = decide(strategy, functools.partial(self._foreign_part, storage, path),
+                         where=f"cannot resume from {path}", phase="resume: verifying",
+                         step=layout.parse_step(layout.basename(path)))
         if foreign is not None:
-            return self._resume_foreign(state, storage, *foreign)
+            return self._resume_foreign(strategy, state, storage, *foreign)
+
         def check() -> tuple[str, Manifest, bytes]:
-            if storage is job.storage:  # another launch's retention must leave it alone meanwhile
-                job.hold(path)
+            if storage is run.storage:  # another launch's retention must leave it alone meanwhile
+                self.holds.hold(run, path)
             part, manifest = self._verify_part(storage, path, strategy)
             with storage.open_read(storage.join(part, TRAINER_STATE)) as f:
                 return part, manifest, f.read()
@@ -251,12 +259,12 @@ class Resumer:
                  if name.startswith(f"{data_dir}/")}
         trainer_state = json.loads(trainer_bytes.decode())
         into = only_model(state, manifest, part)
-        with job.progress(f"load step {trainer_state.get('step')}") as progress:
+        with self.setup.progress(f"load step {trainer_state.get('step')}", strategy) as progress:
             strategy.load(into, storage, storage.join(part, data_dir), progress, files=files, checkpoint=part,
-                          stream=not job.config.checkpoint_config.verify_before_load)
+                          stream=not self.setup.config.checkpoint_config.verify_before_load)
         self.trainer_state = trainer_state
-        job.resumed_from = storage.url if storage is not job.storage else path
-        job.plugins.hook.roll_ckpt_load(path=path, state=state)
+        self.path = storage.url if storage is not run.storage else path
+        self.setup.plugins.hook.roll_ckpt_load(path=path, state=state)
         return int(trainer_state["step"])
 
     def _foreign_part(self, storage: Storage, path: str) -> tuple[str, str | None] | None:
@@ -267,19 +275,19 @@ class Resumer:
             return None
         if not storage.isdir(path):
             raise CheckpointNotFoundError(f"no checkpoint at {path}: the folder does not exist")
-        job = self.job
-        formats = job.plugins.formats()
-        components = job.config.checkpoint_config.components if job.component else None
+        setup = self.setup
+        formats = setup.plugins.formats()
+        components = setup.config.checkpoint_config.components if setup.component else None
         step_folder, name = layout.parent(path), layout.basename(path)
         outer = recognize(storage, step_folder, formats) if step_folder else None
-        if outer is not None and name in outer.components() and job.component in (None, name):
+        if outer is not None and name in outer.components() and setup.component in (None, name):
             found = what_is(storage, step_folder, formats)  # one part of another framework's step, named
             if found.usable:
                 return step_folder, name
         else:
             found = what_is(storage, path, formats, components)
         if found.foreign is not None and found.usable:
-            return path, job.component
+            return path, setup.component
         others = f"resume from another checkpoint (`roll-ckpt ls {layout.parent(path)}` lists them)"
         if found.foreign is not None:
             raise CheckpointNotFoundError(f"{path} is {found.reason}; it is never resumed from: {others}")
@@ -290,13 +298,11 @@ class Resumer:
                                       f"roll-ckpt can read: {found.reason}. Install the format plugin of the "
                                       f"framework that wrote it, or {others}")
 
-    def _resume_foreign(self, state: MutableMapping[str, Any], storage: Storage, path: str,
+    def _resume_foreign(self, strategy: Strategy, state: MutableMapping[str, Any], storage: Storage, path: str,
                         component: str | None) -> int:
         """Load another framework's checkpoint (read-only) into ``state``; every process
         recognizes it and loads its share; a failure on one process is raised on all."""
-        job = self.job
-        strategy = job.strategy
-        found = recognize(storage, path, job.plugins.formats(), any_name=True)
+        found = recognize(storage, path, self.setup.plugins.formats(), any_name=True)
         error: BaseException | None = None
         trainer_state: dict[str, Any] = {}
         try:
@@ -305,19 +311,18 @@ class Resumer:
             trainer_state = found.resume(state, strategy, component)
         except Exception as exc:
             error = exc
-        strategy.agree(error, f"resume: loading {path}",
-                                           layout.parse_step(layout.basename(path)))
+        strategy.agree(error, f"resume: loading {path}", layout.parse_step(layout.basename(path)))
         assert found is not None
         self.trainer_state = trainer_state
-        job.resumed_from = path
+        self.path = path
         log.info("roll-ckpt: resumed step %s from %s, a %s (read as it is: no checksums to verify, nothing in it "
                  "modified)", trainer_state.get("step"), path, found.title)
-        job.plugins.hook.roll_ckpt_load(path=path, state=state)
+        self.setup.plugins.hook.roll_ckpt_load(path=path, state=state)
         return int(trainer_state["step"])
 
     def _part_to_load(self, storage: Storage, path: str) -> str:
         """The folder this manager loads from ``path``: the checkpoint itself, or its component's part."""
-        component = self.job.component
+        component = self.setup.component
         top = read_manifest(storage, path)
         parts = components_of(top)
         if component is None:

@@ -46,9 +46,9 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, NoReturn
+from typing import Any, Callable, Iterator, Mapping, NoReturn, Sequence
 
-from ..contracts import NetworkCounts, SaveContext
+from ..contracts import NetworkCounts, SaveContext, Strategy
 from ..errors import RollCkptError, SaveError, StorageError, StorageFullError, carried_roll_error, disk_full
 from ..format import layout
 from ..format.commit import Leftovers, PendingCheckpoint, pending_checkpoint
@@ -62,8 +62,8 @@ from ..runtime.background import lower_priority
 from ..runtime.collector import CollectorPause
 from ..runtime.network import check_objects, read_counts, report_save
 from ..runtime.units import human_bytes
-from ..tiers.job import Job
-from ..tiers.retention import apply_retention
+from ..tiers.retention import Retention
+from ..tiers.run import Run, Setup
 from .staging import stage_state_dict
 
 __all__ = ["SavePipeline", "StagedSave", "SaveStats", "Committer", "WarnMode", "save_error", "agreed_failure"]
@@ -177,11 +177,11 @@ class WarnMode:
 # --------------------------------------------------------------------------- the commit, and what follows it
 
 
-def _plugin_versions(job: Job) -> dict[str, str]:
+def _plugin_versions(setup: Setup) -> dict[str, str]:
     from importlib import metadata
 
     out = {}
-    for dist in ("roll-ckpt-core", "torch", *sorted(set(job.plugins.distributions()))):
+    for dist in ("roll-ckpt-core", "torch", *sorted(set(setup.plugins.distributions()))):
         try:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
@@ -190,28 +190,37 @@ def _plugin_versions(job: Job) -> dict[str, str]:
 
 
 class Committer:
-    def __init__(self, job: Job, hf: HFPart | None) -> None:
-        self.job = job
+    """The coordinator's commit, then its hooks: core's own (retention, replication: given by the
+    manager) run in order for each checkpoint (or step of components) committed here."""
+
+    def __init__(self, setup: Setup, hf: HFPart | None, announce: Callable[..., None],
+                 after_commit: Sequence[Callable[[Run, str, int], None]] = ()) -> None:
+        self.setup = setup
         self.hf = hf
         """The Hugging Face files each checkpoint carries, or ``None``."""
+        self.announce = announce
+        """``announce(path, manifest, component=None)``: ``roll_ckpt_on_commit`` for what was committed."""
+        self.hooks = list(after_commit)
+        self.resumed_from: str | None = None
+        """The checkpoint this launch resumed from (``trainer_state.json`` names it); set by the manager."""
 
-    def commit(self, pending: PendingCheckpoint, ctx: SaveContext, user: dict[str, Any],
-                digests: dict[str, tuple], module: Any = None) -> tuple[int, int]:
-        """Coordinator: the HF files, trainer state, manifest, commit; then the step, retention, replication."""
-        job = self.job
-        storage, strategy = job.storage, job.strategy
+    def commit(self, run: Run, pending: PendingCheckpoint, ctx: SaveContext, user: dict[str, Any],
+               digests: dict[str, tuple], module: Any = None) -> tuple[int, int]:
+        """Coordinator: the HF files, trainer state, manifest, commit; then the step and the hooks."""
+        setup = self.setup
+        storage, strategy = run.storage, ctx.strategy
         files = {f"{strategy.data_dir}/{name}": FileEntry(*digest) for name, digest in digests.items()}
         extra: dict[str, Any] = {"strategy": strategy.name}
-        if job.config.strategy_config.save_only_model:
+        if setup.config.strategy_config.save_only_model:
             extra["save_only_model"] = self.hf.config.key  # type: ignore[union-attr]
         if self.hf is not None and module is not None:  # from the dcp/ files just written (hf_in_checkpoint)
             hf_files, extra["hf"] = self.hf.write(storage, pending.write_path, module,
                                                   storage.join(pending.write_path, strategy.data_dir))
             files.update(hf_files)
-            if job.component and self.hf.config.step_root and hf_files:  # at checkpoint-<step>/ too
+            if setup.component and self.hf.config.step_root and hf_files:  # at checkpoint-<step>/ too
                 extra[STEP_ROOT_KEY] = sorted(hf_files)
-        cc = job.config.checkpoint_config
-        if job.component:  # every part this manager knows of: the step waits for them all
+        cc = setup.config.checkpoint_config
+        if setup.component:  # every part this manager knows of: the step waits for them all
             extra[EXPECTS_KEY] = list(cc.components or ())
         if cc.beside:  # files another program adds to the folder once it is committed
             extra[BESIDE_KEY] = list(cc.beside)
@@ -222,12 +231,12 @@ class Committer:
         if not storage.atomic_rename:  # an object store: every upload completed, whole
             check_objects(storage, pending.write_path, {name: e.size for name, e in files.items()})
         manifest = Manifest(step=ctx.step, files=files, created=utc_now(), world_size=strategy.world_size,
-                            component=job.component, plugins=_plugin_versions(job), extra=extra)
+                            component=setup.component, plugins=_plugin_versions(setup), extra=extra)
         pending.commit(manifest.to_bytes())
-        job.announce(ctx.path, manifest, job.component)
-        step_path = layout.parent(ctx.path) if job.component else ctx.path
-        if self.commit_step(step_path, ctx.step):  # the whole checkpoint, or the last part of the step
-            self.after_commit(step_path, ctx.step)
+        self.announce(ctx.path, manifest, setup.component)
+        step_path = layout.parent(ctx.path) if setup.component else ctx.path
+        if self.commit_step(run, step_path, ctx.step):  # the whole checkpoint, or the last part of the step
+            self.after_commit(run, step_path, ctx.step)
         total, taken = sum(e.size for e in files.values()), sum(e.size for e in files.values() if e.taken_over)
         if taken:
             log.info("roll-ckpt: %s: %s written, %s taken over unchanged from %s", layout.basename(ctx.path),
@@ -235,59 +244,45 @@ class Committer:
                      ", ".join(sorted({e.taken_over for e in files.values() if e.taken_over})))
         return total, taken
 
-    def commit_step(self, step_path: str, step: int, parts: Any = None, files: Any = ()) -> bool:
+    def commit_step(self, run: Run, step_path: str, step: int, parts: Any = None, files: Any = ()) -> bool:
         """True when the step is committed by this process: always without components;
         with them, when this part was the last one and this process's create won.
         ``parts``/``files``: a step something else commits (``CheckpointManager.commit_step``)."""
-        job = self.job
-        if not job.component:
+        setup = self.setup
+        cc = setup.config.checkpoint_config
+        if not setup.component:
             return True
-        if parts is None and not job.config.checkpoint_config.commit_steps:
+        if parts is None and not cc.commit_steps:
             return False  # another commits the step: it knows which parts it has
         try:
-            manifest = try_complete(job.storage, step_path, step,
-                                    job.config.checkpoint_config.components or () if parts is None else parts,
+            manifest = try_complete(run.storage, step_path, step, cc.components or () if parts is None else parts,
                                     files=files)
         except Exception as exc:  # this part is committed; the step can be committed later
             log.warning("roll-ckpt: the part of %s is committed, but committing step %d failed (%s: %s); the "
-                        "next resume commits the step once every part is there", job.component, step,
+                        "next resume commits the step once every part is there", setup.component, step,
                         type(exc).__name__, exc)
             return False
         if manifest is None:
             return False
-        job.announce(step_path, manifest)
+        self.announce(step_path, manifest)
         log.info("roll-ckpt: step %d committed (every component's part is in %s)", step, step_path)
         return True
 
-    def protected(self, path: str) -> set[str]:
-        """Local checkpoints retention must leave alone: the one just written, the one being replicated."""
-        copying = self.job.backup.copying if self.job.backup is not None else None
-        return {path} | ({copying} if copying else set())
-
-    def after_commit(self, path: str, step: int) -> None:
-        """Retention and replication for the checkpoint just committed at ``path``."""
-        job = self.job
-        keep = job.config.checkpoint_config.max_ckpt_to_keep
-        if keep:
-            with job.local_lock:
-                removed = apply_retention(job.storage, job.root, keep, protect=self.protected(path),
-                                          own_run=job.run_dir)
-            for removed_path in removed:
-                log.info("roll-ckpt: retention removed %s", removed_path)
-        if job.backup is not None:
-            job.backup.submit(path, step)
+    def after_commit(self, run: Run, path: str, step: int) -> None:
+        """The hooks, for the checkpoint (or step) of ``run`` just committed at ``path``."""
+        for hook in self.hooks:
+            hook(run, path, step)
 
     def trainer_state(self, ctx: SaveContext, user: dict[str, Any]) -> bytes:
-        job = self.job
         body = {
             "step": ctx.step,
             "time": utc_now(),
             "timestamp": time.time(),
             "world_size": ctx.world_size,
-            "strategy": job.strategy.name,
-            "exp_name": job.config.exp_name,
-            "component": job.component,
-            "resumed_from": job.resumed_from,
+            "strategy": ctx.strategy.name,
+            "exp_name": self.setup.config.exp_name,
+            "component": self.setup.component,
+            "resumed_from": self.resumed_from,
             "user": user,
         }
         return (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
@@ -297,9 +292,16 @@ class Committer:
 
 
 class SavePipeline:
-    def __init__(self, job: Job) -> None:
-        self.job = job
-        self.errors = WarnMode(job.config.checkpoint_config.on_save_error)
+    """One manager's saves. ``local``: the fast recovery tier (or ``None``); ``retention``: what a
+    save that needs room applies first; ``announce`` and ``after_commit``: the :class:`Committer`'s."""
+
+    def __init__(self, setup: Setup, *, local: Any, retention: Retention, announce: Callable[..., None],
+                 after_commit: Sequence[Callable[[Run, str, int], None]] = ()) -> None:
+        self.setup = setup
+        self.local = local
+        self.retention = retention
+        config = setup.config
+        self.errors = WarnMode(config.checkpoint_config.on_save_error)
         self.last_save: SaveStats | None = None
         self.committed_steps: set[int] = set()
         self.space: Any = None
@@ -308,41 +310,41 @@ class SavePipeline:
         self._executor: cf.ThreadPoolExecutor | None = None
         self._inflight: cf.Future[SaveStats] | None = None
         self.leftovers = Leftovers()
-        self.hf = HFPart.of(job.config.checkpoint_config, job.config.strategy_config)
+        self.hf = HFPart.of(config.checkpoint_config, config.strategy_config)
         """The Hugging Face files each checkpoint carries (``hf_weights``, ``save_only_model``), or ``None``."""
-        self.committer = Committer(job, self.hf)
+        self.committer = Committer(setup, self.hf, announce, after_commit)
 
-    def save(self, step: int, state: Mapping[str, Any], *, final: bool,
-             metadata: Mapping[str, Any] | None, local: bool = False) -> str | None:
+    def save(self, run_of: Callable[[], Run], strategy: Strategy, step: int, state: Mapping[str, Any], *,
+             final: bool, metadata: Mapping[str, Any] | None, local: bool = False) -> str | None:
         """The path ``checkpoint-<step>`` is committed at; ``None`` when a periodic save failed
-        and ``on_save_error`` is ``warn``. ``local``: the fast recovery tier saves the same
-        staged state too (written first, in the same writer job; see :mod:`roll_ckpt.tiers.local_tier`)."""
+        and ``on_save_error`` is ``warn``. ``run_of()``: the run to save into (its folder
+        claimed by the first save: a failure to claim it is this save's). ``local``: the fast
+        recovery tier saves the same staged state too (written first, in the same writer job;
+        see :mod:`roll_ckpt.tiers.local_tier`)."""
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise RollCkptError(f"step must be an integer >= 0, got {step!r}")
-        self.job.bind(state)
         self.wait()
         try:
-            return self._save(step, state, final=final, metadata=metadata, local=local)
+            return self._save(run_of(), strategy, step, state, final=final, metadata=metadata, local=local)
         except RollCkptError as exc:
             if not self.errors.absorbs(exc, final):
                 raise
             self.errors.tolerate(step, exc)
             return None
 
-    def save_local(self, step: int, state: Mapping[str, Any]) -> None:
+    def save_local(self, strategy: Strategy, step: int, state: Mapping[str, Any]) -> None:
         """A checkpoint of the fast recovery tier alone (no persistent save at ``step``): the
         same staging, the unit written (and replicated) by the writer; never raises a storage error."""
-        job = self.job
-        strategy = job.bind(state)
+        config, local = self.setup.config, self.local
         self.wait()
-        job.local.bind(strategy, forget_after=step - 1)
+        local.bind(strategy, forget_after=step - 1)
         t0 = time.perf_counter()
-        ctx = SaveContext(step=step, path=job.local.unit_path(step, strategy.rank), is_async=job.config.async_save,
+        ctx = SaveContext(step=step, path=local.unit_path(step, strategy.rank), is_async=config.async_save,
                           rank=strategy.rank, world_size=strategy.world_size, strategy=strategy, reuse=self._reuse,
-                          budget=job.config.strategy_config.max_staging_bytes,
-                          keep_buffers=job.config.strategy_config.keep_staging_buffers)
-        job.plugins.hook.roll_ckpt_save(save=ctx)
-        with CollectorPause(job.config.checkpoint_config.pause_gc):
+                          budget=config.strategy_config.max_staging_bytes,
+                          keep_buffers=config.strategy_config.keep_staging_buffers)
+        self.setup.plugins.hook.roll_ckpt_save(save=ctx)
+        with CollectorPause(config.checkpoint_config.pause_gc):
             staged = self._stage(strategy.state_dict(state), ctx)
         trainer_state = self.committer.trainer_state(ctx, {})
 
@@ -350,27 +352,27 @@ class SavePipeline:
             error: BaseException | None = None
             try:
                 ctx.run_before_write_callbacks()
-                job.local.save(staged, step, trainer_state, save=ctx)
+                local.save(staged, step, trainer_state, save=ctx)
             except BaseException as exc:
                 error = exc
                 raise
             finally:
                 ctx.run_finished_callbacks()
-                job.plugins.hook.roll_ckpt_save_finished(save=ctx, error=error)
+                self.setup.plugins.hook.roll_ckpt_save_finished(save=ctx, error=error)
             blocked = _blocked_s(ctx, time.perf_counter() - t0)
-            job.local.last_save = {**(job.local.last_save or {}), "blocked_s": blocked,
-                                   "policies": dict(Counter(ctx.staging.values()))}
+            local.last_save = {**(local.last_save or {}), "blocked_s": blocked,
+                               "policies": dict(Counter(ctx.staging.values()))}
 
         self._launch(ctx, t0, write)
 
     def prepare(self) -> cf.Future | None:
         """A save is near: the staging policies make their buffers ready in the writer thread,
         after the write in flight (which then keeps them instead of freeing them)."""
-        job = self.job
-        if not job.config.async_save or job.config.strategy_config.keep_staging_buffers:
+        config = self.setup.config
+        if not config.async_save or config.strategy_config.keep_staging_buffers:
             return None
         if self._policies is None:
-            self._policies = job.plugins.staging_order()
+            self._policies = self.setup.plugins.staging_order()
         work = [w for p in self._policies if hasattr(p, "prepare") and (w := p.prepare(self._reuse)) is not None]
         if not work:
             return None  # nothing staged yet: the first save lays its buffers out in the call
@@ -385,12 +387,12 @@ class SavePipeline:
         if self._executor is None:
             self._executor = cf.ThreadPoolExecutor(
                 1, thread_name_prefix="roll-ckpt-save", initializer=lower_priority,
-                initargs=(self.job.config.checkpoint_config.background_nice,))
+                initargs=(self.setup.config.checkpoint_config.background_nice,))
         return self._executor
 
     def _stage(self, sd: dict[str, Any], ctx: SaveContext) -> dict[str, Any]:
         if self._policies is None:
-            self._policies = self.job.plugins.staging_order()
+            self._policies = self.setup.plugins.staging_order()
         return stage_state_dict(sd, ctx, self._policies)
 
     def _launch(self, ctx: SaveContext, t0: float, write: Any) -> None:
@@ -418,15 +420,13 @@ class SavePipeline:
             ctx.blocked_s = time.perf_counter() - t0
             ctx.gate.caller_done.set()
 
-    def _save(self, step: int, state: Mapping[str, Any], *, final: bool, metadata: Mapping[str, Any] | None,
-              local: bool = False) -> str:
+    def _save(self, run: Run, strategy: Strategy, step: int, state: Mapping[str, Any], *, final: bool,
+              metadata: Mapping[str, Any] | None, local: bool = False) -> str:
         t0 = time.perf_counter()
-        job = self.job
-        strategy = job.strategy
-        final_path = job.storage.join(job.ensure_run_dir(),
-                                      layout.checkpoint_name(step, job.config.checkpoint_config.name_format))
-        if job.component:
-            final_path = job.storage.join(final_path, job.component)
+        config, component = self.setup.config, self.setup.component
+        final_path = run.storage.join(run.folder, layout.checkpoint_name(step, config.checkpoint_config.name_format))
+        if component:
+            final_path = run.storage.join(final_path, component)
         if step in self.committed_steps:
             return final_path
         user = dict(metadata or {})
@@ -434,26 +434,26 @@ class SavePipeline:
             json.dumps(user)
         except TypeError as exc:
             raise RollCkptError(f"save(metadata=...) must hold JSON values: {exc}") from None
-        sc = job.config.strategy_config
-        ctx = SaveContext(step=step, path=final_path, is_async=job.config.async_save and not final, rank=strategy.rank,
+        sc = config.strategy_config
+        ctx = SaveContext(step=step, path=final_path, is_async=config.async_save and not final, rank=strategy.rank,
                           world_size=strategy.world_size, strategy=strategy, reuse=self._reuse,
                           budget=sc.max_staging_bytes, keep_buffers=sc.keep_staging_buffers)
         if local:  # (every rank makes the tier's group at the same point)
-            job.local.bind(strategy, forget_after=step - 1)
+            self.local.bind(strategy, forget_after=step - 1)
         try:
-            job.plugins.hook.roll_ckpt_save(save=ctx)
-            with CollectorPause(job.config.checkpoint_config.pause_gc):  # (the loop waits for this part)
-                sd = strategy.state_dict(saved_state(state, self.hf, job.config.strategy_config.save_only_model))
-                refusal = self._check_space(sd, ctx, user) if strategy.is_coordinator else None
+            self.setup.plugins.hook.roll_ckpt_save(save=ctx)
+            with CollectorPause(config.checkpoint_config.pause_gc):  # (the loop waits for this part)
+                sd = strategy.state_dict(saved_state(state, self.hf, sc.save_only_model))
+                refusal = self._check_space(run, sd, ctx, user) if strategy.is_coordinator else None
                 if refusal is not None:  # refused before anything is staged or written
                     raise refusal
                 staged = self._stage(sd, ctx)
         except Exception as exc:  # the other ranks go on to the write's first agreement: meet them there
-            self.refuse(ctx, exc)
-        save = StagedSave(staged, ctx, user, t0)
+            self.refuse(run, ctx, exc)
+        save = StagedSave(run, staged, ctx, user, t0)
         if local and ctx.gate is None:  # (staged in waves, the state is written once: persistently)
             trainer_state = self.committer.trainer_state(ctx, user)
-            save.local_unit = lambda: job.local.save(staged, step, trainer_state, save=ctx)
+            save.local_unit = functools.partial(self.local.save, staged, step, trainer_state, save=ctx)
         if self.hf is not None:
             save.hf_module = state.get(self.hf.config.key)
         self._launch(ctx, t0, functools.partial(self.write_and_commit, save))
@@ -486,50 +486,44 @@ class SavePipeline:
             self.last_save = stats
         return stats
 
-    def _check_space(self, sd: dict[str, Any], ctx: SaveContext, user: dict[str, Any]) -> BaseException | None:
+    def _check_space(self, run: Run, sd: dict[str, Any], ctx: SaveContext,
+                     user: dict[str, Any]) -> BaseException | None:
         """The coordinator's check that ``checkpoint-<step>`` fits; the refusal to raise, or ``None``."""
         from ..tiers.space import SpaceGuard, committed_sizes
 
-        job = self.job
         if self.space is None:
-            self.space = SpaceGuard(job.storage, job.root, job.config.checkpoint_config.output_dir)
-        if not self.space.can_tell(job.run_dir or job.root):
+            self.space = SpaceGuard(run.storage, run.root, self.setup.config.checkpoint_config.output_dir)
+        folder = run.folder or run.root
+        if not self.space.can_tell(folder):
             return None  # an object store: nothing to check, nothing to estimate
-        estimate = job.strategy.estimate(sd, user)
-        keep = job.config.checkpoint_config.max_ckpt_to_keep
-
-        def retention(k: int) -> list[str]:
-            with job.local_lock:
-                return apply_retention(job.storage, job.root, k, protect=self.committer.protected(ctx.path),
-                                       own_run=job.run_dir)
-
-        return self.space.check(estimate, path=job.run_dir or job.root, step=ctx.step, keep=keep,
-                                retention=retention, sizes=lambda: committed_sizes(job.storage, job.root, job.run_dir))
-
+        estimate = ctx.strategy.estimate(sd, user)
+        return self.space.check(estimate, path=folder, step=ctx.step, keep=self.retention.keep,
+                                retention=functools.partial(self.retention.apply, run, ctx.path),
+                                sizes=functools.partial(committed_sizes, run.storage, run.root, run.folder))
 
     def write_and_commit(self, save: StagedSave) -> SaveStats:
         """Write the staged state and commit it (the coordinator), every rank agreeing twice:
         before the write (a rank's refusal, or the coordinator's failed begin, ends every
         rank's save there) and after the commit (no rank reports a step the coordinator did
         not commit)."""
-        job, ctx = self.job, save.ctx
-        strategy, storage = job.strategy, job.storage
-        attempt = self._attempt(ctx)
+        ctx, run = save.ctx, save.run
+        strategy, storage = ctx.strategy, run.storage
+        attempt = self._attempt(run, ctx)
         with self._failing_cleanly(ctx, attempt):
             self._begin(ctx, attempt)
             if save.local_unit is not None:  # the local tier's unit of the same staged state, first (never raises)
                 save.local_unit()
-            with job.progress(f"save step {ctx.step}") as progress:
+            with self.setup.progress(f"save step {ctx.step}", strategy) as progress:
                 digests = strategy.write(save.sd, storage, attempt.data_path, progress, save=ctx)
             failed = None
             if strategy.is_coordinator:
                 try:
-                    attempt.total, attempt.taken = self.committer.commit(attempt.pending, ctx, save.user, digests,
+                    attempt.total, attempt.taken = self.committer.commit(run, attempt.pending, ctx, save.user, digests,
                                                                          save.hf_module)
                     attempt.committed = True
                 except Exception as exc:
                     failed = exc
-            self._agree(ctx, failed, "save: committing")
+            self._agree(ctx, attempt, failed, "save: committing")
             self.committed_steps.add(ctx.step)
             if (increments := strategy.increments) is not None:
                 increments.committed(storage, ctx.path, strategy.data_dir)
@@ -543,50 +537,48 @@ class SavePipeline:
         self.last_save = stats
         return stats
 
-    def refuse(self, ctx: SaveContext, exc: BaseException) -> NoReturn:
+    def refuse(self, run: Run, ctx: SaveContext, exc: BaseException) -> NoReturn:
         """This rank's save failed before its write (a refusal, a state dict that cannot be
         built): the other ranks are on their way to the write's first agreement, so meet them
         there with ``exc``, which every rank then raises."""
-        with self._failing_cleanly(ctx, attempt := self._attempt(ctx)):
-            self._agree(ctx, exc, "save: starting")
+        with self._failing_cleanly(ctx, attempt := self._attempt(run, ctx)):
+            self._agree(ctx, attempt, exc, "save: starting")
         raise AssertionError("unreachable: the agreement raises the refusal") from exc
 
-    def _attempt(self, ctx: SaveContext) -> "_Attempt":
-        job = self.job
-        pending = pending_checkpoint(job.storage, ctx.path, job.token)
-        return _Attempt(pending, job.storage.join(pending.write_path, job.strategy.data_dir), read_counts(job.storage))
+    def _attempt(self, run: Run, ctx: SaveContext) -> "_Attempt":
+        pending = pending_checkpoint(run.storage, ctx.path, run.token)
+        return _Attempt(run, pending, run.storage.join(pending.write_path, ctx.strategy.data_dir),
+                        read_counts(run.storage))
 
     def _begin(self, ctx: SaveContext, attempt: "_Attempt") -> None:
         """Coordinator: claim the checkpoint's folder (its owner marker) and make the data
         folder, before any rank writes; every rank agrees that it worked."""
-        job = self.job
+        storage, component = attempt.run.storage, self.setup.component
         failed: BaseException | None = None
         try:
             ctx.run_before_write_callbacks()
-            if job.strategy.is_coordinator:
+            if ctx.strategy.is_coordinator:
                 self.leftovers.retry()
-                if job.component:
-                    check_part_free(job.storage, ctx.path, ctx.step, job.component)
+                if component:
+                    check_part_free(storage, ctx.path, ctx.step, component)
                 attempt.pending.begin()
                 attempt.begun = True
-                job.storage.makedirs(attempt.data_path)
+                storage.makedirs(attempt.data_path)
         except Exception as exc:
             failed = exc
-        self._agree(ctx, failed, "save: starting")
+        self._agree(ctx, attempt, failed, "save: starting")
 
-    def _agree(self, ctx: SaveContext, failed: BaseException | None, phase: str) -> None:
+    def _agree(self, ctx: SaveContext, attempt: "_Attempt", failed: BaseException | None, phase: str) -> None:
         """Every rank: raise the failure of any rank (the first), or go on together."""
-        job = self.job
-        error = agreed_failure(failed, ctx.step, job.storage.url, ctx.world_size)
-        job.strategy.agree(error, phase, ctx.step)
+        error = agreed_failure(failed, ctx.step, attempt.run.storage.url, ctx.world_size)
+        ctx.strategy.agree(error, phase, ctx.step)
 
     @contextlib.contextmanager
     def _failing_cleanly(self, ctx: SaveContext, attempt: "_Attempt") -> Iterator[None]:
         """A save's failure, wherever it happens: nothing of it left (the coordinator removes
         what it wrote), the caller's next wave not waited for, the error raised as a roll-ckpt
         one; the callbacks and ``roll_ckpt_save_finished`` told in every case."""
-        job = self.job
-        strategy = job.strategy
+        strategy, storage = ctx.strategy, attempt.run.storage
         error: BaseException | None = None
         try:
             yield
@@ -600,15 +592,15 @@ class SavePipeline:
                 raise
             if not attempt.committed and (attempt.begun or strategy.is_coordinator):
                 self.leftovers.discard(attempt.pending, attempt.begun)
-            report_save(f"checkpoint-{ctx.step}", strategy.rank, _since(read_counts(job.storage), attempt.counts),
+            report_save(f"checkpoint-{ctx.step}", strategy.rank, _since(read_counts(storage), attempt.counts),
                         failed=True)
-            translated = save_error(exc, ctx.step, job.storage.url, ctx.world_size)
+            translated = save_error(exc, ctx.step, storage.url, ctx.world_size)
             if translated is exc:
                 raise
             raise translated from exc
         finally:
             ctx.run_finished_callbacks()
-            job.plugins.hook.roll_ckpt_save_finished(save=ctx, error=error)
+            self.setup.plugins.hook.roll_ckpt_save_finished(save=ctx, error=error)
 
     def close(self) -> None:
         """Drain the save in flight (re-raising its error), then stop the writer thread."""
@@ -625,6 +617,7 @@ class SavePipeline:
 class StagedSave:
     """One save, staged: what its write and its commit need."""
 
+    run: Run
     sd: dict[str, Any]
     """The staged state dict."""
     ctx: SaveContext
@@ -642,6 +635,7 @@ class StagedSave:
 class _Attempt:
     """How far one save got: what its failure has to undo."""
 
+    run: Run
     pending: PendingCheckpoint
     data_path: str
     """Where the strategy writes (its ``data_dir`` in the folder being written)."""

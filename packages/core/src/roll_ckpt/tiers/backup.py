@@ -1,14 +1,18 @@
 """A manager's link to ``checkpoint_config.backup``: the replica's storage and the one
 background :class:`~roll_ckpt.tiers.replication.Replicator` that copies committed checkpoints
-to it (started by the first commit, on the coordinator only)."""
+to it (started by the first commit, on the coordinator only: :meth:`BackupLink.submit` is a
+commit hook of the saver)."""
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from ..contracts import Storage
+
+if TYPE_CHECKING:
+    from .run import Run
 
 __all__ = ["BackupLink"]
 
@@ -16,13 +20,9 @@ log = logging.getLogger("roll_ckpt")
 
 
 class BackupLink:
-    def __init__(self, local: Callable[[], Storage], replica: Storage, config: Any, *, lock: threading.Lock,
-                 own_run: Callable[[], str | None], nice: int = 0) -> None:
-        self.local = local
-        """The manager's storage (read when replication starts: the manager's may be wrapped until then)."""
+    def __init__(self, replica: Storage, config: Any, *, lock: threading.Lock, nice: int = 0) -> None:
         self.replica, self.config = replica, config
         self._lock = lock
-        self._own_run = own_run
         self._nice = nice  # the copying thread's nice value (roll_ckpt.runtime.background)
         self._replicator: Any = None
 
@@ -31,14 +31,14 @@ class BackupLink:
         """The local checkpoint being copied now (retention leaves it alone)."""
         return self._replicator.current if self._replicator is not None else None
 
-    def submit(self, path: str, step: int) -> None:
-        """Queue a committed checkpoint; the first call also queues every older one without a replica."""
+    def submit(self, run: "Run", path: str, step: int) -> None:
+        """Queue a checkpoint of ``run`` just committed at ``path``; the first call starts
+        replication from ``run``'s storage and also queues every older checkpoint without a replica."""
         if self._replicator is None:
             from .replication import Replicator
 
-            local = self.local()
-            self._replicator = Replicator(local, local.root, self.replica, self.config, lock=self._lock,
-                                          own_run=self._own_run, nice=self._nice)
+            self._replicator = Replicator(run.storage, run.root, self.replica, self.config, lock=self._lock,
+                                          own_run=run.folder, nice=self._nice)
             self._replicator.start(catch_up=True)
         self._replicator.submit(path, step)
 

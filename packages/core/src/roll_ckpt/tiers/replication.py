@@ -38,7 +38,6 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import Callable
 
 from ..config.schema import BackupConfig
 from ..errors import (BackupError, CheckpointCorruptError, CheckpointNotFoundError, RollCkptError,
@@ -140,7 +139,7 @@ class Replicator:
     """Copies committed checkpoints to the backup location, in a thread of its own."""
 
     def __init__(self, local: Storage, local_root: str, replica: Storage, config: BackupConfig, *,
-                 lock: threading.Lock | None = None, own_run: Callable[[], str | None] | None = None,
+                 lock: threading.Lock | None = None, own_run: str | None = None,
                  nice: int = 0) -> None:
         self.local = local
         self.local_root = local_root
@@ -148,7 +147,7 @@ class Replicator:
         self.config = config
         self.lock = lock or threading.Lock()
         """Held while local checkpoints are removed (shared with the manager's retention)."""
-        self._own_run = own_run or (lambda: None)
+        self._own_run = own_run  # this launch's run folder (its checkpoints are never "foreign")
         self._nice = nice
         self._cv = threading.Condition()
         self._queue: deque[str] = deque()
@@ -293,7 +292,7 @@ class Replicator:
                 self.submit(ref.path, ref.step)
 
     def _local_refs(self) -> list:
-        live = live_foreign_runs(self.local, self.local_root, self._own_run())
+        live = live_foreign_runs(self.local, self.local_root, self._own_run)
         return [r for r in committed(self.local, self.local_root) if not (r.run and r.run in live)]
 
     def _replica_matches(self, path: str) -> bool:

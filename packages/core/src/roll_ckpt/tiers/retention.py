@@ -10,8 +10,10 @@ removal never leaves a folder that looks committed but is not whole.
 
 from __future__ import annotations
 
+import logging
+import threading
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 from ..contracts import Storage
 from ..format.layout import CheckpointRef, basename, parent, scan
@@ -19,23 +21,25 @@ from ..format.manifest import MANIFEST_NAME
 from ..format.owners import held
 from ..format.owners import MARKER_PREFIX, is_mine, live_writers, owner_gone, write_marker
 
-__all__ = ["plan_retention", "remove_checkpoint", "apply_retention", "note_open_run", "live_foreign_runs",
+__all__ = ["Retention", "plan_retention", "remove_checkpoint", "apply_retention", "note_open_run", "live_foreign_runs",
            "drop_empty_runs"]
 
-_open_runs: dict[str, "weakref.ref[Any]"] = {}
-"""Run folders of this process's jobs: a run of this process is live while its job is open."""
+log = logging.getLogger("roll_ckpt")
+
+_open_runs: dict[str, "weakref.WeakMethod[Callable[[], bool]]"] = {}
+"""Run folders of this process's launches: a run of this process is live while its manager says so."""
 
 
-def note_open_run(path: str, job: Any) -> None:
-    """Record that ``job`` (a :class:`~roll_ckpt.tiers.job.Job`, live while its ``open`` is
-    true and it exists) writes the run folder ``path``."""
-    _open_runs[path.rstrip("/")] = weakref.ref(job)
+def note_open_run(path: str, alive: Callable[[], bool]) -> None:
+    """Record that the run folder ``path`` is written by a launch of this process while
+    ``alive()`` (a bound method of its manager, held weakly: a manager that is gone writes nothing)."""
+    _open_runs[path.rstrip("/")] = weakref.WeakMethod(alive)  # type: ignore[arg-type]
 
 
 def _open_in_this_process(path: str) -> bool:
     ref = _open_runs.get(path.rstrip("/"))
-    job = ref() if ref is not None else None
-    return job is not None and bool(job.open)
+    alive = ref() if ref is not None else None
+    return alive is not None and bool(alive())
 
 
 def plan_retention(refs: list[CheckpointRef], keep: int, protect: set[str] = frozenset()) -> list[CheckpointRef]:
@@ -92,6 +96,28 @@ def live_foreign_runs(storage: Storage, output_dir: str, own_run: str | None) ->
         elif not owner_gone(owner):
             live.add(name)
     return live
+
+
+class Retention:
+    """``max_ckpt_to_keep`` for one manager: a commit hook of its saver (:meth:`after_commit`),
+    and what a save that needs room applies first. Under the lock the backup's ``keep_local``
+    shares; never the checkpoint just written nor the one ``backup`` is copying."""
+
+    def __init__(self, keep: int, lock: threading.Lock, backup: Any = None) -> None:
+        self.keep, self.lock, self.backup = keep, lock, backup
+
+    def apply(self, run: Any, path: str, keep: int | None = None) -> list[str]:
+        """Remove the oldest of ``run``'s (a :class:`~roll_ckpt.tiers.run.Run`) location's checkpoints so that ``keep`` (default:
+        ``max_ckpt_to_keep``) remain; returns their paths."""
+        copying = self.backup.copying if self.backup is not None else None
+        with self.lock:
+            return apply_retention(run.storage, run.root, self.keep if keep is None else keep,
+                                   protect={path} | ({copying} if copying else set()), own_run=run.folder)
+
+    def after_commit(self, run: Any, path: str, step: int) -> None:
+        if self.keep:
+            for removed in self.apply(run, path):
+                log.info("roll-ckpt: retention removed %s", removed)
 
 
 def apply_retention(storage: Storage, output_dir: str, keep: int, protect: set[str] = frozenset(),

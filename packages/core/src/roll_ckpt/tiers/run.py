@@ -1,0 +1,137 @@
+"""Where one launch writes (:class:`Run`, an immutable value the manager owns) and the steps
+that fix it: the strategy chosen and the token agreed (:func:`choose_strategy`), the run
+folder claimed (:func:`claim_run`); and :class:`LaunchHold`, the hold on the checkpoint the
+launch resumed from until its first own commit.
+
+The manager keeps these and hands each save and resume what it needs: nothing here is a
+bag the parts reach into.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Mapping
+
+from ..config.schema import Config
+from ..contracts import Storage, Strategy
+from ..errors import RollCkptDeprecationWarning, RollCkptError
+from ..format.owners import claim_run_folder, hold, release
+from ..plugins import Plugins
+from ..runtime.distributed import bounded, decide, storage_error
+from ..runtime.progress import Progress, progress
+from .retention import note_open_run
+
+__all__ = ["Setup", "Run", "LaunchHold", "open_storage", "choose_strategy", "claim_run", "as_strategy"]
+
+log = logging.getLogger("roll_ckpt")
+
+
+def open_storage(plugins: Plugins, type_: str, url: str, options: Mapping[str, Any]) -> Storage:
+    """The backend ``type_`` (``checkpoint_config.type``) rooted at ``url``."""
+    return plugins.backend(type_).factory(url, dict(options))
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a manager was built with: the same for each of its saves and resumes."""
+
+    config: Config
+    component: str | None
+    """This manager's part of a step made of several (``checkpoint_config.components``), or ``None``."""
+    plugins: Plugins
+    quiet: bool = False
+
+    def progress(self, desc: str, strategy: Strategy, total: int | None = None) -> ContextManager[Progress | None]:
+        """The coordinator's progress bar for ``with ... as on_bytes`` (``None`` where none is shown)."""
+        return progress(desc, total, enabled=not self.quiet and strategy.is_coordinator)
+
+
+@dataclass(frozen=True)
+class Run:
+    """Where this launch writes, the same on every process of its manager."""
+
+    storage: Storage
+    token: str
+    """Names this launch's saves' temporary folders (and its holds)."""
+    folder: str | None = None
+    """The run folder (``output_dir`` itself with ``timestamp_subdir: false``); ``None`` until
+    the first save (or a resume of components) claims it."""
+
+    @property
+    def root(self) -> str:
+        return self.storage.root
+
+
+def choose_strategy(config: Config, plugins: Plugins, state: Mapping[str, Any]) -> tuple[Strategy, str]:
+    """The strategy for ``state`` (forced by ``strategy_config.strategy_name``, else the
+    highest-priority one that applies) and the token every process of the job agrees on."""
+    forced = config.strategy_config.strategy_name
+    if forced:
+        record = plugins.strategy(forced)
+    else:
+        fitting = [r for r in plugins.strategies().values() if r.applies(state)]
+        if not fitting:
+            raise RollCkptError("no installed strategy can save this state; `roll-ckpt plugins` lists them")
+        record = max(fitting, key=lambda r: r.priority)
+    strategy = as_strategy(record.factory(config, plugins), record.name)
+    with bounded(strategy.rank, "the first save or resume: agreeing on a token", None,
+                 float(strategy.collective_timeout_s)):
+        token = strategy.broadcast(uuid.uuid4().hex[:12])
+    return strategy, token
+
+
+def claim_run(run: Run, strategy: Strategy, config: Config, component: str | None,
+              alive: Callable[[], bool]) -> Run:
+    """``run`` with its folder: created (or joined, with ``run_name``) by the coordinator,
+    decided for every process. ``alive``: whether the launch still writes there (retention
+    by other managers of this process leaves the folder alone while it does)."""
+    cc = config.checkpoint_config
+    name = decide(strategy, lambda: claim_run_folder(run.storage, run.root, cc, config.exp_name, component),
+                  where=f"checkpoint_config.output_dir {cc.output_dir}", on_error=storage_error,
+                  phase="save: claiming the run folder")
+    folder = run.storage.join(run.root, name) if name else run.root
+    if name:
+        note_open_run(folder, alive)
+    return Run(run.storage, run.token, folder)
+
+
+class LaunchHold:
+    """The coordinator's hold on the checkpoint this launch resumed from (:mod:`roll_ckpt.format.owners`):
+    another launch's retention leaves it alone until this one commits a checkpoint of its own or closes."""
+
+    def __init__(self) -> None:
+        self.held: tuple[Storage, str] | None = None
+
+    def hold(self, run: Run, path: str) -> None:
+        self.release()
+        try:
+            self.held = (run.storage, hold(run.storage, path, run.token))
+        except Exception as exc:  # a read-only location: nobody's retention removes anything there either
+            log.info("roll-ckpt: cannot hold %s while resuming from it (%s: %s)", path, type(exc).__name__, exc)
+
+    def release(self) -> None:
+        held, self.held = self.held, None
+        if held is None:
+            return
+        try:
+            release(*held)
+        except Exception as exc:  # a hold of a process that is gone counts for nothing
+            log.warning("roll-ckpt: could not remove the hold %s (%s: %s)", held[1], type(exc).__name__, exc)
+
+
+def as_strategy(strategy: Any, name: str) -> Strategy:
+    """``strategy`` (what strategy ``name``'s factory built) as a :class:`Strategy`. One that does
+    not subclass it (written against the protocol that class replaced) keeps working until 1.0:
+    the defaults it leaves out are set on it, with a ``RollCkptDeprecationWarning``."""
+    if isinstance(strategy, Strategy):
+        return strategy
+    warnings.warn(f"strategy '{name}' ({type(strategy).__qualname__}) does not subclass roll_ckpt.plugin.Strategy: "
+                  "subclass it (objects of the old protocol work until 1.0)", RollCkptDeprecationWarning, stacklevel=5)
+    for member in ("collective_timeout_s", "increments", "agree"):  # the protocol's optional members
+        if not hasattr(strategy, member):
+            default = getattr(Strategy, member)
+            setattr(strategy, member, default.__get__(strategy) if callable(default) else default)
+    return strategy
