@@ -99,7 +99,9 @@ class CheckpointManager:
 
             self._local = LocalTier(cc.local, open_storage(plugins, "file_system", cc.local.dir, {}))
         retention = Retention(cc.max_ckpt_to_keep, lock, self._backup)
-        hooks = [retention.after_commit] + ([self._backup.submit] if self._backup is not None else [])
+        # the saver's commit hooks, in order: retention (when max_ckpt_to_keep is set), replication
+        hooks = ([retention.after_commit] if retention.keep else []) + \
+            ([self._backup.submit] if self._backup is not None else [])
         self._saves = SavePipeline(self._setup, local=self._local, retention=retention, announce=self._announce,
                                    after_commit=hooks)
         self._resumer = Resumer(self._setup, local=self._local, backup=self._backup, announce=self._announce,
