@@ -304,8 +304,9 @@ def test_a_users_own_botocore_retries_bound_the_counted_attempts(s3: s3server.Se
     counts the faults (and says which were retried) takes the same bound; without it, ours."""
     from roll_ckpt_fs.network import RetryPolicy
 
-    for retries, attempts in [({"max_attempts": 2}, 3), ({"total_max_attempts": 4}, 4), ({"mode": "standard"}, 5)]:
-        options = {**s3.storage_options, "config_kwargs": {"retries": retries}}
-        assert FsspecStorage(_url(s3), options).network.policy.max_attempts == attempts, retries
-    assert RetryPolicy(max_attempts=7).honouring({}).max_attempts == 7
-    assert FsspecStorage(_url(s3), {**s3.storage_options, "max_attempts": 2}).network.policy.max_attempts == 2
+    for retries, attempts in [({"max_attempts": 2}, 3), ({"total_max_attempts": 4}, 4), ({"mode": "standard"}, None)]:
+        options = {**s3.storage_options, "max_attempts": 6, "config_kwargs": {"retries": retries}}
+        policy = FsspecStorage(_url(s3), options).network.policy
+        assert policy.request_attempts == attempts, retries
+        assert policy.max_attempts == 6  # still ours: roll-ckpt's re-reads of a broken download
+    assert RetryPolicy(max_attempts=7).honouring({}).request_attempts is None

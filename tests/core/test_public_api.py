@@ -152,7 +152,57 @@ def test_a_strategy_of_the_old_protocol_still_saves_and_resumes_with_a_warning(t
         state = {"driver": DriverState({"step": 0})}
         assert m.resume(state) == 3 and dict(state["driver"]) == {"step": 3}
     with pytest.warns(RollCkptDeprecationWarning, match="StrategyDefaults is deprecated"):
-        assert api.StrategyDefaults is api.Strategy
+        defaults = api.StrategyDefaults
+
+    class Gathered:  # a strategy's own members, from another base than the defaults
+        def broadcast(self, obj):
+            return ("rank 0's", obj)
+
+    class Mixed(defaults, Gathered):
+        pass
+
+    assert Mixed().broadcast(1) == ("rank 0's", 1)  # the old defaults held three members only
+    assert Mixed().collective_timeout_s == 0.0 and Mixed().increments is None
+    assert not isinstance(Mixed(), api.Strategy)  # adapted, with the warning, as any old strategy
     with pytest.warns(RollCkptDeprecationWarning, match="strategy_member is deprecated"):
         member = api.strategy_member
     assert member(OldStrategy(cfg), "collective_timeout_s") == 0.0
+
+
+def test_a_strategy_may_set_is_coordinator_and_must_name_itself() -> None:
+    from roll_ckpt.plugin import Strategy
+
+    class Mine(Strategy):
+        name, data_dir = "mine", "mine"
+
+        def __init__(self, rank: int) -> None:
+            self.rank = rank
+            self.is_coordinator = rank == 1  # its own choice of coordinator
+
+    assert Mine(1).is_coordinator and not Mine(0).is_coordinator
+
+    class Plain(Strategy):
+        name, data_dir = "plain", "plain"
+
+    assert Plain().is_coordinator  # rank 0 of one process
+
+    class Unnamed(Strategy):
+        pass
+
+    with pytest.raises(AttributeError):
+        Unnamed().data_dir  # no default that would write a folder named ""
+
+
+def test_moved_names_are_read_only_but_the_backup_storage_and_say_where_to_go(tmp_path: Path) -> None:
+    from roll_ckpt import RollCkptError
+
+    with _manager(tmp_path) as m:
+        with pytest.raises(AttributeError, match="root cannot be set"):
+            m.root = str(tmp_path / "elsewhere")  # (it moved the storage's root)
+        assert m.storage.root == str(tmp_path / "ckpt")
+        with pytest.warns(RollCkptDeprecationWarning, match=r"use manager\.strategy\.is_coordinator"):
+            assert m.is_coordinator
+        with pytest.raises(RollCkptError, match="step must be an integer"):
+            m.save(-1, tiny_state())
+        with pytest.raises(RollCkptError, match="the strategy is chosen from the state"):
+            m.strategy  # the bad step was refused before a strategy was chosen

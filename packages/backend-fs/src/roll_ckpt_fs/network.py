@@ -28,7 +28,8 @@ request, so a part of a multipart upload goes again whole); a download that brea
 its body is read is read again from where it broke (:class:`RetryingReader`). s3fs's own
 retry loop is set to one pass (``S3FileSystem.retries = 1``) so attempts do not multiply.
 A user's own botocore setting (``config_kwargs: {retries: {...}}``) bounds the attempts instead
-of ``max_attempts`` (botocore stops there), and the counts follow it (:meth:`RetryPolicy.honouring`).
+of ``max_attempts`` for each request botocore sends (it stops there), and the counts follow it
+(:meth:`RetryPolicy.honouring`); a broken download is still read again up to ``max_attempts`` times.
 
 Every fault is counted (:class:`FaultCounter`): the save pipeline reads the counts before
 and after each save (``SaveStats.network``, one log line per save that met any) and the
@@ -66,6 +67,9 @@ class RetryPolicy:
     """Seconds before the first retry, doubled for each next one (50-100 % of it, jittered)."""
     retry_backoff_max: float = 5.0
     """The longest wait between two attempts (seconds)."""
+    request_attempts: int | None = None
+    """The attempts botocore makes of one request when the user's own ``config_kwargs.retries``
+    bounds them (:meth:`honouring`); ``None``: ``max_attempts``."""
 
     @classmethod
     def pop_from(cls, options: dict[str, Any], url: str) -> "RetryPolicy":
@@ -87,7 +91,9 @@ class RetryPolicy:
     def honouring(self, options: Mapping[str, Any]) -> "RetryPolicy":
         """This policy with the attempts a user's own ``config_kwargs.retries`` allows: botocore
         stops there whatever :meth:`FaultCounter.needs_retry` says, so the counts must too
-        (``total_max_attempts`` counts the first attempt; ``max_attempts`` does not)."""
+        (``total_max_attempts`` counts the first attempt; ``max_attempts`` does not), in
+        :attr:`request_attempts`: ``max_attempts`` itself still bounds roll-ckpt's own re-reads of
+        a broken download (:class:`RetryingReader`)."""
         retries = (options.get("config_kwargs") or {}).get("retries")
         if not isinstance(retries, Mapping):
             return self
@@ -97,7 +103,7 @@ class RetryPolicy:
             attempts = retries["max_attempts"] + 1
         else:
             return self
-        return replace(self, max_attempts=max(1, attempts))
+        return replace(self, request_attempts=max(1, attempts))
 
     @property
     def worst_case_s(self) -> float:
@@ -224,7 +230,7 @@ class FaultCounter:
         context = request_dict.get("context") if isinstance(request_dict, dict) else None
         now = time.monotonic()
         started = context.get("roll_ckpt_attempt_t", now) if isinstance(context, dict) else now
-        retry = attempts < self.policy.max_attempts
+        retry = attempts < (self.policy.request_attempts or self.policy.max_attempts)
         wait = self.policy.delay(attempts) if retry else 0.0
         self.record(kind, (now - started) + wait, retry)
         if isinstance(context, dict):

@@ -345,11 +345,12 @@ class Strategy:
     :meth:`broadcast`, :meth:`agree` and :meth:`any_true`; :class:`roll_ckpt.plugin.DCPStrategy` does).
     """
 
-    name: str = ""
+    name: str
+    """Set by every subclass (no default: a strategy that forgets it fails at once)."""
     rank: int = 0
     world_size: int = 1
-    data_dir: str = ""
-    """The checkpoint's folder this strategy writes its files into (``dcp``, ``state``)."""
+    data_dir: str
+    """The checkpoint's folder this strategy writes its files into (``dcp``, ``state``); set by every subclass."""
     collective_timeout_s: float = 0.0
     """How long the strategy's collectives wait for the other ranks; ``0``: their process
     group's own timeout (messages say so)."""
@@ -359,8 +360,12 @@ class Strategy:
 
     @property
     def is_coordinator(self) -> bool:
-        """True on the one process that commits (rank 0 of the checkpoint group)."""
-        return self.rank == 0
+        """True on the one process that commits (rank 0 of the checkpoint group, unless set)."""
+        return self.__dict__.get("is_coordinator", self.rank == 0)
+
+    @is_coordinator.setter
+    def is_coordinator(self, value: bool) -> None:  # (a strategy may set it in its __init__)
+        self.__dict__["is_coordinator"] = bool(value)
 
     def broadcast(self, obj: Any) -> Any:
         """The coordinator's ``obj`` on every process (picklable; exceptions included)."""

@@ -31,7 +31,7 @@ from .plugins import Plugins, get_plugins
 from .runtime.preemption import PreemptionWatch, pass_on, preemption_done, run_without_interruption
 from .load.resume import Resumer
 from .format.layout import TRAINER_STATE
-from .save.pipeline import SavePipeline, SaveStats
+from .save.pipeline import SavePipeline, SaveStats, check_step
 from .views import BackupView, LocalView, ResumeReport, SaveReport, moved, warn_moved
 
 __all__ = ["CheckpointManager", "SaveStats", "open_storage", "TRAINER_STATE"]
@@ -270,6 +270,7 @@ class CheckpointManager:
         save that is not final returns ``None`` (logged, counted in ``stats.failed``).
         """
         self._check_open()
+        check_step(step)  # before the strategy is chosen (a collective on first use)
         return self._saves.save(self._claimed_run, self.bind(state), step, state, final=final, metadata=metadata)
 
     def commit_step(self, step: int, parts: Iterable[str], files: Iterable[str] = ()) -> bool:
@@ -339,12 +340,12 @@ class CheckpointManager:
     local_tier_bytes = moved("local.bytes_used", absent=0)
     local_last_save = moved("local.last_save")
     local_failed_saves = moved("local.failed_saves", absent=0)
-    backup_storage = moved("backup.storage")
+    backup_storage = moved("backup.storage", settable=True)
     backup_status = moved("backup.status")
     component = moved("_setup.component")
     plugins = moved("_setup.plugins")
     quiet = moved("_setup.quiet")
-    is_coordinator = moved("_coordinator")
+    is_coordinator = moved("_coordinator", hint="manager.strategy.is_coordinator (after bind)")
 
     def wait_for_backup(self, timeout: float | None = None) -> Any:
         """Deprecated (until 1.0): ``manager.backup.wait(timeout)``."""

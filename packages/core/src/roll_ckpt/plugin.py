@@ -145,7 +145,7 @@ def __getattr__(name: str) -> Any:
         warnings.warn(f"roll_ckpt.plugin.{name} is deprecated: subclass roll_ckpt.plugin.Strategy, whose defaults "
                       "every strategy then has, and call its members directly (the old name goes at 1.0)",
                       RollCkptDeprecationWarning, stacklevel=2)
-        return Strategy if name == "StrategyDefaults" else _strategy_member
+        return _StrategyDefaults if name == "StrategyDefaults" else _strategy_member
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'roll_ckpt.plugin' has no attribute {name!r}")
@@ -153,6 +153,19 @@ def __getattr__(name: str) -> Any:
     value = getattr(importlib.import_module(module), attr)
     globals()[name] = value
     return value
+
+
+class _StrategyDefaults:
+    """What ``StrategyDefaults`` was: the three optional members' defaults alone (a subclass
+    keeps its other bases' members; it is adapted, with the warning, as any strategy that does
+    not subclass :class:`Strategy`)."""
+
+    collective_timeout_s: float = 0.0
+    increments: Any = None
+
+    def agree(self, error: BaseException | None, phase: str, step: int | None = None) -> None:
+        if error is not None:
+            raise error
 
 
 def _strategy_member(strategy: Any, name: str) -> Any:

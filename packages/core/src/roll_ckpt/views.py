@@ -150,8 +150,8 @@ class moved:  # noqa: N801 (used as a decorator-like descriptor: `last_save = mo
     :class:`~roll_ckpt.errors.RollCkptDeprecationWarning`. ``absent`` is what the old name gave
     where the new home is ``None`` (no backup or local tier configured)."""
 
-    def __init__(self, new: str, absent: Any = None) -> None:
-        self.new, self.absent = new, absent
+    def __init__(self, new: str, absent: Any = None, *, settable: bool = False, hint: str | None = None) -> None:
+        self.new, self.absent, self.settable, self.hint = new, absent, settable, hint
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.old = name
@@ -159,7 +159,7 @@ class moved:  # noqa: N801 (used as a decorator-like descriptor: `last_save = mo
     def __get__(self, manager: Any, owner: type | None = None) -> Any:
         if manager is None:
             return self
-        warn_moved(self.old, self.new)
+        warn_moved(self.old, self.new, self.hint)
         value = manager
         for part in self.new.split("."):
             if value is None:
@@ -168,7 +168,9 @@ class moved:  # noqa: N801 (used as a decorator-like descriptor: `last_save = mo
         return value
 
     def __set__(self, manager: Any, value: Any) -> None:
-        warn_moved(self.old, self.new)
+        if not self.settable:  # (as the old read-only property did)
+            raise AttributeError(f"CheckpointManager.{self.old} cannot be set")
+        warn_moved(self.old, self.new, self.hint)
         *parents, last = self.new.split(".")
         target = manager
         for part in parents:
@@ -181,9 +183,11 @@ class moved:  # noqa: N801 (used as a decorator-like descriptor: `last_save = mo
         setattr(target, last, value)
 
 
-def warn_moved(old: str, new: str) -> None:
+def warn_moved(old: str, new: str, hint: str | None = None) -> None:
     """Warn, at the caller of the manager's attribute, that ``CheckpointManager.<old>`` is now
-    ``manager.<new>`` (a private ``new``: gone from the API, with nothing in its place)."""
-    instead = "keep what you gave the constructor" if new.startswith("_") else f"use manager.{new}"
+    ``manager.<new>`` (or ``hint``; a private ``new`` without one: gone from the API, keep what
+    the constructor was given)."""
+    instead = f"use {hint}" if hint else \
+        "keep what you gave the constructor" if new.startswith("_") else f"use manager.{new}"
     warnings.warn(f"CheckpointManager.{old} is deprecated: {instead} (the old name goes at 1.0)",
                   RollCkptDeprecationWarning, stacklevel=3)

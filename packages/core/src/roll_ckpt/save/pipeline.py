@@ -66,7 +66,8 @@ from ..tiers.retention import Retention
 from ..tiers.run import Run, Setup
 from .staging import stage_state_dict
 
-__all__ = ["SavePipeline", "StagedSave", "SaveStats", "Committer", "WarnMode", "save_error", "agreed_failure"]
+__all__ = ["SavePipeline", "StagedSave", "SaveStats", "Committer", "WarnMode", "save_error", "agreed_failure",
+           "check_step"]
 
 log = logging.getLogger("roll_ckpt")
 
@@ -321,8 +322,7 @@ class SavePipeline:
         claimed by the first save: a failure to claim it is this save's). ``local``: the fast
         recovery tier saves the same staged state too (written first, in the same writer job;
         see :mod:`roll_ckpt.tiers.local_tier`)."""
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise RollCkptError(f"step must be an integer >= 0, got {step!r}")
+        check_step(step)
         self.wait()
         try:
             return self._save(run_of(), strategy, step, state, final=final, metadata=metadata, local=local)
@@ -645,6 +645,12 @@ class _Attempt:
     committed: bool = False
     total: int = 0
     taken: int = 0
+
+
+def check_step(step: Any) -> None:
+    """A save's step: an integer >= 0 (checked before anything else happens)."""
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise RollCkptError(f"step must be an integer >= 0, got {step!r}")
 
 
 def _blocked_s(ctx: SaveContext, total_s: float) -> float:
