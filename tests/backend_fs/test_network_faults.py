@@ -302,11 +302,11 @@ def test_retry_settings_are_checked(s3: s3server.SeaweedServer) -> None:
 def test_a_users_own_botocore_retries_bound_the_counted_attempts(s3: s3server.SeaweedServer) -> None:
     """botocore stops at ``config_kwargs.retries`` when the user sets it, so the policy that
     counts the faults (and says which were retried) takes the same bound; without it, ours."""
-    from roll_ckpt_fs.network import RetryPolicy
+    from roll_ckpt_fs.network import botocore_attempts
 
     for retries, attempts in [({"max_attempts": 2}, 3), ({"total_max_attempts": 4}, 4), ({"mode": "standard"}, None)]:
         options = {**s3.storage_options, "max_attempts": 6, "config_kwargs": {"retries": retries}}
-        policy = FsspecStorage(_url(s3), options).network.policy
-        assert policy.request_attempts == attempts, retries
-        assert policy.max_attempts == 6  # still ours: roll-ckpt's re-reads of a broken download
-    assert RetryPolicy(max_attempts=7).honouring({}).request_attempts is None
+        network = FsspecStorage(_url(s3), options).network
+        assert network.request_attempts == attempts, retries
+        assert network.policy.max_attempts == 6  # still ours: roll-ckpt's re-reads of a broken download
+    assert botocore_attempts({}) is None

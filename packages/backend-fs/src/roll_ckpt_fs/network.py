@@ -29,7 +29,7 @@ its body is read is read again from where it broke (:class:`RetryingReader`). s3
 retry loop is set to one pass (``S3FileSystem.retries = 1``) so attempts do not multiply.
 A user's own botocore setting (``config_kwargs: {retries: {...}}``) bounds the attempts instead
 of ``max_attempts`` for each request botocore sends (it stops there), and the counts follow it
-(:meth:`RetryPolicy.honouring`); a broken download is still read again up to ``max_attempts`` times.
+(:func:`botocore_attempts`); a broken download is still read again up to ``max_attempts`` times.
 
 Every fault is counted (:class:`FaultCounter`): the save pipeline reads the counts before
 and after each save (``SaveStats.network``, one log line per save that met any) and the
@@ -41,7 +41,7 @@ from __future__ import annotations
 import random
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 from roll_ckpt import StorageError
@@ -67,9 +67,6 @@ class RetryPolicy:
     """Seconds before the first retry, doubled for each next one (50-100 % of it, jittered)."""
     retry_backoff_max: float = 5.0
     """The longest wait between two attempts (seconds)."""
-    request_attempts: int | None = None
-    """The attempts botocore makes of one request when the user's own ``config_kwargs.retries``
-    bounds them (:meth:`honouring`); ``None``: ``max_attempts``."""
 
     @classmethod
     def pop_from(cls, options: dict[str, Any], url: str) -> "RetryPolicy":
@@ -87,23 +84,6 @@ class RetryPolicy:
                 raise StorageError(f"checkpoint_config.storage_options.{key} must be {what}, got {value!r} (for {url})")
             values[key] = int(value) if integer else float(value)
         return cls(**values)
-
-    def honouring(self, options: Mapping[str, Any]) -> "RetryPolicy":
-        """This policy with the attempts a user's own ``config_kwargs.retries`` allows: botocore
-        stops there whatever :meth:`FaultCounter.needs_retry` says, so the counts must too
-        (``total_max_attempts`` counts the first attempt; ``max_attempts`` does not), in
-        :attr:`request_attempts`: ``max_attempts`` itself still bounds roll-ckpt's own re-reads of
-        a broken download (:class:`RetryingReader`)."""
-        retries = (options.get("config_kwargs") or {}).get("retries")
-        if not isinstance(retries, Mapping):
-            return self
-        if isinstance(retries.get("total_max_attempts"), int):
-            attempts = retries["total_max_attempts"]
-        elif isinstance(retries.get("max_attempts"), int):
-            attempts = retries["max_attempts"] + 1
-        else:
-            return self
-        return replace(self, request_attempts=max(1, attempts))
 
     @property
     def worst_case_s(self) -> float:
@@ -165,11 +145,29 @@ def _unused(client: Any) -> bool:
     return isinstance(sessions, dict) and not sessions
 
 
-class FaultCounter:
-    """The faults one storage met, counted thread-safely; also botocore's retry decision."""
+def botocore_attempts(options: Mapping[str, Any]) -> int | None:
+    """The attempts of one request a user's own ``config_kwargs.retries`` allows (botocore stops
+    there whatever :meth:`FaultCounter.needs_retry` says; ``total_max_attempts`` counts the first
+    attempt, ``max_attempts`` does not); ``None`` when it sets none."""
+    retries = (options.get("config_kwargs") or {}).get("retries")
+    if not isinstance(retries, Mapping):
+        return None
+    if isinstance(retries.get("total_max_attempts"), int):
+        return max(1, retries["total_max_attempts"])
+    if isinstance(retries.get("max_attempts"), int):
+        return max(1, retries["max_attempts"] + 1)
+    return None
 
-    def __init__(self, policy: RetryPolicy) -> None:
+
+class FaultCounter:
+    """The faults one storage met, counted thread-safely; also botocore's retry decision.
+    ``request_attempts``: the bound a user's own botocore retries set on each request
+    (:func:`botocore_attempts`; ``None``: the policy's ``max_attempts``), which the counts
+    follow; ``max_attempts`` still bounds roll-ckpt's own re-reads of a broken download."""
+
+    def __init__(self, policy: RetryPolicy, request_attempts: int | None = None) -> None:
         self.policy = policy
+        self.request_attempts = request_attempts
         self._lock = threading.Lock()
         self._faults = 0
         self._retries = 0
@@ -230,7 +228,7 @@ class FaultCounter:
         context = request_dict.get("context") if isinstance(request_dict, dict) else None
         now = time.monotonic()
         started = context.get("roll_ckpt_attempt_t", now) if isinstance(context, dict) else now
-        retry = attempts < (self.policy.request_attempts or self.policy.max_attempts)
+        retry = attempts < (self.request_attempts or self.policy.max_attempts)
         wait = self.policy.delay(attempts) if retry else 0.0
         self.record(kind, (now - started) + wait, retry)
         if isinstance(context, dict):

@@ -16,7 +16,7 @@ from roll_ckpt import StorageError
 from roll_ckpt.plugin import Entry, NetworkCounts
 
 from .direct import open_direct
-from .network import RETRY_KEYS, FaultCounter, ObjectWriter, RetryingReader, RetryPolicy
+from .network import RETRY_KEYS, FaultCounter, ObjectWriter, RetryingReader, RetryPolicy, botocore_attempts
 
 log = logging.getLogger("roll_ckpt")
 
@@ -287,7 +287,7 @@ class FsspecStorage:
         options = dict(storage_options)
         self.network: FaultCounter | None = None
         if protocol in ("s3", "s3a"):  # roll-ckpt's retries and timeouts (roll_ckpt_fs.network)
-            self.network = FaultCounter(RetryPolicy.pop_from(options, url).honouring(options))
+            self.network = FaultCounter(RetryPolicy.pop_from(options, url), botocore_attempts(options))
             options = self.network.policy.s3fs_options(options)
             options.setdefault("skip_instance_cache", True)  # a client (and counters) of its own
         elif any(k in options for k in RETRY_KEYS):
