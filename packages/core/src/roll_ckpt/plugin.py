@@ -162,10 +162,7 @@ class _StrategyDefaults:
 
     collective_timeout_s: float = 0.0
     increments: Any = None
-
-    def agree(self, error: BaseException | None, phase: str, step: int | None = None) -> None:
-        if error is not None:
-            raise error
+    agree = Strategy.agree
 
 
 def _strategy_member(strategy: Any, name: str) -> Any:
