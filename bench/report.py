@@ -273,7 +273,7 @@ def _hash_md(res: dict[str, Any]) -> list[str]:
     h = res.get("hash")
     if not h:
         return []
-    return ["", f"**Hash cost**: `roll_ckpt.format.digest.FileHasher` (whole file + 8 MiB pieces, xxh3-128) on "
+    return ["", f"**Hash cost**: `roll_ckpt.format.manifest.FileHasher` (whole file + 8 MiB pieces, xxh3-128) on "
                 f"{h['bytes'] / MB:.0f} MiB: {_ms(h['file_hasher_s'])} ({h['file_hasher_gbps']:.1f} GB/s; "
                 f"one xxh3-128 pass {h['xxh3_gbps']:.1f} GB/s), best of 3, one core."]
 
@@ -409,7 +409,7 @@ def scale_markdown(res: dict[str, Any]) -> str:
              "ranks; every object collective is a pickle on the sender and an unpickle on the receiver, and the "
              "coordinator's share of both is in its CPU.",
              "", f"roll-ckpt's unchanged-structure column: **{res.get('rc_source', 'modelled')}** "
-             "(`roll_ckpt.save.fixed_layout`: the library's own `FixedLayouts.save` on the coordinator, over a simulated "
+             "(`roll_ckpt.dcp.writer`: the library's own `FixedLayouts.save` on the coordinator, over a simulated "
              "group that hands it the N ranks' pickled messages; `modelled`: the same message shapes, merged by "
              "bench/scale.py's `RollCkptFastPath`). Its full save (the first of a structure) is DCP's protocol with "
              "roll-ckpt's own global plan (`ReusingSavePlanner.create_global_plan`, timed on the same gathered plans). "

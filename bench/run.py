@@ -333,11 +333,11 @@ def summarise_many(group: dict[str, Any]) -> dict[str, Any]:
 
 
 def hash_cost(nbytes: int = 64 << 20) -> dict[str, Any]:
-    """Seconds of roll_ckpt.format.digest.FileHasher (whole-file + per-8-MiB-piece xxh3-128) on 64 MiB."""
+    """Seconds of roll_ckpt.format.manifest.FileHasher (whole-file + per-8-MiB-piece xxh3-128) on 64 MiB."""
     import numpy as np
     import xxhash
 
-    from roll_ckpt.format.digest import FileHasher
+    from roll_ckpt.format.manifest import FileHasher
 
     data = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
     best: dict[str, float] = {}

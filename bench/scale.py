@@ -19,7 +19,7 @@ unpickled on its receiver; the coordinator's share of that is timed with it.
 Methods (see ``METHODS``): DCP default (the first save, = plan caching's first save),
 DCP with plan caching (a second save of the same structure), DCP ``use_collectives=False``
 (every rank plans alone and writes ``__<r>.metadata``: the "no coordination" reference) and
-roll-ckpt's save of an unchanged structure (``roll_ckpt.save.fixed_layout`` when it is there,
+roll-ckpt's save of an unchanged structure (``roll_ckpt.dcp.writer`` when it is there,
 else modelled by its message shapes: see :class:`RollCkptFastPath`).
 
 Each (N, P) cell runs in a process of its own (memory and the collector's heap are the
@@ -60,7 +60,7 @@ PARAM_GROUP_KEYS = ["lr", "betas", "eps", "weight_decay", "amsgrad", "maximize",
 RNG = [("python", (627,), "int64"), ("python_gauss", (1,), "float64"), ("numpy", (626,), "int64"),
        ("numpy_gauss", (1,), "float64"), ("torch", (5056,), "uint8")]
 PER_RANK_VALUES = ["scheduler", "counters"]  # boxed per-process values (BYTE_IO)
-CHUNK = 8 << 20  # roll_ckpt.format.digest.CHUNK_SIZE
+CHUNK = 8 << 20  # roll_ckpt.format.manifest.CHUNK_SIZE
 
 MODES: dict[str, dict[str, Any]] = {
     "smoke": {"cells": [(8, 20), (16, 20)], "jobs": {"worlds": [2], "reshard": (2, 1), "keeps": [(2, 1)],
@@ -293,10 +293,10 @@ class RollCkptFastPath:
     they are written), broadcasts the outcome, and builds the manifest's entries
     (``roll_ckpt.format.manifest.FileEntry``, as ``save/pipeline.py`` does) and ``Manifest.to_bytes()``.
 
-    ``source``: ``"roll_ckpt.save.fixed_layout"`` when the coordinator's part runs the library's
+    ``source``: ``"roll_ckpt.dcp.writer"`` when the coordinator's part runs the library's
     own ``FixedLayouts.save`` (over a simulated group: its gather hands it the N ranks'
     pickled messages, unpickled on its time, and its writer is a stub that writes nothing
-    and hashes the kept ``.metadata`` with ``roll_ckpt.format.digest.FileHasher``); ``"modelled"``
+    and hashes the kept ``.metadata`` with ``roll_ckpt.format.manifest.FileHasher``); ``"modelled"``
     when that module is missing or its interface differs (``note`` says why) — the same
     messages, unpickled and merged by this class.
     """
@@ -306,14 +306,14 @@ class RollCkptFastPath:
     def __init__(self) -> None:
         self.note = ""
         try:
-            from roll_ckpt.save.fixed_layout import FastPlan, FixedLayouts, RankLayout  # noqa: F401
+            from roll_ckpt.dcp.writer import FastPlan, FixedLayouts, RankLayout  # noqa: F401
 
             self.lib = (FixedLayouts, RankLayout, FastPlan)
-            self.source = "roll_ckpt.save.fixed_layout"
+            self.source = "roll_ckpt.dcp.writer"
         except ImportError as exc:
             self.lib = None
             self.source = "modelled"
-            self.note = f"roll_ckpt.save.fixed_layout not importable ({exc})"
+            self.note = f"roll_ckpt.dcp.writer not importable ({exc})"
 
     def rank_message(self, files: dict[str, tuple]) -> bytes:
         return dumps(("ok", files))
@@ -331,7 +331,7 @@ class RollCkptFastPath:
                 self.note = f"FixedLayouts.save over a simulated group failed: {type(exc).__name__}: {exc}"[:300]
         if digests is None:
             def model() -> tuple[dict[str, tuple], bytes]:
-                from roll_ckpt.format.digest import FileHasher
+                from roll_ckpt.format.manifest import FileHasher
 
                 out: dict[str, tuple] = {}
                 for raw in messages:
@@ -419,7 +419,7 @@ class _StubWriter:
         return dict(self.mine)
 
     def write_metadata(self, data: bytes) -> tuple:
-        from roll_ckpt.format.digest import FileHasher
+        from roll_ckpt.format.manifest import FileHasher
 
         h = FileHasher()
         h.update(data)
@@ -564,7 +564,7 @@ def cell(n: int, p: int, methods: list[str], unpickle_reps: int = 1, md_estimate
                     "coordinator_cpu_s": sum(ph.values()), "phases": ph, "collective_bytes": dict(sent),
                     "collective_total": sum(sent.values()), "per_rank_sent": per_rank_sent if n > 1 else 0,
                     "metadata_bytes": len(md_bytes), "metadata_files": 1, "same_metadata": rc_full["same"],
-                    "source": "roll_ckpt.save.writer.ReusingSavePlanner.create_global_plan; the rest as DCP's"}
+                    "source": "roll_ckpt.dcp.writer.ReusingSavePlanner.create_global_plan; the rest as DCP's"}
             out["methods"][save] = {
                 "coordinator_cpu_s": co.total, "phases": co.phases, "collective_bytes": sent,
                 "collective_total": sum(sent.values()), "per_rank_sent": per_rank_sent if n > 1 else 0,
@@ -693,7 +693,7 @@ def _rc_global_plan(gathered: list[Any], dcp_md: Any) -> dict[str, Any] | None:
     linear-time planner-data merge and chunk validation) on the same gathered plans, and
     whether its metadata equals DCP's; ``None`` where this roll-ckpt has no such planner."""
     try:
-        from roll_ckpt.save.writer import ReusingSavePlanner
+        from roll_ckpt.dcp.writer import ReusingSavePlanner
     except ImportError:
         return None
     planner = ReusingSavePlanner({})

@@ -33,7 +33,7 @@ from torch.distributed.fsdp import fully_shard
 from roll_ckpt.runtime.torch_compat import TorchCompatError, default_stager, fsdp2_options, gloo_averages
 
 from roll_ckpt import CheckpointManager, load_config
-from roll_ckpt.format import digest as _digest
+from roll_ckpt.format import manifest as _digest
 
 from . import peers
 from .common import PeakRSS, announce, drop_cache, io_read_bytes, rss_bytes, state_size, tree_bytes, tree_files

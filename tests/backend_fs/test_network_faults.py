@@ -147,7 +147,7 @@ def test_a_crashed_multipart_upload_is_removed_by_prune(s3: s3server.SeaweedServ
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, timeout=30, check=True)
     folder = storage.join(storage.root, "checkpoint-2")
-    from roll_ckpt.format.owners import owner_record
+    from roll_ckpt.format.commit import owner_record
 
     marker = dict(owner_record(), pid=int(dead.stdout), write_path=folder, final_path=folder)
     import json

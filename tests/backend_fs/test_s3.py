@@ -208,7 +208,7 @@ class _FrozenNow(_dt.datetime):
 
 
 def test_full_cycle_over_s3(s3: s3server.SeaweedServer, monkeypatch: pytest.MonkeyPatch) -> None:
-    import roll_ckpt.format.owners as runs_mod
+    import roll_ckpt.format.commit as runs_mod
 
     # Both runs claim their run folder within the same "second": the second claim must be
     # refused create-only by the server and fall back to "<stamp>-1".

@@ -39,7 +39,7 @@ def test_scale_smoke_writes_the_report(tmp_path: Path) -> None:
     for c in cells:
         ms = c["methods"]
         assert set(ms) == {"dcp", "dcp_cached", "dcp_nocoord", "rc", "rc_full"} - set(res["unavailable"])
-        assert ms["rc"]["source"] == "roll_ckpt.save.fixed_layout", ms["rc"].get("source_note")
+        assert ms["rc"]["source"] == "roll_ckpt.dcp.writer", ms["rc"].get("source_note")
         assert ms["rc"]["per_rank_overhead_max"] <= 1024
         if nocoord:
             assert ms["dcp_nocoord"]["collective_total"] == 0 and ms["dcp_nocoord"]["metadata_files"] == c["ranks"]

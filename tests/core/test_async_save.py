@@ -294,7 +294,7 @@ def test_a_save_staged_in_waves_reports_the_caller_blocked_until_the_last_wave(
     whole call, recorded by the caller, not the staging alone. (The caller stays 0.4 s
     after its last wave; the writer finishes this tiny state well before.)"""
     from roll_ckpt import load_config
-    from roll_ckpt.save.regular_copy import WaveGate
+    from roll_ckpt.save.staging import WaveGate
 
     fill, filled = WaveGate.fill, []
 

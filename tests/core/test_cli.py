@@ -308,7 +308,7 @@ def test_inspect(capsys: pytest.CaptureFixture[str], saved) -> None:
 def test_inspect_verifies_before_unpickling(capsys: pytest.CaptureFixture[str], saved, tmp_path: Path) -> None:
     """A .metadata that would run code is never unpickled: not when damaged, not even when
     the manifest was forged to match it."""
-    from roll_ckpt.format.digest import hash_bytes
+    from roll_ckpt.format.manifest import hash_bytes
 
     _, _, paths = saved
     ckpt = paths[2]

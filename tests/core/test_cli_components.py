@@ -22,7 +22,7 @@ from helpers.launch import run_python
 from helpers.training import config, train_step
 from roll_ckpt import CheckpointManager, DriverState, new_run_name
 from roll_ckpt.cli import main
-from roll_ckpt.format.digest import hash_bytes
+from roll_ckpt.format.manifest import hash_bytes
 from roll_ckpt.format.manifest import seal
 
 from .test_cli import assert_one_line_error as one_line_error

@@ -51,7 +51,7 @@ def test_a_disabled_pause_touches_nothing() -> None:
 def _watch(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[bool]]:
     """Records whether the collector runs while DCP plans, while the data is written and
     while .metadata is written."""
-    import roll_ckpt.save.writer as dw
+    import roll_ckpt.dcp.writer as dw
 
     import roll_ckpt.save.pipeline as saving
 
@@ -104,7 +104,7 @@ def test_pause_gc_false_leaves_it_running(tmp_path: Path, monkeypatch: pytest.Mo
 
 
 def test_a_failed_save_switches_it_back_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import roll_ckpt.save.writer as dw
+    import roll_ckpt.dcp.writer as dw
 
     def broken(*a: Any) -> None:
         raise OSError(28, "No space left on device")

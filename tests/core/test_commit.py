@@ -53,7 +53,7 @@ def test_a_writer_in_another_pid_namespace_is_not_judged_by_its_pid(tmp_path) ->
     import socket
     import time
 
-    from roll_ckpt.format.owners import _pid_namespace, clean_stale, owner_gone
+    from roll_ckpt.format.commit import _pid_namespace, clean_stale, owner_gone
     from roll_ckpt.testing import dead_pid
 
     here = {"host": socket.gethostname(), "pid": dead_pid(), "pidns": _pid_namespace(), "started": time.time()}

@@ -361,7 +361,7 @@ def test_removing_a_step_uncommits_its_parts_first(tmp_path: Path) -> None:
 
 
 def test_local_write_create_is_whole_or_absent_and_leaves_nothing_behind(tmp_path: Path) -> None:
-    from roll_ckpt.format.owners import clean_stale
+    from roll_ckpt.format.commit import clean_stale
 
     storage = layout_storage(tmp_path)
     target = tmp_path / "run" / "checkpoint-1" / "manifest.json"

@@ -14,7 +14,7 @@ from tests.helpers.training import config
 
 
 def _count_items(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    import roll_ckpt.save.writer as dw
+    import roll_ckpt.dcp.writer as dw
 
     made: list[str] = []
     real = dw.create_write_items

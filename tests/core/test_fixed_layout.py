@@ -1,4 +1,4 @@
-"""Saves of an unchanged structure repeat the last full save's layout (roll_ckpt.save.fixed_layout):
+"""Saves of an unchanged structure repeat the last full save's layout (roll_ckpt.dcp.writer):
 the same ``.metadata`` bytes, a plain DCP folder, exact resumes; every change takes the full path."""
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def test_each_change_of_structure_takes_the_full_path(tmp_path: Path, change: st
 def test_a_layout_not_written_as_planned_is_written_again_by_the_full_path(tmp_path: Path, monkeypatch) -> None:
     """No correctness rests on the kept layout: a process that wrote anything else makes the
     job write the save again through DCP's protocol."""
-    from roll_ckpt.save import writer as dcp_write
+    from roll_ckpt.dcp import writer as dcp_write
 
     state = _state()
     m = _manager(tmp_path)
@@ -186,7 +186,7 @@ def test_a_layout_not_written_as_planned_is_written_again_by_the_full_path(tmp_p
 
 
 def test_a_failed_short_save_commits_nothing_and_the_next_one_works(tmp_path: Path, monkeypatch) -> None:
-    from roll_ckpt.save import writer as dcp_write
+    from roll_ckpt.dcp import writer as dcp_write
     from roll_ckpt.errors import SaveError
 
     state = _state()

@@ -12,7 +12,7 @@ from torch.distributed.checkpoint.default_planner import _validate_global_plan
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
                                                    TensorProperties, TensorStorageMetadata)
 
-from roll_ckpt.save.global_plan import chunk_errors, merge_planner_data
+from roll_ckpt.dcp.global_plan import chunk_errors, merge_planner_data
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -70,7 +70,7 @@ def test_chunk_validation_is_linear_for_fsdp2_shards_of_wide_tensors(monkeypatch
     """FSDP2 cuts dim 0 and dim 1 is the larger: DCP's sweep (along the larger dim) compares
     every pair of chunks, n^2/2; ours compares each chunk only with those it reaches along
     the dimension that was cut."""
-    from roll_ckpt.save import global_plan
+    from roll_ckpt.dcp import global_plan
 
     compared = []
     real = global_plan._overlap
@@ -96,7 +96,7 @@ def test_small_replicated_values_go_to_the_lowest_rank_and_large_ones_are_spread
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-    from roll_ckpt.save.global_plan import SMALL_REPLICATED, dedup_plans
+    from roll_ckpt.dcp.global_plan import SMALL_REPLICATED, dedup_plans
 
     def item(fqn: str, n: int) -> WriteItem:
         props = TensorProperties(dtype=torch.uint8)

@@ -143,7 +143,7 @@ def test_save_only_model_holds_the_weights_and_resumes_the_optimizer_fresh(tmp_p
         path = manager.save(2, {"model": model, "optimizer": opt}, final=True)
     manifest = _manifest(path)
     assert manifest["extra"]["save_only_model"] == "model" and manifest["extra"]["hf"]["status"] == "written"
-    from roll_ckpt.load.reader import SafeReader
+    from roll_ckpt.dcp.reader import SafeReader
     from roll_ckpt_fs import LocalStorage
 
     md = SafeReader(LocalStorage(path), os.path.join(path, "dcp")).read_metadata()

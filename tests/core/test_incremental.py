@@ -120,7 +120,7 @@ def test_a_change_through_a_numpy_view_is_caught_and_written(tmp_path: Path) -> 
 
 
 def test_a_full_fine_tune_hashes_nothing_first_and_takes_nothing_over(tmp_path: Path, monkeypatch) -> None:
-    from roll_ckpt.format.dcp_fs import StorageFileSystem
+    from roll_ckpt.dcp.files import StorageFileSystem
 
     calls = []
     original = StorageFileSystem.hashing_stream
@@ -205,7 +205,7 @@ def test_ls_shows_what_each_save_wrote(capsys, tmp_path: Path) -> None:
 
 
 def test_the_base_is_named_within_its_run() -> None:
-    from roll_ckpt.save.incremental import Base
+    from roll_ckpt.dcp.writer import Base
 
     assert Base("u", "/out/20261202-1/checkpoint-3/dcp", {}).name == "checkpoint-3"
     assert Base("u", "s3://b/run/checkpoint-3/actor/dcp", {}).name == "checkpoint-3/actor"  # a component's part

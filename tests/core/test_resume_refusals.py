@@ -13,7 +13,7 @@ import pytest
 from roll_ckpt.format.manifest import seal
 from roll_ckpt import CheckpointCorruptError, CheckpointManager, CheckpointNotFoundError
 from roll_ckpt.errors import UnsafeCheckpointError
-from roll_ckpt.format.digest import hash_bytes
+from roll_ckpt.format.manifest import hash_bytes
 from roll_ckpt.testing import assert_same_state, state_snapshot, tiny_state
 from roll_ckpt.format.verify import verify
 
@@ -168,8 +168,8 @@ def test_both_readers_of_metadata_judge_it_alike(saved: Path, entry: str) -> Non
     import types
 
     from roll_ckpt.format.verify import read_manifest
-    from roll_ckpt.load.job_load import job_metadata
-    from roll_ckpt.load.reader import SafeReader
+    from roll_ckpt.dcp.reader import job_metadata
+    from roll_ckpt.dcp.reader import SafeReader
     from roll_ckpt_fs import LocalStorage
 
     storage = LocalStorage(str(saved.parent))

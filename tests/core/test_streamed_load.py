@@ -13,8 +13,8 @@ from helpers.damage import flip_byte
 from helpers.training import config
 from roll_ckpt import CheckpointCorruptError, CheckpointManager
 from roll_ckpt.errors import PartlyLoadedError
-from roll_ckpt.format import streamed_files
-from roll_ckpt.format.digest import CHUNK_SIZE
+from roll_ckpt.dcp import checked
+from roll_ckpt.format.manifest import CHUNK_SIZE
 from roll_ckpt.format.manifest import MANIFEST_NAME
 
 pytestmark = pytest.mark.timeout(120)
@@ -65,7 +65,7 @@ def test_one_pass_reads_each_piece_once_and_loads_exactly(saved: Any, monkeypatc
     assert big["size"] > 3 * CHUNK_SIZE and len(big["chunks"]) == -(-big["size"] // CHUNK_SIZE)
     reads: list[tuple[int, int]] = []
     buffers: list[int] = []
-    original_read, original_start = streamed_files.StreamedFile._read_piece, streamed_files.StreamedFile._start
+    original_read, original_start = checked.StreamedFile._read_piece, checked.StreamedFile._start
 
     def counting_read(self: Any, k: int, buf: memoryview) -> memoryview:
         reads.append((id(self), k))
@@ -75,8 +75,8 @@ def test_one_pass_reads_each_piece_once_and_loads_exactly(saved: Any, monkeypatc
         original_start(self, k)
         buffers.append(len(self._pieces) + len(self._free))
 
-    monkeypatch.setattr(streamed_files.StreamedFile, "_read_piece", counting_read)
-    monkeypatch.setattr(streamed_files.StreamedFile, "_start", counting_start)
+    monkeypatch.setattr(checked.StreamedFile, "_read_piece", counting_read)
+    monkeypatch.setattr(checked.StreamedFile, "_start", counting_start)
     state, err = resume(ckpt, verify_before_load=False)
     assert err is None
     assert same(snapshot(state), expected)
@@ -84,7 +84,7 @@ def test_one_pass_reads_each_piece_once_and_loads_exactly(saved: Any, monkeypatc
     assert len(reads) == len(set(reads)), "a piece was read twice"
     assert len(reads) >= len(big["chunks"])
     # memory stays bounded: the pieces ahead, the one being copied, the item's last piece
-    assert max(buffers) <= streamed_files.AHEAD + 3
+    assert max(buffers) <= checked.AHEAD + 3
 
 
 def test_the_default_checks_everything_first_and_leaves_the_state_untouched(saved: Any) -> None:

@@ -1,4 +1,4 @@
-"""Kept torch.save frames (roll_ckpt.format.tensor_frames): the bytes are torch.save's, for every
+"""Kept torch.save frames (roll_ckpt.dcp.files): the bytes are torch.save's, for every
 tensor that takes the fast path and every one that does not."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import io
 import pytest
 import torch
 
-from roll_ckpt.format.tensor_frames import TensorFrames
+from roll_ckpt.dcp.files import TensorFrames
 from roll_ckpt.runtime.torch_compat import save_tensor_without_crc, serializes_plainly
 
 
@@ -114,7 +114,7 @@ def test_a_zero_tensor_never_reads_memory_it_does_not_have() -> None:
 
 
 def test_the_frames_start_over_past_their_bound(monkeypatch: pytest.MonkeyPatch) -> None:
-    import roll_ckpt.format.tensor_frames as tf
+    import roll_ckpt.dcp.files as tf
 
     monkeypatch.setattr(tf, "_MAX_FRAMES", 3)
     frames = TensorFrames()
@@ -129,7 +129,7 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
 
 def _file_of(*parts: bytes, tmp_path) -> tuple:
     """A Verified file of ``parts`` laid end to end, and each part's (offset, length)."""
-    from roll_ckpt.format.verified_files import Verified
+    from roll_ckpt.dcp.checked import Verified
 
     path = tmp_path / "items.distcp"
     path.write_bytes(b"".join(parts))
@@ -144,7 +144,7 @@ def _file_of(*parts: bytes, tmp_path) -> tuple:
 def test_an_item_in_a_kept_frame_is_read_without_unpickling(k: int, tmp_path, monkeypatch) -> None:
     """The reader takes an item that is exactly the frame of the target's layout as the target's
     bytes: nothing unpickled, the values bit-equal, straight into the target's memory."""
-    import roll_ckpt.format.verified_files as vf
+    import roll_ckpt.dcp.checked as vf
 
     src = _plain_cases()[k]
     blob = io.BytesIO()
@@ -165,7 +165,7 @@ def test_an_item_in_a_kept_frame_is_read_without_unpickling(k: int, tmp_path, mo
 def test_an_item_in_another_frame_is_loaded_the_general_way(tmp_path) -> None:
     """An item whose ends are not the kept frame's (torch.save with its CRC-32 on, or a shape
     other than the target's) is unpickled as before, and still gives the right values."""
-    import roll_ckpt.format.verified_files as vf
+    import roll_ckpt.dcp.checked as vf
 
     src = torch.arange(12, dtype=torch.float32).view(3, 4)
     with_crc = io.BytesIO()

@@ -454,7 +454,7 @@ def main() -> int:
     import torch.distributed.fsdp  # noqa: F401
 
     import roll_ckpt.format.components  # noqa: F401
-    import roll_ckpt.load.reader, roll_ckpt.save.writer  # noqa: F401,E401
+    import roll_ckpt.dcp.reader, roll_ckpt.dcp.writer  # noqa: F401,E401
     import roll_ckpt_fs  # noqa: F401
     import roll_ckpt_fsdp2  # noqa: F401
     try:

@@ -48,7 +48,7 @@ import torch
 import torch.distributed.checkpoint  # noqa: F401
 import torch.distributed.checkpoint.state_dict  # noqa: F401
 from roll_ckpt import CheckpointManager
-import roll_ckpt.load.reader, roll_ckpt.save.writer  # noqa: F401,E401
+import roll_ckpt.dcp.reader, roll_ckpt.dcp.writer  # noqa: F401,E401
 import roll_ckpt_fs  # noqa: F401
 import xxhash
 

@@ -42,9 +42,9 @@ def _fault(phase: str, rank: int) -> OSError:
 def _target(phase: str) -> tuple[Any, str]:
     """The object and attribute whose call the fault replaces."""
     from roll_ckpt.format.commit import PendingCheckpoint
-    from roll_ckpt.load.reader import SafeReader
+    from roll_ckpt.dcp.reader import SafeReader
     from roll_ckpt.save.pipeline import SavePipeline
-    from roll_ckpt.save.writer import DigestingWriter
+    from roll_ckpt.dcp.writer import DigestingWriter
     import roll_ckpt.strategies.dcp as strategy_module
     from roll_ckpt.strategies.dcp import DCPStrategy
 

@@ -21,7 +21,7 @@ from helpers import forkserver
 from helpers.forkserver import read_events
 from helpers.training import config
 from roll_ckpt.format import layout
-from roll_ckpt.format.owners import MARKER_PREFIX
+from roll_ckpt.format.commit import MARKER_PREFIX
 from roll_ckpt.format.layout import TMP_PREFIX
 from roll_ckpt.format.manifest import MANIFEST_NAME
 from roll_ckpt.contracts import Storage

@@ -62,7 +62,7 @@ from helpers.launch import free_port, kill_group, start_torchrun
 from helpers.training import config
 from roll_ckpt import CheckpointManager, DriverState, new_run_name
 from roll_ckpt.format import layout
-from roll_ckpt.format.owners import MARKER_PREFIX
+from roll_ckpt.format.commit import MARKER_PREFIX
 from roll_ckpt.format.components import complete_pending, components_of, try_complete
 from roll_ckpt.format.layout import TMP_PREFIX
 from roll_ckpt.format.manifest import MANIFEST_NAME, Manifest

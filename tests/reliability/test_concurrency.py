@@ -100,7 +100,7 @@ def test_a_run_folder_dropped_while_it_is_claimed_is_made_again(tmp_path: Path) 
     """Between making its run folder and linking ``.run.json`` into it, a launch's folder is
     empty, and another launch's retention drops empty run folders (found by the test above
     in the torch-2.11 leg: the claim failed with FileNotFoundError). The claim makes it again."""
-    from roll_ckpt.format.owners import claim_run_folder
+    from roll_ckpt.format.commit import claim_run_folder
     from roll_ckpt.tiers.retention import drop_empty_runs
 
     root = str(tmp_path / "ckpt")

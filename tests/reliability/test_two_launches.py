@@ -2,7 +2,7 @@
 dead and restarted, a Ray actor that exists twice), as real overlapping processes.
 
 With run folders (``timestamp_subdir: true``, the default) each launch writes its own; the
-checkpoint a live launch resumed from is held (``roll_ckpt.format.owners``) so the other's
+checkpoint a live launch resumed from is held (``roll_ckpt.format.commit``) so the other's
 retention leaves it alone until the resumer has committed one of its own; ``latest`` is
 always a whole checkpoint. Without run folders the second launch is refused with an error
 that says what to do.

@@ -26,7 +26,7 @@ import pytest
 from roll_ckpt import CheckpointCorruptError, CheckpointManager, load_config
 from roll_ckpt.errors import UnsafeCheckpointError
 from roll_ckpt.cli import main as cli
-from roll_ckpt.format.digest import hash_bytes
+from roll_ckpt.format.manifest import hash_bytes
 from roll_ckpt.format.manifest import seal
 from roll_ckpt.testing import assert_same_state, state_snapshot, tiny_state
 from roll_ckpt.format.verify import verify

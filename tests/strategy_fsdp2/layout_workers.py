@@ -84,7 +84,7 @@ def layout_save(out: str) -> None:
 def layout_resume(out: str, step: str, kind: str) -> None:
     """Resume ``checkpoint-<step>`` into a ``kind`` model, count what the resume read, save once more."""
     import roll_ckpt.format.unpickle as unpickle
-    import roll_ckpt.load.job_load as job_load
+    import roll_ckpt.dcp.reader as job_load
     from roll_ckpt_fs.storage import LocalStorage
 
     opened: list[str] = []

@@ -291,7 +291,7 @@ def race(out: str, guard: str) -> None:
     With ``guard=off`` the store's hold is disabled: the test expects a mixed checkpoint
     then, which shows it can tell.
     """
-    import roll_ckpt.format.dcp_fs as dcp_io
+    import roll_ckpt.dcp.files as dcp_io
 
     model, opt, sched = build(width=256)
     data = [torch.randn(8, 16)]

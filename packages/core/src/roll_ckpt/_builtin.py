@@ -6,7 +6,7 @@ from typing import Any
 
 from .contracts import StagingPolicyRecord, Strategy, StrategyRecord
 from .hookspecs import hookimpl
-from .save.regular_copy import RegularCopy
+from .save.staging import RegularCopy
 
 FALLBACK = -(2 ** 31)
 """The regular copy's priority: every plugin's policy is asked before it."""

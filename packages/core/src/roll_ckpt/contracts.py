@@ -148,7 +148,7 @@ class Storage(Protocol):
 @runtime_checkable
 class TakesOver(Protocol):
     """A :class:`Storage` that can make a file from another without the bytes going through
-    this process (incremental saves, :mod:`roll_ckpt.save.incremental`). Optional: core
+    this process (incremental saves, :mod:`roll_ckpt.dcp.writer`). Optional: core
     copies through ``open_read``/``open_write`` for a storage without it."""
 
     def take_over(self, src: str, dst: str) -> str:
@@ -222,7 +222,7 @@ class SpaceEstimate:
 @runtime_checkable
 class StagingGate(Protocol):
     """What a staging policy that stages in waves within ``SaveContext.budget`` sets as
-    ``SaveContext.gate`` (core's regular copy does, :class:`roll_ckpt.save.regular_copy.WaveGate`):
+    ``SaveContext.gate`` (core's regular copy does, :class:`roll_ckpt.save.staging.WaveGate`):
     the caller fills the waves while the writer writes what is staged."""
 
     error: BaseException | None
@@ -283,7 +283,7 @@ class SaveContext:
     gate: StagingGate | None = None
     """Set by a policy that stages in waves (within ``budget``): the writer asks it the
     order to write in and waits for each tensor to be staged; the caller fills it after
-    the write has started (``roll_ckpt.save.regular_copy.WaveGate``)."""
+    the write has started (``roll_ckpt.save.staging.WaveGate``)."""
     _before_write: list[Callable[[], None]] = field(default_factory=list)
     _finished: list[Callable[[], None]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -356,7 +356,7 @@ class Strategy:
     group's own timeout (messages say so)."""
     increments: Any = None
     """The record of the newest committed checkpoint that incremental saves take unchanged
-    files over from (:class:`roll_ckpt.save.incremental.Increments`), or ``None``: every save whole."""
+    files over from (:class:`roll_ckpt.dcp.writer.Increments`), or ``None``: every save whole."""
 
     @property
     def is_coordinator(self) -> bool:

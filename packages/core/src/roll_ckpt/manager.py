@@ -21,7 +21,7 @@ from typing import Any, Iterable, Mapping, MutableMapping
 
 from .tiers.backup import BackupLink
 from .format.components import check_component
-from .format.owners import release_folder
+from .format.commit import release_folder
 from .config.schema import Config, load_config
 from .contracts import CommitInfo, Storage, Strategy
 from .errors import RollCkptError

@@ -65,22 +65,20 @@ from .errors import (BackupError, CheckpointCorruptError, CheckpointNotFoundErro
                      ConfigError, PartlyLoadedError, PluginError, RollCkptError, SaveError, StorageError,
                      StorageFullError, TorchCompatError, UnknownPluginError, UnsafeCheckpointError)
 from .format.global_state import GlobalState
-from .format.layout import RUN_RE
+from .format.layout import RUN_RE, committed as committed_checkpoints, latest as latest_checkpoint
 from .format.inspection import verify_checkpoint
-from .format.layout import committed as committed_checkpoints
-from .format.layout import latest as latest_checkpoint
 from .hookspecs import hookimpl, hookspec
 from .plugins import get_plugins
 from .runtime.units import human_bytes
 
 if TYPE_CHECKING:  # for type checkers and the API reference; at run time _LAZY below imports them
     from .cli import main as cli_main
-    from .runtime.memory import exact_alias
+    from .dcp.files import exact_alias
     from .runtime.torch_compat import (collective, fsdp2_options, local_chunk, local_tensor, rewrap_dtensor,
                                        set_local_tensor)
     from .strategies.dcp import DCPStrategy
     from .tiers.run import open_storage
-    from .load.placeholders import placeholders as dcp_placeholders
+    from .dcp.reader import placeholders as dcp_placeholders
     from .load.dcp_folder import dcp_folder_problems, load_dcp, read_dcp_metadata, write_dcp
     from .load.torch_file import torch_file_problem, torch_load
     from .format.hf_files import safetensors_problems
@@ -122,14 +120,14 @@ _LAZY = {
     "local_chunk": "roll_ckpt.runtime.torch_compat",
     "collective": "roll_ckpt.runtime.torch_compat",
     "fsdp2_options": "roll_ckpt.runtime.torch_compat",
-    "exact_alias": "roll_ckpt.runtime.memory",
+    "exact_alias": "roll_ckpt.dcp.files",
     "open_storage": "roll_ckpt.tiers.run",
     "cli_main": "roll_ckpt.cli",
     "read_dcp_metadata": "roll_ckpt.load.dcp_folder",
     "dcp_folder_problems": "roll_ckpt.load.dcp_folder",
     "load_dcp": "roll_ckpt.load.dcp_folder",
     "write_dcp": "roll_ckpt.load.dcp_folder",
-    "dcp_placeholders": "roll_ckpt.load.placeholders",
+    "dcp_placeholders": "roll_ckpt.dcp.reader",
     "torch_load": "roll_ckpt.load.torch_file",
     "torch_file_problem": "roll_ckpt.load.torch_file",
 }

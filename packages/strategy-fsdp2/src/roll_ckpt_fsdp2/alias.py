@@ -1,4 +1,4 @@
-"""Exact-size aliases of the offload store's slots: core's :func:`roll_ckpt.runtime.memory.exact_alias`.
+"""Exact-size aliases of the offload store's slots: core's :func:`roll_ckpt.dcp.files.exact_alias`.
 
 A shard that views a flat buffer has ``storage_offset() != 0`` and shares the whole
 buffer's storage. DCP's stagers copy the whole buffer or crash on such tensors, and a

@@ -7,8 +7,7 @@ import argparse
 from typing import Any, Sequence
 
 from ..errors import CheckpointNotFoundError
-from ..format.layout import basename
-from ..format.layout import parent as parent_dir
+from ..format.layout import basename, parent as parent_dir
 from ..format.targets import not_committed, part_in_step, resolve, uncommitted_step
 from ..runtime.units import human_bytes
 

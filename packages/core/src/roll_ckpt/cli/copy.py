@@ -15,7 +15,7 @@ def _scheme(url: str) -> str:
 
 
 def cmd_copy(args: argparse.Namespace) -> int:
-    from ..format.owners import clean_stale
+    from ..format.commit import clean_stale
     from ..format.layout import parse_step, scan
     from ..format.manifest import MANIFEST_NAME
     from ..tiers.transfer import copy_checkpoint, relative_path

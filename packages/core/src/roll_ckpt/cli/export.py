@@ -88,7 +88,7 @@ def cmd_export_file(args: argparse.Namespace) -> int:
     target, note = resolve(storage, storage.root, args.component)
     manifest = read_manifest(storage, target)
     require_tensors(manifest, target)  # a step of components, a json part: say so before any work
-    from ..load import reader as dcp_read  # noqa: F401  (torch: imported before the progress bars start their clocks)
+    from ..dcp import reader as dcp_read  # noqa: F401  (torch: imported before the progress bars start their clocks)
 
     if note:
         say(note)

@@ -10,7 +10,7 @@ from ._common import in_flight, is_checkpoint_dir, keep_count, open_storage_arg,
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    from ..format.owners import clean_stale
+    from ..format.commit import clean_stale
     from ..format.layout import committed
     from ..tiers.retention import apply_retention, plan_retention
 

@@ -154,7 +154,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     target, note = resolve(storage, storage.root, args.component)
     manifest = read_manifest(storage, target)
     if any(name.startswith("dcp/") for name in manifest.files) and not manifest.extra.get("components"):
-        from ..load import reader as dcp_read  # noqa: F401  (torch: imported before the progress bar starts its clock)
+        from ..dcp import reader as dcp_read  # noqa: F401  (torch: imported before the progress bar starts its clock)
     total = sum(e.size for e in manifest.files.values())
     with progress_bar("verify", total) as progress:
         ins = inspect_checkpoint(storage, target, on_bytes=progress)

@@ -2,7 +2,7 @@
 (:mod:`.file`), values and interpolation, ROLL's key names and defaults, the report of
 where each setting came from, and each section's own dataclass.
 
-Layer 3: imports ``format``, ``runtime``, the base modules, and the plugin registry
+Layer 4: imports ``dcp``, ``format``, ``runtime``, the base modules, and the plugin registry
 (``roll_ckpt.plugins``) to validate plugins' keys.
 """
 

@@ -124,7 +124,7 @@ class CheckpointConfig:
     """Write only the data files that changed since the newest committed checkpoint of the
     run; each unchanged one (proved by its checksum) is taken over from it by the storage: a
     hard link on POSIX disks, a server-side copy on S3, a plain copy elsewhere. Every
-    checkpoint stays whole (:mod:`roll_ckpt.save.incremental`). ``false``: write every file."""
+    checkpoint stays whole (:mod:`roll_ckpt.dcp.writer`). ``false``: write every file."""
     collective_timeout_s: float = 600.0
     """The longest any collective of a save, commit or resume waits for the other ranks (a
     rank stopped or cut off): then every waiting rank raises ``CollectiveTimeoutError``."""

@@ -43,10 +43,9 @@ from typing import Any, Iterable
 
 from ..contracts import Storage
 from .commit import take_over_file
-from .digest import hash_bytes, hash_stream
+from .manifest import hash_bytes, hash_stream, MANIFEST_NAME, FileEntry, Manifest
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError, RollCkptError
 from .layout import parent, scan
-from .manifest import MANIFEST_NAME, FileEntry, Manifest
 
 log = logging.getLogger("roll_ckpt")
 

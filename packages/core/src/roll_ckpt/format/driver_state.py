@@ -26,7 +26,7 @@ import json
 from typing import Any, Mapping, MutableMapping
 
 from ..contracts import SpaceEstimate, Storage, Strategy
-from .digest import hash_bytes
+from .manifest import hash_bytes
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError, RollCkptError
 from ..runtime.rng import plain_rng_state, restore_plain_rng_state
 

@@ -22,7 +22,7 @@ from typing import Iterable, Mapping
 from ..contracts import ForeignCheckpoint, FormatRecord, Storage
 from .layout import CKPT_RE, DCP_DIR, TRAINER_STATE, basename, parent, run_folders, run_key
 from .manifest import MANIFEST_NAME
-from .owners import MARKER_PREFIX
+from .commit import MARKER_PREFIX
 
 __all__ = ["Found", "FORMAT_EXTRAS", "recognize", "survey", "passed_over", "what_is", "not_committed", "LOOKS_LIKE"]
 

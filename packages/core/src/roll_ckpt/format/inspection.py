@@ -21,8 +21,7 @@ from typing import Any, Callable
 from ..errors import CheckpointCorruptError
 from .manifest import MANIFEST_NAME, Manifest
 from ..contracts import Storage
-from .layout import DCP_DIR, TRAINER_STATE, basename
-from .layout import parent as layout_parent
+from .layout import DCP_DIR, TRAINER_STATE, basename, parent as layout_parent
 from ..runtime.units import human_bytes
 
 __all__ = ["KeyInfo", "PartInfo", "PartsStatus", "Inspection", "inspect_checkpoint", "format_inspection",
@@ -235,7 +234,7 @@ def parts_status(storage: Storage, step_path: str, expected: list[str] | None = 
     ``expected`` is the list of components a step needs; by default (``guess``) it is read
     from the newest committed step beside it (:func:`expected_components`).
     """
-    from .owners import MARKER_PREFIX
+    from .commit import MARKER_PREFIX
     from .components import committed_parts
     from .layout import TMP_PREFIX, parse_step
 

@@ -5,6 +5,12 @@ verified before torch reads any of it, and carries a checksum of its own content
 (``manifest_checksum``), so a damaged manifest is reported as such rather than as damage
 to the files it describes. With ``ROLL_CKPT_SIGNING_KEY`` set, it also carries an HMAC
 over its own canonical form.
+
+**Digests.** Checksums: xxHash's XXH3-128 (fast, maintained), computed while data streams by.
+
+A file is described by its whole checksum and, for files written by roll-ckpt's own
+writer, the checksums of its :data:`CHUNK_SIZE` pieces: a reader can then check the pieces
+in parallel, or each piece before it uses it, without reading the file twice.
 """
 
 from __future__ import annotations
@@ -14,13 +20,109 @@ import hmac
 import json
 import os
 import posixpath
+import xxhash
+import errno
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, BinaryIO, Callable
 
-from .digest import ALGORITHM, CHUNK_SIZE, hash_bytes
+from ..errors import CheckpointCorruptError, UnsafeCheckpointError
+from ..contracts import Storage
 
-__all__ = ["Manifest", "FileEntry", "MANIFEST_NAME", "FORMAT", "FORMAT_VERSION", "safe_relpath",
-           "seal", "UnsafeManifestError", "BESIDE_KEY", "beside"]
+__all__ = ['Manifest', 'FileEntry', 'MANIFEST_NAME', 'FORMAT', 'FORMAT_VERSION', 'safe_relpath', 'seal', 'UnsafeManifestError', 'BESIDE_KEY', 'beside', 'ALGORITHM', 'CHUNK_SIZE', 'Hasher', 'FileHasher', 'hash_stream', 'hash_bytes', 'hash_chunk']
+
+
+
+# ---- digests ---------------------------------------------------------------
+
+ALGORITHM = "xxh3_128"
+CHUNK_SIZE = 8 << 20
+"""The pieces a file's chunk checksums cover (the last one may be shorter)."""
+_CHUNK = 256 << 10
+"""Read size of :func:`hash_stream`: small enough that the hash reads the chunk from the CPU
+cache the read just filled (8 MiB chunks cost about 40% more CPU per byte)."""
+
+
+class Hasher:
+    """Running size and checksum of a byte stream."""
+
+    __slots__ = ("_h", "size")
+
+    def __init__(self) -> None:
+        self._h = xxhash.xxh3_128()
+        self.size = 0
+
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        self._h.update(data)
+        self.size += memoryview(data).nbytes
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
+def hash_stream(stream: BinaryIO, on_bytes=None) -> tuple[int, str]:
+    h = Hasher()
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    while True:
+        n = stream.readinto(view) if hasattr(stream, "readinto") else None
+        if n is None:
+            chunk = stream.read(_CHUNK)
+            n = len(chunk)
+            if not n:
+                break
+            h.update(chunk)
+        else:
+            if not n:
+                break
+            h.update(view[:n])
+        if on_bytes is not None:
+            on_bytes(n)
+    return h.size, h.hexdigest()
+
+
+def hash_bytes(data: bytes) -> tuple[int, str]:
+    return len(data), xxhash.xxh3_128_hexdigest(data)
+
+
+class FileHasher:
+    """The whole checksum of a byte stream and the checksums of its :data:`CHUNK_SIZE` pieces."""
+
+    __slots__ = ("_file", "_chunk", "chunks", "size")
+
+    def __init__(self) -> None:
+        self._file = xxhash.xxh3_128()
+        self._chunk = xxhash.xxh3_128()
+        self.chunks: list[str] = []
+        self.size = 0
+
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        self._file.update(view)
+        pos = 0
+        while pos < view.nbytes:
+            room = CHUNK_SIZE - self.size % CHUNK_SIZE
+            piece = view[pos:pos + room]
+            self._chunk.update(piece)
+            pos += piece.nbytes
+            self.size += piece.nbytes
+            if self.size % CHUNK_SIZE == 0:
+                self.chunks.append(self._chunk.hexdigest())
+                self._chunk = xxhash.xxh3_128()
+
+    def digest(self) -> tuple[int, str, tuple[str, ...]]:
+        """``(size, checksum, chunk checksums)``."""
+        chunks = list(self.chunks)
+        if self.size % CHUNK_SIZE:
+            chunks.append(self._chunk.hexdigest())
+        return self.size, self._file.hexdigest(), tuple(chunks)
+
+
+def hash_chunk(data: bytes | bytearray | memoryview) -> str:
+    """The checksum of one piece (``xxhash`` releases the GIL: pieces hash in parallel)."""
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+# ---- the manifest ----------------------------------------------------------
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "roll-ckpt"
@@ -71,7 +173,7 @@ class FileEntry:
     """The manifest's ``chunk_size`` (kept with each entry for the readers that check pieces)."""
     taken_over: str = ""
     """The checkpoint (``checkpoint-<step>``) this file's bytes were taken over from by an
-    incremental save (:mod:`roll_ckpt.save.incremental`); the file is whole here either way."""
+    incremental save (:mod:`roll_ckpt.dcp.writer`); the file is whole here either way."""
 
 
 def safe_relpath(name: str) -> bool:
@@ -226,3 +328,4 @@ def beside(manifest: "Manifest", name: str) -> bool:
 
     patterns = manifest.extra.get(BESIDE_KEY) or ()
     return "/" not in name and any(fnmatch.fnmatchcase(name, p) for p in patterns)
+

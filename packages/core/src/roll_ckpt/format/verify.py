@@ -7,9 +7,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .commit import require_committed
-from .digest import hash_stream
+from .manifest import hash_stream, MANIFEST_NAME, FileEntry, Manifest, UnsafeManifestError, beside
 from ..errors import CheckpointCorruptError, UnsafeCheckpointError
-from .manifest import MANIFEST_NAME, FileEntry, Manifest, UnsafeManifestError, beside
 from ..contracts import Storage
 
 __all__ = ["verify", "read_manifest", "list_files", "VerifyReport", "content_fault"]
@@ -87,7 +86,7 @@ def verify(storage: Storage, path: str, *, checksums: bool = True,
     Raises :class:`CheckpointCorruptError` naming every file that is missing, of the
     wrong size, with the wrong checksum, or not listed. Links are refused. Files for
     which ``defer(name)`` is true get every check but the checksum: the caller checks
-    that while it reads them (``resume`` does, through :class:`~roll_ckpt.load.reader.SafeReader`).
+    that while it reads them (``resume`` does, through :class:`~roll_ckpt.dcp.reader.SafeReader`).
     """
     manifest = read_manifest(storage, path)
     present = list_files(storage, path)

@@ -1,5 +1,5 @@
 """Hugging Face folders written from checkpoints: ``export --format hf`` (:mod:`.export`) and
 the folder inside every checkpoint, written off the loop (:mod:`.in_checkpoint`).
 
-Layer 6: reads checkpoints through ``load``; the save pipeline calls it.
+Layer 7: reads checkpoints through ``load``; the save pipeline calls it.
 """

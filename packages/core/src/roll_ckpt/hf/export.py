@@ -253,7 +253,7 @@ def export_hf(path: str, out: str | os.PathLike[str], *, component: str | None =
     configs = _config_files(hf_config)
 
     from ..format.targets import resolve  # a step made of components: its part, checked against the step
-    from ..load.reader import SafeReader
+    from ..dcp.reader import SafeReader
     from ..load.export import read_full_tensors, require_tensors
     from ..tiers.run import open_storage
     from ..plugins import get_plugins

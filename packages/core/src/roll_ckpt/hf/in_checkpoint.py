@@ -45,7 +45,7 @@ from ..errors import RollCkptError, disk_full
 from ..config.hf_weights import HFWeightsConfig
 from ..format.manifest import FileEntry
 
-__all__ = ["HFPart", "CONFIG_FILES", "hf_status", "saved_state"]
+__all__ = ["HFPart", "CONFIG_FILES", "hf_status"]
 
 log = logging.getLogger("roll_ckpt")
 
@@ -83,7 +83,7 @@ class HFPart:
         """Write the HF files into ``write_path``; returns their manifest entries and
         ``extra.hf``. A failure leaves no HF file behind and is returned as
         ``{"status": "failed"}`` (a full disk is raised)."""
-        from ..format.digest import hash_bytes
+        from ..format.manifest import hash_bytes
 
         folder = storage.join(write_path, self.config.subdir) if self.config.subdir else write_path
         prefix = f"{self.config.subdir}/" if self.config.subdir else ""
@@ -116,7 +116,7 @@ class HFPart:
     def _write(self, storage: Any, write_path: str, module: Any, dcp_dir: str, put: Callable[[str, bytes], None]) -> Any:
         import torch
 
-        from ..load.reader import SafeReader
+        from ..dcp.reader import SafeReader
         from ..load.export import read_full_tensors
         from .export import module_keys
         from ..format.hf_files import INDEX_NAME, index_bytes, layout_of, shard_bytes, write_shards
@@ -205,16 +205,3 @@ def hf_status(extra: Mapping[str, Any]) -> str:
     hf = extra.get("hf")
     return str(hf.get("status", "")) if isinstance(hf, Mapping) else ""
 
-
-def saved_state(state: Mapping[str, Any], hf: "HFPart | None", only_model: bool) -> Mapping[str, Any]:
-    """What a save writes of ``state``: all of it, or with ``save_only_model`` the module alone."""
-    if not only_model:
-        return state
-    import torch
-
-    key = hf.config.key if hf is not None else "model"
-    if not isinstance(state.get(key), torch.nn.Module):
-        raise RollCkptError(f"strategy_config.save_only_model: state['{key}'] is not a torch.nn.Module (the state "
-                            f"holds {', '.join(repr(k) for k in state) or 'nothing'}); set "
-                            "checkpoint_config.hf_weights.key to the model's state key")
-    return {key: state[key]}

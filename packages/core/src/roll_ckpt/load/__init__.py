@@ -1,7 +1,7 @@
-"""The load path: which checkpoint to resume and how (:mod:`.resume`), DCP's reader over
-verified, streamed files (:mod:`.reader`), the job's one read of ``.metadata``
-(:mod:`.job_load`), full tensors for exports (:mod:`.export`), initial weights from
-Hugging Face folders (:mod:`.hf_folder`).
+"""The resumer: which checkpoint to resume and how (:mod:`.resume`); full tensors for exports
+(:mod:`.export`), initial weights from Hugging Face folders (:mod:`.hf_folder`), plain DCP
+folders and ``torch.save`` files (:mod:`.dcp_folder`, :mod:`.torch_file`). The reads
+themselves are :mod:`roll_ckpt.dcp`'s.
 
-Layer 5: imports ``tiers``, ``config``, ``format``, ``runtime``; never ``save``.
+Layer 6: imports ``tiers``, ``config``, ``dcp``, ``format``, ``runtime``; never ``save``.
 """

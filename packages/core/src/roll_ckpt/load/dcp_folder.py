@@ -19,7 +19,7 @@ from ..errors import carried_roll_error
 from ..format.unpickle import METADATA_NAME, SafeLoadPlanner, safe_load_metadata
 from ..runtime.collector import CollectorPause
 from ..runtime.torch_compat import dcp_load, dcp_save, numpy_arrays_admitted
-from .reader import SafeReader
+from ..dcp.reader import SafeReader
 
 __all__ = ["read_dcp_metadata", "dcp_folder_problems", "load_dcp", "write_dcp"]
 

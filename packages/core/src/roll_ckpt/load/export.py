@@ -106,7 +106,7 @@ def load_full_tensors(storage: Storage, path: str, *, only: Sequence[str] | None
     Returns ``(tensors, manifest, skipped_non_tensor_keys)``. Runs without a process
     group, whatever world size wrote the checkpoint.
     """
-    from .reader import SafeReader
+    from ..dcp.reader import SafeReader
     from ..format.verify import read_manifest, verify
 
     manifest = read_manifest(storage, path)

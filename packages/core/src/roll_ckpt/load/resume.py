@@ -28,14 +28,16 @@ from ..format.components import complete_pending, components_of, open_part, read
 from ..contracts import Storage, Strategy
 from ..errors import CheckpointNotFoundError, RollCkptError
 from ..format.foreign import Found, recognize, survey, what_is
-from ..format.manifest import MANIFEST_NAME
+from ..format.manifest import MANIFEST_NAME, Manifest
+from ..format.verify import read_manifest, verify
 from ..tiers.run import LaunchHold, Run, Setup, open_storage
 from ..format.layout import TRAINER_STATE
-from ..format.manifest import Manifest
-from ..format.owners import utc_now
-from ..format.verify import read_manifest, verify
+from ..format.commit import utc_now
 
-__all__ = ["Resumer"]
+__all__ = ['Resumer']
+
+
+# ---- resume ------------------------------------------------------------
 
 log = logging.getLogger("roll_ckpt")
 
@@ -227,7 +229,7 @@ class Resumer:
         part = self._part_to_load(storage, path)
         # DCP's files are checked while they are read, once for the job (before anything is
         # deserialized): .metadata by the coordinator, each data file by one rank
-        # (roll_ckpt.load.job_load); everything else here.
+        # (roll_ckpt.dcp.reader); everything else here.
         data_dir = f"{strategy.data_dir}/"
         with self.setup.progress("verify", strategy) as progress:
             manifest = verify(storage, part, on_bytes=progress, defer=lambda name: name.startswith(data_dir)).manifest
@@ -367,3 +369,4 @@ def only_model(state: MutableMapping[str, Any], manifest: Manifest, path: str) -
                   f"{'' if len(fresh) > 1 else 's'} fresh (the optimizer's moments, the scheduler, the data "
                   "position)", stacklevel=3)
     return {key: state[key]}
+

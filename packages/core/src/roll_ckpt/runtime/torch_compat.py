@@ -338,7 +338,7 @@ def save_tensor_without_crc(tensor: torch.Tensor, stream: Any) -> None:
 def serializes_plainly(t: Any) -> bool:
     """Whether ``torch.save`` frames ``t`` as it frames any plain tensor of its dtype, shape
     and stride, with the tensor's own bytes as the one record (what
-    :mod:`roll_ckpt.format.tensor_frames` relies on): a ``torch.Tensor`` (no subclass), strided,
+    :mod:`roll_ckpt.dcp.files` relies on): a ``torch.Tensor`` (no subclass), strided,
     contiguous, on the CPU, not empty, not quantized, without autograd and without the
     conjugate/negative bits or any other entry of ``torch._C._get_tensor_metadata``, not a
     zero tensor (``_is_zerotensor``, which has no memory). Ran on torch 2.6-2.14."""

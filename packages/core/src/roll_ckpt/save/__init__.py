@@ -1,7 +1,6 @@
-"""The save path, in the data's order: staging (:mod:`.staging`, :mod:`.regular_copy`,
-:mod:`.state_dict_cache`), DCP's writer (:mod:`.writer`; its tensors framed by :mod:`roll_ckpt.format.tensor_frames`), the global
-plan and the fixed layout of periodic saves, and the pipeline that commits
+"""The saver: staging (:mod:`.staging`: the copy policies, the regular copy and the state-dict
+cache) and the pipeline that launches, writes through :mod:`roll_ckpt.dcp` and commits
 (:mod:`.pipeline`).
 
-Layer 7: imports ``hf``, ``tiers``, ``config``, ``format``, ``runtime``; never ``load``.
+Layer 8: imports ``hf``, ``tiers``, ``config``, ``dcp``, ``format``, ``runtime``; never ``load``.
 """

@@ -51,13 +51,11 @@ from typing import Any, Callable, Iterator, Mapping, NoReturn, Sequence
 from ..contracts import NetworkCounts, SaveContext, Strategy
 from ..errors import RollCkptError, SaveError, StorageError, StorageFullError, carried_roll_error, disk_full
 from ..format import layout
-from ..format.commit import Leftovers, PendingCheckpoint, pending_checkpoint
+from ..format.commit import Leftovers, PendingCheckpoint, pending_checkpoint, utc_now
 from ..format.components import EXPECTS_KEY, STEP_ROOT_KEY, check_part_free, try_complete
-from ..format.digest import hash_bytes
+from ..format.manifest import hash_bytes, BESIDE_KEY, FileEntry, Manifest
 from ..format.layout import TRAINER_STATE
-from ..format.manifest import BESIDE_KEY, FileEntry, Manifest
-from ..format.owners import utc_now
-from ..hf.in_checkpoint import HFPart, saved_state
+from ..hf.in_checkpoint import HFPart
 from ..runtime.background import lower_priority
 from ..runtime.collector import CollectorPause
 from ..runtime.network import check_objects, read_counts, report_save
@@ -99,7 +97,7 @@ class SaveStats:
     """Network faults this process met while writing and committing (``None``: not a networked store)."""
     bytes_taken_over: int = 0
     """Of :attr:`bytes`, those taken over unchanged from the newest committed checkpoint
-    (incremental saves, :mod:`roll_ckpt.save.incremental`): linked or copied by the storage,
+    (incremental saves, :mod:`roll_ckpt.dcp.writer`): linked or copied by the storage,
     not written. Like :attr:`bytes`, counted on the coordinator for every process."""
 
     @property
@@ -107,8 +105,21 @@ class SaveStats:
         return self.bytes - self.bytes_taken_over
 
 
-# --------------------------------------------------------------------------- what a failed save raises
+def saved_state(state: Mapping[str, Any], hf: "HFPart | None", only_model: bool) -> Mapping[str, Any]:
+    """What a save writes of ``state``: all of it, or with ``save_only_model`` the module alone."""
+    if not only_model:
+        return state
+    import torch
 
+    key = hf.config.key if hf is not None else "model"
+    if not isinstance(state.get(key), torch.nn.Module):
+        raise RollCkptError(f"strategy_config.save_only_model: state['{key}'] is not a torch.nn.Module (the state "
+                            f"holds {', '.join(repr(k) for k in state) or 'nothing'}); set "
+                            "checkpoint_config.hf_weights.key to the model's state key")
+    return {key: state[key]}
+
+
+# --------------------------------------------------------------------------- what a failed save raises
 
 def save_error(exc: BaseException, step: int, url: str, world_size: int) -> RollCkptError:
     """``exc`` as the roll-ckpt error the save of ``checkpoint-<step>`` under ``url`` raises;

@@ -5,7 +5,7 @@ plugins subclass (``fsdp2``); the ``json`` strategy of driver states is
 :mod:`roll_ckpt.format.driver_state`'s. The contract they fulfil is
 :class:`roll_ckpt.contracts.Strategy`.
 
-Floor 8, the top room of the layering (the assembly and ``cli``/``testing`` sit above the rooms):
+Layer 9, the top room of the layering (the assembly and ``cli``/``testing`` sit above the rooms):
 imports ``save``, ``load`` and every room below; nothing below imports it (the registry,
 ``roll_ckpt._builtin`` and ``roll_ckpt.plugin``, build it on first use).
 """

@@ -35,11 +35,10 @@ from ..format.layout import basename, parent, parse_step
 from ..runtime.optimizers import (fit_target, group_names, load_optimizer, optimizer_state_dict, owners_of,
                                  sole_optimizer)
 from ..runtime.rng import capture_rng, restore_rng
-from ..save.state_dict_cache import StateDictCache
+from ..save.staging import StateDictCache
 from ..format.unpickle import METADATA_NAME
-from ..load.job_load import assigned_files, job_metadata, read_dcp
-from ..load.placeholders import placeholders, top_keys
-from ..save.incremental import Increments
+from ..dcp.reader import assigned_files, job_metadata, read_dcp, placeholders, top_keys
+from ..dcp.writer import Increments
 from ..runtime.torch_compat import collective, dcp_save, loaded_in_place, local_tensor
 
 __all__ = ["DCPStrategy", "PER_RANK", "RNG_KEY"]
@@ -69,7 +68,7 @@ class DCPStrategy(Strategy):
         self._write_items: dict[bool, dict] = {}  # DCP's write items kept across saves (ReusingSavePlanner)
         self._layouts: Any = None
         self.increments = Increments(bool(getattr(config.checkpoint_config, "incremental", False)))
-        """The newest committed checkpoint, which a save takes unchanged files over from (:mod:`roll_ckpt.save.incremental`)."""
+        """The newest committed checkpoint, which a save takes unchanged files over from (:mod:`roll_ckpt.dcp.writer`)."""
         self._names_before: dict[str, list[list[str]]] = {}  # (load_targets, for hand_over)
         self.rank = self._dist.get_rank() if self._dist else 0
         self.world_size = self._dist.get_world_size() if self._dist else 1
@@ -88,9 +87,9 @@ class DCPStrategy(Strategy):
     @property
     def layouts(self) -> Any:
         """The layout of the last full save, repeated by saves of the same structure
-        (:class:`roll_ckpt.save.fixed_layout.FixedLayouts`)."""
+        (:class:`roll_ckpt.dcp.writer.FixedLayouts`)."""
         if self._layouts is None:
-            from ..save.fixed_layout import FixedLayouts
+            from ..dcp.writer import FixedLayouts
 
             self._layouts = FixedLayouts(self._dist, self.rank, self.world_size)
         return self._layouts
@@ -179,13 +178,13 @@ class DCPStrategy(Strategy):
         """Write ``sd`` as a standard DCP folder; returns per-file (size, checksum) on the coordinator.
 
         A save of the last full save's structure repeats its layout and ``.metadata`` with
-        a fixed-size message per process (:mod:`roll_ckpt.save.fixed_layout`); any other takes
+        a fixed-size message per process (:mod:`roll_ckpt.dcp.writer`); any other takes
         DCP's protocol.
         ``alone``: this process writes a DCP folder of its own, without any collective
         (the fast recovery tier's unit): its metadata lists only this process's chunks, and
         replicated values are written in full, so it loads without any other process's files.
         """
-        from ..save.writer import DigestingWriter, ReusingSavePlanner
+        from ..dcp.writer import DigestingWriter, ReusingSavePlanner
 
         gate = getattr(save, "gate", None)
         threads = 1 if gate is not None else self.writer_threads(_local_bytes(sd))
@@ -218,9 +217,9 @@ class DCPStrategy(Strategy):
         return writer.file_digests if alone else self.increments.wrote(storage, writer, writer.file_digests)
 
     def _write_fixed(self, sd: dict[str, Any], writer: Any, threads: int, gate: Any) -> dict[str, tuple] | None:
-        """The save at the last full save's offsets (:mod:`roll_ckpt.save.fixed_layout`): the
+        """The save at the last full save's offsets (:mod:`roll_ckpt.dcp.writer`): the
         coordinator's file digests, or ``None`` when it takes DCP's full path."""
-        from ..save.writer import ReusingSavePlanner
+        from ..dcp.writer import ReusingSavePlanner
 
         layouts = self.layouts
         if layouts.layout is None and layouts.resumed is None:  # then on no process: DCP's protocol
@@ -271,9 +270,9 @@ class DCPStrategy(Strategy):
         :class:`~roll_ckpt.errors.CheckpointCorruptError` on every rank with ``state``
         untouched. Without it the folder must have been verified already. ``alone``: a folder
         this process wrote alone (``write(alone=True)``), loaded without collectives. ``stream``:
-        one pass, each piece checked just before its bytes are used (:mod:`roll_ckpt.format.streamed_files`);
+        one pass, each piece checked just before its bytes are used (:mod:`roll_ckpt.dcp.checked`);
         damage then raises :class:`~roll_ckpt.errors.PartlyLoadedError`."""
-        from ..load.reader import SafeReader
+        from ..dcp.reader import SafeReader
 
         reader = SafeReader(storage, dcp_path, on_bytes, files=files, checkpoint=checkpoint, stream=stream)
         step = parse_step(basename(parent(dcp_path)))

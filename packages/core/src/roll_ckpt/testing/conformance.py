@@ -9,11 +9,9 @@ from typing import Any
 import pytest
 
 from ..format import layout
-from ..format.commit import PendingCheckpoint, pending_checkpoint
+from ..format.commit import PendingCheckpoint, pending_checkpoint, clean_stale
 from ..contracts import Storage
-from ..format.digest import hash_bytes
-from ..format.manifest import MANIFEST_NAME, FileEntry, Manifest
-from ..format.owners import clean_stale
+from ..format.manifest import hash_bytes, MANIFEST_NAME, FileEntry, Manifest
 from .helpers import names, read_file, write_file, write_stale_marker
 from .manager_checks import ManagerChecks
 

@@ -2,5 +2,5 @@
 space, the backup and its replication, copies between storages, the fast recovery tier
 and its peer replicas.
 
-Layer 4: imports ``config``, ``format``, ``runtime`` and the base modules.
+Layer 5: imports ``config``, ``dcp``, ``format``, ``runtime`` and the base modules.
 """

@@ -34,12 +34,11 @@ import time
 import uuid
 from typing import Any, MutableMapping
 
-from ..format.commit import pending_checkpoint
+from ..format.commit import pending_checkpoint, utc_now
 from ..errors import RollCkptError
 from ..format.layout import DCP_DIR, TRAINER_STATE, checkpoint_name, parse_step
 from ..config.local import LocalTierConfig
 from ..format.manifest import MANIFEST_NAME, FileEntry, Manifest
-from ..format.owners import utc_now
 from ..format.verify import list_files, read_manifest, verify
 
 __all__ = ["LocalTier", "node_name", "NODE_ENV"]
@@ -153,7 +152,7 @@ class LocalTier:
             files = {f"{DCP_DIR}/{name}": FileEntry(*d) for name, d in digests.items()}
             with storage.open_write(storage.join(pending.write_path, TRAINER_STATE)) as f:
                 f.write(trainer_state)
-            from ..format.digest import hash_bytes
+            from ..format.manifest import hash_bytes
 
             files[TRAINER_STATE] = FileEntry(*hash_bytes(trainer_state))
             manifest = Manifest(step=step, files=files, created=utc_now(), world_size=strategy.world_size,

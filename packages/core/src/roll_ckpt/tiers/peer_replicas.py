@@ -21,8 +21,7 @@ import json
 import struct
 from typing import Any, Mapping
 
-from ..format.digest import hash_bytes
-from ..format.manifest import MANIFEST_NAME, Manifest, UnsafeManifestError
+from ..format.manifest import hash_bytes, MANIFEST_NAME, Manifest, UnsafeManifestError
 from ..runtime.torch_compat import collective
 from ..format.verify import list_files
 

@@ -44,7 +44,7 @@ from ..errors import (BackupError, CheckpointCorruptError, CheckpointNotFoundErr
                      StorageError, UnsafeCheckpointError)
 from ..format.layout import basename, committed, parse_step
 from ..format.manifest import MANIFEST_NAME
-from ..format.owners import clean_stale
+from ..format.commit import clean_stale
 from .retention import drop_empty_runs, live_foreign_runs, remove_checkpoint
 from ..runtime.background import lower_priority
 from ..contracts import Storage

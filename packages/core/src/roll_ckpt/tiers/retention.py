@@ -18,8 +18,7 @@ from typing import Any, Callable
 from ..contracts import Storage
 from ..format.layout import CheckpointRef, basename, parent, scan
 from ..format.manifest import MANIFEST_NAME
-from ..format.owners import held
-from ..format.owners import MARKER_PREFIX, is_mine, live_writers, owner_gone, write_marker
+from ..format.commit import held, MARKER_PREFIX, is_mine, live_writers, owner_gone, write_marker
 
 __all__ = ["Retention", "plan_retention", "remove_checkpoint", "apply_retention", "note_open_run", "live_foreign_runs",
            "drop_empty_runs"]
@@ -127,14 +126,14 @@ def apply_retention(storage: Storage, output_dir: str, keep: int, protect: set[s
     Checkpoints of another run that is still alive (its run folder's owner process runs;
     in this process: its manager is open) are neither removed nor counted: two jobs
     sharing an ``output_dir`` never touch each other's checkpoints. Nor is a checkpoint
-    that a live launch resumed from (:mod:`roll_ckpt.format.owners`). ``own_run`` is the
+    that a live launch resumed from (:mod:`roll_ckpt.format.commit`). ``own_run`` is the
     caller's run folder.
     """
     removed = []
     live = live_foreign_runs(storage, output_dir, own_run)
     refs = [r for r in scan(storage, output_dir) if not r.run or r.run not in live]
     for ref in plan_retention(refs, keep, protect):
-        if held(storage, ref.path, clean=True):  # another launch resumed from it (roll_ckpt.format.owners)
+        if held(storage, ref.path, clean=True):  # another launch resumed from it (roll_ckpt.format.commit)
             continue
         remove_checkpoint(storage, ref.path)
         removed.append(ref.path)

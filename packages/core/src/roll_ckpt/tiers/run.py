@@ -18,7 +18,7 @@ from typing import Any, Callable, ContextManager, Mapping
 from ..config.schema import Config
 from ..contracts import Storage, Strategy
 from ..errors import RollCkptDeprecationWarning, RollCkptError
-from ..format.owners import claim_run_folder, hold, release
+from ..format.commit import claim_run_folder, hold, release
 from ..plugins import Plugins
 from ..runtime.distributed import bounded, decide, storage_error
 from ..runtime.progress import Progress, progress
@@ -99,7 +99,7 @@ def claim_run(run: Run, strategy: Strategy, config: Config, component: str | Non
 
 
 class LaunchHold:
-    """The coordinator's hold on the checkpoint this launch resumed from (:mod:`roll_ckpt.format.owners`):
+    """The coordinator's hold on the checkpoint this launch resumed from (:mod:`roll_ckpt.format.commit`):
     another launch's retention leaves it alone until this one commits a checkpoint of its own or closes."""
 
     def __init__(self) -> None:

@@ -17,7 +17,7 @@
 
 An interrupted copy (an error, ``stop``, Ctrl-C) removes what it wrote; a killed one
 leaves an uncommitted folder and an owner marker that the next copy or save there
-removes (:func:`roll_ckpt.format.owners.clean_stale`). Nothing partial ever looks committed, so
+removes (:func:`roll_ckpt.format.commit.clean_stale`). Nothing partial ever looks committed, so
 a copy can simply be run again.
 """
 
@@ -31,10 +31,9 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from ..format.commit import pending_checkpoint
-from ..format.digest import Hasher
+from ..format.manifest import Hasher, MANIFEST_NAME, Manifest
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError, RollCkptError
 from ..format.layout import CheckpointRef, scan
-from ..format.manifest import MANIFEST_NAME, Manifest
 from ..contracts import Storage
 from ..format.verify import list_files, read_manifest
 

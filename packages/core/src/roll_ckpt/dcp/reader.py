@@ -1,6 +1,29 @@
 """DCP's reader on any backend, verifying every file before torch reads any of it:
 :class:`SafeReader` (``.metadata`` unpickled admitting DCP's metadata classes only:
-:mod:`roll_ckpt.format.unpickle`; tensors loaded from the checked files: :mod:`roll_ckpt.format.verified_files`)."""
+:mod:`roll_ckpt.format.unpickle`; tensors loaded from the checked files: :mod:`roll_ckpt.dcp.checked`).
+
+**The job's load.** The pieces of a load coordinated by the job, not by DCP's global plan: ``.metadata`` read
+once, every file checked once, each process planning its own reads (the sequence is
+``DCPStrategy.load``'s).
+
+DCP's load has every process read and unpickle ``.metadata`` (at 1,024 processes, 165 GB
+read from storage for a 161 MB file) and gathers and scatters load plans through the
+coordinator, which roll-ckpt used only to tell every process which files were checked.
+Instead:
+
+1. the coordinator reads ``.metadata`` once, checks it against the manifest and
+   broadcasts its bytes; every process unpickles them (restricted unpickler, collector
+   held off): :func:`job_metadata`;
+2. each data file is checked by one process, the one of its writer's rank modulo the
+   world size (at the same world size: the process that wrote it, which reads it next),
+   and the job agrees that every check passed (one all-reduce: ``strategy.agree``)
+   before any process reads a byte it did not check itself;
+3. each process plans and reads its own part (DCP with ``no_dist``: resharding needs only
+   the metadata), and the job agrees again that every process loaded.
+
+An error on one process is raised on every process (the same type and message).
+:func:`read_dcp` is the read itself, for the job's folders and for a folder one process wrote.
+"""
 
 from __future__ import annotations
 
@@ -8,24 +31,28 @@ import io
 import os
 import pickle
 import threading
-from typing import Any, Callable, Mapping
-
 import torch
+import warnings
+from typing import Any, Callable, Mapping
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ..runtime.collector import CollectorPause
 from ..contracts import Storage
-from ..format.dcp_fs import StorageFileSystem
-from ..format.digest import hash_bytes, hash_stream
-from ..errors import CheckpointCorruptError, PartlyLoadedError, UnsafeCheckpointError
-from ..runtime.torch_compat import local_tensor, narrow_tensor_by_index, transform_descriptors
-from ..format.unpickle import METADATA_NAME, pickle_reason, safe_load_metadata
-from ..format.streamed_files import MAX_PIECE, StreamedFile
-from ..format.verified_files import CHECK_STREAMS, Verified, load_tensor, piece_pool, read_hashed, verify_budget
+from .files import StorageFileSystem
+from ..format.manifest import hash_bytes, hash_stream
+from ..errors import CheckpointCorruptError, PartlyLoadedError, UnsafeCheckpointError, carried_roll_error
+from ..runtime.torch_compat import dcp_load, local_tensor, narrow_tensor_by_index, set_element, transform_descriptors
+from ..format.unpickle import METADATA_NAME, pickle_reason, safe_load_metadata, SafeLoadPlanner
+from .checked import MAX_PIECE, StreamedFile, CHECK_STREAMS, Verified, load_tensor, piece_pool, read_hashed, verify_budget
 from ..format.verify import content_fault
+from ..runtime.distributed import decide
+from ..format.layout import writer_rank
 
-__all__ = ["SafeReader"]
+__all__ = ['SafeReader', 'read_dcp', 'job_metadata', 'assigned_files', 'writer_rank', 'top_keys', 'placeholders']
+
+
+# ---- the reader ------------------------------------------------------------
 
 _LOAD_THREADS = 4
 
@@ -74,7 +101,7 @@ class SafeReader(FileSystemReader):
         self._metadata: Metadata | None = None
         self.job_checked = False
         """Every file was checked before the load by the process it is assigned to, and the
-        job agreed on it (:mod:`roll_ckpt.load.job_load`): the plans need not carry it."""
+        job agreed on it (:mod:`roll_ckpt.dcp.reader`): the plans need not carry it."""
         self._stream = stream
         self._pool: Any = None
         self._pool_lock = threading.Lock()
@@ -448,3 +475,83 @@ class SafeReader(FileSystemReader):
             self.release()
         super().reset(checkpoint_id)
         self.path = str(self.path)
+
+
+# ---- the job's load --------------------------------------------------------
+
+def assigned_files(files: Mapping[str, Any], rank: int, world_size: int) -> list[str]:
+    """The data files process ``rank`` checks for the job."""
+    return sorted(n for n in files if (w := writer_rank(n)) is not None and w % world_size == rank)
+
+
+def job_metadata(strategy: Any, storage: Any, dcp_path: str, files: Mapping[str, Any] | None,
+                 checkpoint: str, pause_gc: bool = True) -> tuple[Any, bytes]:
+    """``.metadata`` of ``dcp_path``, read and checked by the coordinator alone, unpickled
+    by every process; returns it with its bytes."""
+    path = storage.join(dcp_path, METADATA_NAME)
+
+    def read() -> bytes:
+        with storage.open_read(path) as f:
+            data = f.read()
+        if files is not None:
+            if (fault := content_fault(files.get(METADATA_NAME), *hash_bytes(data))) is not None:
+                raise CheckpointCorruptError(checkpoint, [(f"dcp/{METADATA_NAME}", fault)])
+        return data
+
+    data = decide(strategy, read, where=f"cannot read {path}", phase="resume: reading .metadata")
+    with CollectorPause(pause_gc):
+        return safe_load_metadata(data, path), data
+
+
+def read_dcp(target: dict[str, Any], reader: Any, dcp_path: str, **group: Any) -> None:
+    """``dcp_path`` read into ``target`` through ``reader`` (a :class:`~roll_ckpt.dcp.reader.SafeReader`)
+    and a :class:`~roll_ckpt.format.unpickle.SafeLoadPlanner`; ``group``: DCP's ``process_group``
+    and ``no_dist``. An error of roll-ckpt's that DCP wrapped is raised as itself."""
+    reader.reset(dcp_path)
+    planner = SafeLoadPlanner()
+    planner.reader = reader
+    reader.planner = planner
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        try:
+            dcp_load(target, storage_reader=reader, planner=planner, **group)
+        except BaseException as exc:  # DCP wraps every rank's error in a CheckpointException
+            found = carried_roll_error(exc)
+            if found is None:
+                raise
+            raise found from None
+        finally:  # no cycle: the metadata and plans they hold go with the load, not at a collection
+            planner.reader = reader.planner = None
+
+
+# ---- what a resume loads into: a checkpoint's top-level keys, and a structure rebuilt from .metadata
+
+def top_keys(md: Any, per_rank: str) -> tuple[set[str], set[str]]:
+    """The top-level keys of a checkpoint, and the ranks that saved per-process values under
+    ``per_rank`` (one pass)."""
+    top: set[str] = set()
+    ranks: set[str] = set()
+    for path in md.planner_data.values():
+        if path:
+            top.add(path[0])
+            if len(path) > 1 and path[0] == per_rank:
+                ranks.add(path[1])
+    return top, ranks
+
+
+def placeholders(md: Any, prefix: tuple[str, ...]) -> dict[str, Any]:
+    """Rebuild the nested structure saved under ``prefix`` with empty tensors to load into."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    root: dict[str, Any] = {}
+    n = len(prefix)
+    for fqn, path in md.planner_data.items():
+        if tuple(str(p) for p in path[:n]) != prefix:
+            continue
+        entry = md.state_dict_metadata[fqn]
+        if isinstance(entry, TensorStorageMetadata):
+            value: Any = torch.empty(entry.size, dtype=entry.properties.dtype)
+        else:
+            value = None
+        set_element(root, tuple(path[n:]), value)
+    return root

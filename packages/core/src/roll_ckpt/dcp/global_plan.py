@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["dedup_plans", "merge_planner_data", "chunk_errors", "SMALL_REPLICATED"]
+__all__ = ['dedup_plans', 'merge_planner_data', 'chunk_errors', 'SMALL_REPLICATED']
 
 
 SMALL_REPLICATED = 64 << 10
