@@ -96,11 +96,11 @@ def test_no_import_cycle(package: str) -> None:
 
 
 # The core's rooms, lowest first: a module may import the base modules and rooms below its
-# own (and modules of its own room), never one above. ``save`` and ``load`` share a floor
-# through ``hf``: the save pipeline writes Hugging Face files by reading back what it wrote.
+# own (and modules of its own room), never one above. ``save`` and ``load`` share no module:
+# both build on the DCP I/O (``dcp``), and the exporter (``hf``) reads through it too.
 BASE = {"roll_ckpt.errors", "roll_ckpt.contracts", "roll_ckpt.hookspecs"}
 REGISTRY = "roll_ckpt.plugins"  # from config up: plugins' keys validated, backends opened through it
-LAYERS = ["runtime", "format", "dcp", "config", "tiers", "load", "hf", "save", "strategies"]
+LAYERS = ["runtime", "format", "dcp", "config", "tiers", "hf", "load", "save", "strategies"]
 ASSEMBLY = {"roll_ckpt", "roll_ckpt.plugins", "roll_ckpt._builtin", "roll_ckpt.manager", "roll_ckpt.views",
             "roll_ckpt.plugin"}
 ABOVE_ALL = ("cli", "testing")
@@ -189,12 +189,13 @@ def test_the_plugin_api_names_what_it_exports() -> None:
 
 
 ROLES = {"roll_ckpt.save.pipeline": 700, "roll_ckpt.save.staging": 550, "roll_ckpt.dcp.writer": 850,
-         "roll_ckpt.dcp.reader": 600, "roll_ckpt.format.commit": 550}
+         "roll_ckpt.dcp.reader": 600, "roll_ckpt.format.commit": 550, "roll_ckpt.hf.export": 760}
 """Modules that hold one role whole, by design, and their own cap (issue 37: a path a reader
 follows in a few files, as torch_checkpointing's): the saver (staging's launch, the write, the
 commit, failures and stats), staging (the copy policies and the state-dict cache), DCP's writer
 (planner, writer, fixed layouts, increments), DCP's reader (the checked read, the job's load,
-the targets), the commit protocol (pending folder, rename, owners and holds)."""
+the targets), the commit protocol (pending folder, rename, owners and holds), the exporter
+(Hugging Face folders, one safetensors file, the folder in every checkpoint)."""
 
 
 def test_core_modules_stay_small() -> None:

@@ -1,5 +1,5 @@
 """The model as Hugging Face files inside every checkpoint (checkpoint_config.hf_weights,
-roll_ckpt/hf/in_checkpoint.py), written in the background from the dcp/ shards just written;
+roll_ckpt/hf/export.py: HFPart), written in the background from the dcp/ shards just written;
 ``save_only_model``: the weights and the trainer state only, a resume starting the optimizer
 fresh with a warning."""
 
@@ -47,7 +47,7 @@ def _tokenizer():
 @pytest.mark.parametrize("family", ["llama_tied", "qwen2_moe", "mixtral"])
 def test_every_checkpoint_carries_what_save_pretrained_writes(tmp_path: Path, family: str, capsys,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    from roll_ckpt.hf.in_checkpoint import HFPart
+    from roll_ckpt.hf.export import HFPart
 
     write, delay = HFPart.write, 0.2
 

@@ -81,7 +81,7 @@ def cmd_export_format(args: argparse.Namespace) -> int:
 
 
 def cmd_export_file(args: argparse.Namespace) -> int:
-    from ..load.export import export_safetensors, require_tensors
+    from ..hf.export import export_safetensors, require_tensors
     from ..format.verify import read_manifest, verify
 
     storage = open_storage_arg(args, args.path)

@@ -29,7 +29,7 @@ def _describe(storage: Any, ref: Any, expected: Any = None, guess: bool = True) 
     when committed; for a step of components that is not committed, its parts (``expected``:
     the components its run's steps have; when ``None`` and ``guess``, found beside it)."""
     from ..format.components import components_of
-    from ..hf.in_checkpoint import hf_status
+    from ..hf.export import hf_status
     from ..format.inspection import parts_status
     from ..format.manifest import MANIFEST_NAME, Manifest
     from ..format.verify import list_files

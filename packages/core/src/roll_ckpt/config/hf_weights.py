@@ -1,5 +1,5 @@
 """``checkpoint_config.hf_weights``: the model as Hugging Face files inside every checkpoint
-(see :mod:`roll_ckpt.hf.in_checkpoint`), and ``save_only_model``.
+(see :mod:`roll_ckpt.hf.export`), and ``save_only_model``.
 
 ::
 

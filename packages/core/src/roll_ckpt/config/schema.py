@@ -136,7 +136,7 @@ class CheckpointConfig:
     """The fast recovery tier (node-local checkpoints and peer replicas); ``None``: off."""
     hf_weights: HFWeightsConfig | None = None
     """The model as Hugging Face files in every checkpoint (beside ``dcp/``, as ROLL writes them),
-    written off the loop (:mod:`roll_ckpt.hf.in_checkpoint`); ``true`` or a mapping."""
+    written off the loop (:mod:`roll_ckpt.hf.export`); ``true`` or a mapping."""
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 (:mod:`roll_ckpt.format.hub_layout`), one shard in memory at a time.
 
 Shared by ``roll-ckpt export --format hf`` (:mod:`roll_ckpt.hf.export`, a local folder) and
-the Hugging Face folder inside a checkpoint (:mod:`roll_ckpt.hf.in_checkpoint`, any backend):
+the Hugging Face folder inside a checkpoint (:mod:`roll_ckpt.hf.export`, any backend):
 the caller says how to read module tensors and where each shard goes.
 """
 

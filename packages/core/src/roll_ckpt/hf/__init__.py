@@ -1,5 +1,6 @@
-"""Hugging Face folders written from checkpoints: ``export --format hf`` (:mod:`.export`) and
-the folder inside every checkpoint, written off the loop (:mod:`.in_checkpoint`).
+"""The exporter (:mod:`.export`): checkpoints as Hugging Face folders (``export --format hf``),
+as one safetensors file (``export``), and the folder inside every checkpoint, written by the
+save's commit. It reads through the DCP I/O (:mod:`roll_ckpt.dcp`), not through the resume path.
 
-Layer 7: reads checkpoints through ``load``; the save pipeline calls it.
+Layer 6: imports ``tiers``, ``config``, ``dcp``, ``format``, ``runtime``; ``save`` and the CLI call it.
 """

@@ -55,7 +55,7 @@ from ..format.commit import Leftovers, PendingCheckpoint, pending_checkpoint, ut
 from ..format.components import EXPECTS_KEY, STEP_ROOT_KEY, check_part_free, try_complete
 from ..format.manifest import hash_bytes, BESIDE_KEY, FileEntry, Manifest
 from ..format.layout import TRAINER_STATE
-from ..hf.in_checkpoint import HFPart
+from ..hf.export import HFPart
 from ..runtime.background import lower_priority
 from ..runtime.collector import CollectorPause
 from ..runtime.network import check_objects, read_counts, report_save
@@ -225,7 +225,7 @@ class Committer:
         extra: dict[str, Any] = {"strategy": strategy.name}
         if setup.config.strategy_config.save_only_model:
             extra["save_only_model"] = self.hf.config.key  # type: ignore[union-attr]
-        if self.hf is not None and module is not None:  # from the dcp/ files just written (hf_in_checkpoint)
+        if self.hf is not None and module is not None:  # from the dcp/ files just written (hf_weights)
             hf_files, extra["hf"] = self.hf.write(storage, pending.write_path, module,
                                                   storage.join(pending.write_path, strategy.data_dir))
             files.update(hf_files)
