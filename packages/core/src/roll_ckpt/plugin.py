@@ -66,13 +66,13 @@ from .errors import (BackupError, CheckpointCorruptError, CheckpointNotFoundErro
                      StorageFullError, TorchCompatError, UnknownPluginError, UnsafeCheckpointError)
 from .format.global_state import GlobalState
 from .format.layout import RUN_RE, committed as committed_checkpoints, latest as latest_checkpoint
-from .format.inspection import verify_checkpoint
 from .hookspecs import hookimpl, hookspec
 from .plugins import get_plugins
 from .runtime.units import human_bytes
 
 if TYPE_CHECKING:  # for type checkers and the API reference; at run time _LAZY below imports them
     from .cli import main as cli_main
+    from .cli.inspection import verify_checkpoint
     from .dcp.files import exact_alias
     from .runtime.torch_compat import (collective, fsdp2_options, local_chunk, local_tensor, rewrap_dtensor,
                                        set_local_tensor)
@@ -123,6 +123,7 @@ _LAZY = {
     "exact_alias": "roll_ckpt.dcp.files",
     "open_storage": "roll_ckpt.tiers.run",
     "cli_main": "roll_ckpt.cli",
+    "verify_checkpoint": "roll_ckpt.cli.inspection",
     "read_dcp_metadata": "roll_ckpt.load.dcp_folder",
     "dcp_folder_problems": "roll_ckpt.load.dcp_folder",
     "load_dcp": "roll_ckpt.load.dcp_folder",

@@ -30,7 +30,7 @@ def _describe(storage: Any, ref: Any, expected: Any = None, guess: bool = True) 
     the components its run's steps have; when ``None`` and ``guess``, found beside it)."""
     from ..format.components import components_of
     from ..hf.export import hf_status
-    from ..format.inspection import parts_status
+    from ..format.components import parts_status
     from ..format.manifest import MANIFEST_NAME, Manifest
     from ..format.verify import list_files
 

@@ -21,7 +21,7 @@ def _verify_one(storage: Any, path: str) -> tuple[bool, str]:
     """Verify one checkpoint: a whole one, a step made of components (every file, and each
     part's manifest), or one part (also against its step's manifest)."""
     from ..format.components import components_of
-    from ..format.inspection import part_faults
+    from .inspection import part_faults
     from ..format.verify import read_manifest, verify
 
     manifest = read_manifest(storage, path)
@@ -137,7 +137,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from ..format.inspection import format_inspection, inspect_checkpoint
+    from .inspection import format_inspection, inspect_checkpoint
     from ..format.verify import read_manifest
 
     storage = open_storage_arg(args, args.path)

@@ -107,7 +107,7 @@ def _installed(formats: Mapping[str, FormatRecord]) -> str:
 def not_committed(storage: Storage, path: str, formats: Mapping[str, FormatRecord]) -> tuple[bool, str]:
     """Whether a folder without ``manifest.json`` that no format recognizes is roll-ckpt's, and
     why it cannot be resumed."""
-    from .inspection import parts_status
+    from .components import parts_status
 
     status = parts_status(storage, path)
     if status.any:

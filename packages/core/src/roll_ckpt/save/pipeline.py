@@ -189,7 +189,10 @@ class WarnMode:
 # --------------------------------------------------------------------------- the commit, and what follows it
 
 
-def _plugin_versions(setup: Setup) -> dict[str, str]:
+def plugin_versions(setup: Setup) -> dict[str, str]:
+    """The manifest's ``plugins``: the versions of roll-ckpt, torch and every plugin's distribution.
+    (Looked up once per manager, at its first commit: each lookup scans ``sys.path``, about 1 ms
+    of the writer's GIL per save.)"""
     from importlib import metadata
 
     out = {}
@@ -215,6 +218,8 @@ class Committer:
         self.hooks = list(after_commit)
         self.resumed_from: str | None = None
         """The checkpoint this launch resumed from (``trainer_state.json`` names it); set by the manager."""
+        self.versions: dict[str, str] | None = None
+        """The manifest's ``plugins``, looked up at this manager's first commit."""
 
     def commit(self, run: Run, pending: PendingCheckpoint, ctx: SaveContext, user: dict[str, Any],
                digests: dict[str, tuple], module: Any = None) -> tuple[int, int]:
@@ -242,8 +247,10 @@ class Committer:
         files[TRAINER_STATE] = FileEntry(*hash_bytes(ts))
         if not storage.atomic_rename:  # an object store: every upload completed, whole
             check_objects(storage, pending.write_path, {name: e.size for name, e in files.items()})
+        if self.versions is None:
+            self.versions = plugin_versions(setup)
         manifest = Manifest(step=ctx.step, files=files, created=utc_now(), world_size=strategy.world_size,
-                            component=setup.component, plugins=_plugin_versions(setup), extra=extra)
+                            component=setup.component, plugins=self.versions, extra=extra)
         pending.commit(manifest.to_bytes())
         self.announce(ctx.path, manifest, setup.component)
         step_path = layout.parent(ctx.path) if setup.component else ctx.path
@@ -322,6 +329,8 @@ class SavePipeline:
         self._executor: cf.ThreadPoolExecutor | None = None
         self._inflight: cf.Future[SaveStats] | None = None
         self.leftovers = Leftovers()
+        self.async_save = config.async_save
+        """Periodic saves are asynchronous (:attr:`Config.async_save`, read once)."""
         self.hf = HFPart.of(config.checkpoint_config, config.strategy_config)
         """The Hugging Face files each checkpoint carries (``hf_weights``, ``save_only_model``), or ``None``."""
         self.committer = Committer(setup, self.hf, announce, after_commit)
@@ -350,7 +359,7 @@ class SavePipeline:
         self.wait()
         local.bind(strategy, forget_after=step - 1)
         t0 = time.perf_counter()
-        ctx = SaveContext(step=step, path=local.unit_path(step, strategy.rank), is_async=config.async_save,
+        ctx = SaveContext(step=step, path=local.unit_path(step, strategy.rank), is_async=self.async_save,
                           rank=strategy.rank, world_size=strategy.world_size, strategy=strategy, reuse=self._reuse,
                           budget=config.strategy_config.max_staging_bytes,
                           keep_buffers=config.strategy_config.keep_staging_buffers)
@@ -380,7 +389,7 @@ class SavePipeline:
         """A save is near: the staging policies make their buffers ready in the writer thread,
         after the write in flight (which then keeps them instead of freeing them)."""
         config = self.setup.config
-        if not config.async_save or config.strategy_config.keep_staging_buffers:
+        if not self.async_save or config.strategy_config.keep_staging_buffers:
             return None
         if self._policies is None:
             self._policies = self.setup.plugins.staging_order()
@@ -446,7 +455,7 @@ class SavePipeline:
         except TypeError as exc:
             raise RollCkptError(f"save(metadata=...) must hold JSON values: {exc}") from None
         sc = config.strategy_config
-        ctx = SaveContext(step=step, path=final_path, is_async=config.async_save and not final, rank=strategy.rank,
+        ctx = SaveContext(step=step, path=final_path, is_async=self.async_save and not final, rank=strategy.rank,
                           world_size=strategy.world_size, strategy=strategy, reuse=self._reuse,
                           budget=sc.max_staging_bytes, keep_buffers=sc.keep_staging_buffers)
         if local:  # (every rank makes the tier's group at the same point)

@@ -1,4 +1,7 @@
-"""Look inside a checkpoint: manifest, trainer state and every DCP key.
+"""Look inside a checkpoint: manifest, trainer state and every DCP key (``roll-ckpt inspect``).
+
+The command line's own (and :func:`roll_ckpt.plugin.verify_checkpoint`'s): no save or resume
+calls it, so it lives outside the save/load core.
 
 The checkpoint is verified first (sizes and checksums), because DCP's ``.metadata`` is
 a pickle: it is read only once it matches the manifest, and then only through
@@ -9,7 +12,7 @@ A step made of components (see :mod:`roll_ckpt.format.components`) is described 
 (name, world size, strategy, files, bytes), each part's own manifest checked against the
 step's; a part saved by the ``json`` strategy (:class:`~roll_ckpt.DriverState`) shows the
 values of ``state/state.json``, read as JSON. For a step folder that is not committed,
-:func:`parts_status` says which parts are committed and which are missing.
+:func:`roll_ckpt.format.components.parts_status` says which parts are committed and which are missing.
 """
 
 from __future__ import annotations
@@ -19,13 +22,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..errors import CheckpointCorruptError
-from .manifest import MANIFEST_NAME, Manifest
+from ..format.manifest import MANIFEST_NAME, Manifest
 from ..contracts import Storage
-from .layout import DCP_DIR, TRAINER_STATE, basename, parent as layout_parent
+from ..format.layout import DCP_DIR, TRAINER_STATE, basename
 from ..runtime.units import human_bytes
 
-__all__ = ["KeyInfo", "PartInfo", "PartsStatus", "Inspection", "inspect_checkpoint", "format_inspection",
-           "parts_of", "part_faults", "parts_status", "expected_components", "read_driver_state", "verify_checkpoint"]
+__all__ = ["KeyInfo", "PartInfo", "Inspection", "inspect_checkpoint", "format_inspection",
+           "parts_of", "part_faults", "read_driver_state", "verify_checkpoint"]
 
 DRIVER_STATE = "state/state.json"
 
@@ -67,44 +70,6 @@ class PartInfo:
     bytes: int
 
 
-@dataclass(frozen=True)
-class PartsStatus:
-    """What the folder of a step that is not committed holds, part by part."""
-
-    path: str
-    step: int | None
-    committed: list[str]
-    """Parts whose own manifest is there (committed on their own)."""
-    unfinished: list[str]
-    """Parts being written, or left by a crash (a temporary folder, an owner marker, or a
-    folder without a manifest), and not committed."""
-    missing: list[str] | None
-    """The parts the step needs that are not committed; ``None`` when that is unknown (no
-    committed step of the same run says which parts a step has)."""
-    created: str = ""
-    """The newest committed part's ``created``."""
-
-    @property
-    def any(self) -> bool:
-        return bool(self.committed or self.unfinished)
-
-    @property
-    def complete(self) -> bool:
-        """Every part is committed, only the step's own manifest is missing."""
-        return self.missing == [] and bool(self.committed)
-
-    def describe(self) -> str:
-        """One short line, e.g. ``actor_train, critic; pipeline missing``."""
-        head = ", ".join(self.committed) if self.committed else "no part committed"
-        if self.missing is None:
-            rest = [f"{n} unfinished" for n in self.unfinished if n not in self.committed]
-            return "; ".join([head, ", ".join(rest + ["others unknown"])])
-        if not self.missing:
-            return f"{head}; step manifest missing"
-        rest = [f"{n} unfinished" if n in self.unfinished else f"{n} missing" for n in self.missing]
-        return f"{head}; {', '.join(rest)}"
-
-
 @dataclass
 class Inspection:
     path: str
@@ -127,7 +92,7 @@ def _dtype_name(dtype: Any) -> str:
 # --------------------------------------------------------------------------- components
 
 def _components(manifest: Manifest) -> dict[str, dict]:
-    from .components import components_of
+    from ..format.components import components_of
 
     return components_of(manifest)
 
@@ -155,7 +120,7 @@ def part_faults(storage: Storage, path: str, manifest: Manifest) -> list[tuple[s
     parts = _components(manifest)
     if not parts:
         return []
-    from .components import STEP_FILES_KEY, STEP_ROOT_KEY
+    from ..format.components import STEP_FILES_KEY, STEP_ROOT_KEY
 
     faults: list[tuple[str, str]] = []
     own = set(manifest.extra.get(STEP_FILES_KEY) or ())  # the step's own files (verl's data.pt)
@@ -173,7 +138,7 @@ def part_faults(storage: Storage, path: str, manifest: Manifest) -> list[tuple[s
             faults.append((rel, "missing (the part's own manifest)"))
             continue
         except OSError as exc:
-            from .verify import unsafe_read_fault
+            from ..format.verify import unsafe_read_fault
 
             faults.append((rel, unsafe_read_fault(exc)))
             continue
@@ -201,75 +166,12 @@ def part_faults(storage: Storage, path: str, manifest: Manifest) -> list[tuple[s
     return faults
 
 
-def expected_components(storage: Storage, step_path: str) -> list[str] | None:
-    """The components a step in ``step_path``'s folder is made of, as the newest committed
-    step beside it records them (one launch writes one run folder, with one config);
-    ``None`` when no step beside it is committed, or it has no components."""
-    from .layout import parse_step
-
-    parent = layout_parent(step_path) if "/" in step_path.rstrip("/") else ""
-    if not parent:
-        return None
-    try:
-        entries = storage.list(parent)
-    except OSError:
-        return None
-    steps = sorted(((parse_step(e.name), e.path) for e in entries if e.is_dir and parse_step(e.name) is not None
-                    and e.path.rstrip("/") != step_path.rstrip("/")), reverse=True)
-    for _, path in steps:
-        try:
-            with storage.open_read(storage.join(path, MANIFEST_NAME)) as f:
-                manifest, _ = Manifest.from_bytes(f.read())
-        except (OSError, ValueError):
-            continue
-        parts = _components(manifest)
-        return sorted(parts) if parts else None
-    return None
-
-
-def parts_status(storage: Storage, step_path: str, expected: list[str] | None = None,
-                 guess: bool = True) -> PartsStatus:
-    """Which parts of the (uncommitted) step at ``step_path`` are committed, unfinished, missing.
-
-    ``expected`` is the list of components a step needs; by default (``guess``) it is read
-    from the newest committed step beside it (:func:`expected_components`).
-    """
-    from .commit import MARKER_PREFIX
-    from .components import committed_parts
-    from .layout import TMP_PREFIX, parse_step
-
-    parts = committed_parts(storage, step_path)
-    committed = sorted(parts)
-    created = ""
-    for data in parts.values():
-        try:
-            created = max(created, Manifest.from_bytes(data)[0].created)
-        except ValueError:
-            pass
-    if expected is None and guess:
-        expected = expected_components(storage, step_path)
-    unfinished: set[str] = set()
-    for e in storage.list(step_path):
-        name = e.name
-        # Only a part's save leaves a temporary folder or an owner marker inside a step folder.
-        if e.is_dir and name.startswith(TMP_PREFIX):
-            unfinished.add(name[len(TMP_PREFIX):].rsplit("-", 1)[0])
-        elif not e.is_dir and name.startswith(MARKER_PREFIX) and name.endswith(".json"):
-            unfinished.add(name[len(MARKER_PREFIX):-len(".json")].rsplit("-", 1)[0])
-        elif e.is_dir and expected is not None and name in expected:
-            unfinished.add(name)  # written in place (object stores), its manifest not there yet
-    unfinished -= set(committed)
-    unfinished.discard("")
-    missing = None if expected is None else sorted(set(expected) - set(committed))
-    return PartsStatus(step_path, parse_step(basename(step_path)), committed, sorted(unfinished), missing, created)
-
-
 def read_driver_state(storage: Storage, path: str) -> dict[str, Any]:
     """The ``state`` object of the part at ``path``'s ``state/state.json`` (JSON, never pickle).
 
     Call it on a verified part: a file that is not a driver state is reported as damage.
     """
-    from .driver_state import STATE_FORMAT
+    from ..format.driver_state import STATE_FORMAT
 
     try:
         with storage.open_read(storage.join(path, *DRIVER_STATE.split("/"))) as f:
@@ -294,7 +196,7 @@ def inspect_checkpoint(storage: Storage, path: str, *,
     their manifests checked), or one component's part (DCP keys, or the values of a
     ``json`` part's ``state/state.json``).
     """
-    from .verify import verify
+    from ..format.verify import verify
 
     report = verify(storage, path, on_bytes=on_bytes)
     if _components(report.manifest):
@@ -321,7 +223,7 @@ def inspect_checkpoint(storage: Storage, path: str, *,
 def _dcp_keys(storage: Storage, path: str) -> list[KeyInfo]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from .unpickle import METADATA_NAME, safe_load_metadata
+    from ..format.unpickle import METADATA_NAME, safe_load_metadata
 
     md_path = storage.join(path, DCP_DIR, METADATA_NAME)
     with storage.open_read(md_path) as f:
@@ -437,7 +339,7 @@ def verify_checkpoint(storage: Storage, path: str) -> dict:
     parts against the step's manifest) and return its manifest as JSON values; raises
     :class:`CheckpointCorruptError` naming every fault. What a plugin calls before it reads a
     checkpoint's files itself (``roll-ckpt export --format NAME``)."""
-    from .verify import verify
+    from ..format.verify import verify
 
     manifest = verify(storage, path).manifest
     faults = part_faults(storage, path, manifest)
