@@ -75,3 +75,26 @@ def test_a_writer_in_another_pid_namespace_is_not_judged_by_its_pid(tmp_path) ->
     (step / ".inflight-critic-abc.json").write_text(json.dumps(dict(here, write_path=str(step / ".tmp-critic-abc"),
                                                                     final_path=str(step / "critic"))))
     assert clean_stale(LocalStorage(str(tmp_path)), str(tmp_path)) == [str(step / ".tmp-critic-abc")]
+
+
+def test_a_hold_appears_whole_and_a_second_hold_of_the_launch_is_the_same(tmp_path, memory_url: str) -> None:
+    """Another launch's retention reads holds at any time and counts one it cannot read as no
+    hold: a hold is written create-only (never an empty or half-written file to read), and the
+    same launch holding the same checkpoint again keeps its one hold."""
+    from roll_ckpt.format.commit import hold, held, release
+    from roll_ckpt_fs.storage import FsspecStorage, LocalStorage
+
+    for storage in (LocalStorage(str(tmp_path)), FsspecStorage(memory_url, {})):
+        ckpt = storage.join(storage.root, "run", "checkpoint-3")
+        storage.makedirs(ckpt)
+        opened: list[str] = []
+        real_open_write = storage.open_write
+        storage.open_write = lambda path: opened.append(path) or real_open_write(path)  # type: ignore[method-assign]
+        marker = hold(storage, ckpt, "tok1")
+        assert hold(storage, ckpt, "tok1") == marker
+        assert opened == [], "a hold goes through write_create, not open_write"
+        assert held(storage, ckpt)
+        assert [e.name for e in storage.list(storage.join(storage.root, "run")) if not e.is_dir] == \
+            [marker.rsplit("/", 1)[-1]]
+        release(storage, marker)
+        assert not held(storage, ckpt)

@@ -502,10 +502,15 @@ HOLD_PREFIX = ".hold-"
 
 
 def hold(storage: Storage, path: str, token: str) -> str:
-    """Hold the checkpoint at ``path``; returns the hold's path (for :func:`release`)."""
+    """Hold the checkpoint at ``path``; returns the hold's path (for :func:`release`).
+
+    Written create-only, so it appears whole: another launch's retention reads holds at any
+    time, and one it cannot read holds nothing (:func:`held`)."""
     marker = storage.join(parent(path), f"{HOLD_PREFIX}{basename(path)}-{token}.json")
-    with storage.open_write(marker) as f:
-        f.write(json.dumps(dict(owner_record(), path=path)).encode())
+    try:
+        storage.write_create(marker, json.dumps(dict(owner_record(), path=path)).encode())
+    except FileExistsError:  # this launch's own hold (the token is the launch's), left by an earlier resume
+        pass
     return marker
 
 
