@@ -29,6 +29,23 @@ def _manager(cfg) -> CheckpointManager:
     return CheckpointManager.from_config(cfg, quiet=True)
 
 
+def test_the_manifest_names_the_plugins_registered_at_each_commit(ckpt_config, tmp_path: Path) -> None:
+    """The versions are looked up once, then again only when the plugins change: a plugin
+    registered between two saves is in the second manifest."""
+    from roll_ckpt.plugins import Plugins
+
+    plugins = Plugins()
+    state = tiny_state(seed=1)
+    with CheckpointManager(ckpt_config(exp_name="plugins"), plugins=plugins, quiet=True) as m:
+        first = m.save(1, state)
+        plugins.register(object(), name="by-hand", distribution="pluggy")  # a distribution with a version
+        second = m.save(2, state)
+        third = m.save(3, state)
+    names = [set(json.loads((Path(p) / "manifest.json").read_text())["plugins"]) for p in (first, second, third)]
+    assert "roll-ckpt-core" in names[0] and "pluggy" not in names[0]
+    assert "pluggy" in names[1] and names[2] == names[1]
+
+
 def test_on_disk_layout_and_plain_dcp_load(ckpt_config, tmp_path: Path) -> None:
     state = tiny_state(seed=1)
     with _manager(ckpt_config(exp_name="layout")) as m:

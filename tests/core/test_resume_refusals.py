@@ -161,7 +161,7 @@ def test_manifest_path_escaping_the_checkpoint(saved: Path, ckpt_config) -> None
 
 @pytest.mark.parametrize("entry", ["listed", "unlisted", "size", "checksum"])
 def test_both_readers_of_metadata_judge_it_alike(saved: Path, entry: str) -> None:
-    """``.metadata`` is read by the job's coordinator (``load.job_load.job_metadata``) or by
+    """``.metadata`` is read by the job's coordinator (``dcp.reader.job_metadata``) or by
     DCP's reader (``SafeReader.read_metadata``): the same bytes and manifest entry give the
     same verdict (``format.verify.content_fault``, the one comparison)."""
     import dataclasses

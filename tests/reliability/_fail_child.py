@@ -56,7 +56,7 @@ def _target(phase: str) -> tuple[Any, str]:
         "write": (DigestingWriter, "write_files"),
         "commit": (PendingCheckpoint, "commit"),
         "checks": (SafeReader, "check_files"),
-        "load": (strategy_module, "read_dcp"),  # the job's DCP read (load/job_load.py's), as the strategy calls it
+        "load": (strategy_module, "read_dcp"),  # the job's DCP read (dcp/reader.py's), as the strategy calls it
         "apply": (DCPStrategy, "hand_over"),
     }[phase]
 

@@ -53,7 +53,7 @@ def main(out: str, phase: str) -> None:
             if phase == "choose" and rank == 1:
                 stop()
             if phase == "load" and rank == 1:
-                import roll_ckpt.strategies.dcp as strategy_module  # the job's DCP read (load/job_load.py's)
+                import roll_ckpt.strategies.dcp as strategy_module  # the job's DCP read (dcp/reader.py's)
 
                 real = strategy_module.read_dcp
                 strategy_module.read_dcp = lambda *a, **k: (stop(), real(*a, **k))[1]  # type: ignore

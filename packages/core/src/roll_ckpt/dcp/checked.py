@@ -313,7 +313,7 @@ class StreamedFile:
     def __init__(self, file: Any, entry: Any, fault: Callable[[str], BaseException], pool: Any,
                  on_bytes: Callable[[int], None] | None = None) -> None:
         self.file = file
-        self._pool = pool  # reads and checks pieces ahead (a verified_files.piece_pool)
+        self._pool = pool  # reads and checks pieces ahead (a piece_pool)
         try:
             self.fd = file.fileno()
         except (AttributeError, OSError, ValueError):

@@ -48,7 +48,7 @@ def content_fault(entry: FileEntry | None, size: int, digest: str) -> str | None
     """What is wrong with a file's bytes as read (``size`` bytes hashing to ``digest``)
     compared with its manifest ``entry`` (``None``: the manifest does not list it); ``None``
     when they match. The one comparison of read bytes with the manifest: :func:`verify`
-    and the readers of a resume (``load.job_load``, ``load.reader``) use it."""
+    and the readers of a resume (:mod:`roll_ckpt.dcp.reader`) use it."""
     if entry is None:
         return "not listed in the manifest"
     if size != entry.size:

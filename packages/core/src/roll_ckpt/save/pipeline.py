@@ -189,14 +189,12 @@ class WarnMode:
 # --------------------------------------------------------------------------- the commit, and what follows it
 
 
-def plugin_versions(setup: Setup) -> dict[str, str]:
-    """The manifest's ``plugins``: the versions of roll-ckpt, torch and every plugin's distribution.
-    (Looked up once per manager, at its first commit: each lookup scans ``sys.path``, about 1 ms
-    of the writer's GIL per save.)"""
+def plugin_versions(distributions: tuple[str, ...]) -> dict[str, str]:
+    """The manifest's ``plugins``: the versions of roll-ckpt, torch and each plugin's distribution."""
     from importlib import metadata
 
     out = {}
-    for dist in ("roll-ckpt-core", "torch", *sorted(set(setup.plugins.distributions()))):
+    for dist in ("roll-ckpt-core", "torch", *distributions):
         try:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
@@ -218,8 +216,9 @@ class Committer:
         self.hooks = list(after_commit)
         self.resumed_from: str | None = None
         """The checkpoint this launch resumed from (``trainer_state.json`` names it); set by the manager."""
-        self.versions: dict[str, str] | None = None
-        """The manifest's ``plugins``, looked up at this manager's first commit."""
+        self._versions: tuple[tuple[str, ...], dict[str, str]] | None = None
+        """The manifest's ``plugins`` for the plugins registered (the versions are looked up again
+        only when those change: each lookup scans ``sys.path``, about 1 ms of the writer's GIL)."""
 
     def commit(self, run: Run, pending: PendingCheckpoint, ctx: SaveContext, user: dict[str, Any],
                digests: dict[str, tuple], module: Any = None) -> tuple[int, int]:
@@ -247,10 +246,11 @@ class Committer:
         files[TRAINER_STATE] = FileEntry(*hash_bytes(ts))
         if not storage.atomic_rename:  # an object store: every upload completed, whole
             check_objects(storage, pending.write_path, {name: e.size for name, e in files.items()})
-        if self.versions is None:
-            self.versions = plugin_versions(setup)
+        dists = tuple(sorted(set(setup.plugins.distributions())))
+        if self._versions is None or self._versions[0] != dists:
+            self._versions = (dists, plugin_versions(dists))
         manifest = Manifest(step=ctx.step, files=files, created=utc_now(), world_size=strategy.world_size,
-                            component=setup.component, plugins=self.versions, extra=extra)
+                            component=setup.component, plugins=self._versions[1], extra=extra)
         pending.commit(manifest.to_bytes())
         self.announce(ctx.path, manifest, setup.component)
         step_path = layout.parent(ctx.path) if setup.component else ctx.path

@@ -61,7 +61,7 @@ import copy
 import sys
 import threading
 from collections.abc import Mapping
-from typing import Any, Callable, Sequence, Mapping
+from typing import Any, Callable, Sequence
 
 from ..contracts import SaveContext, StagingPolicy
 

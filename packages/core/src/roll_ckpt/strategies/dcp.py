@@ -296,7 +296,7 @@ class DCPStrategy(Strategy):
 
     def _load_job(self, state: MutableMapping[str, Any], reader: Any, storage: Storage, dcp_path: str,
                   files: Mapping[str, Any] | None, checkpoint: str, step: int | None) -> None:
-        """A folder of the job (the pieces: load/job_load.py): ``.metadata`` read once, each file checked by
+        """A folder of the job (the pieces: dcp/reader.py, "the job's load"): ``.metadata`` read once, each file checked by
         one process before any process reads it; an error anywhere is raised everywhere."""
         md, md_bytes = job_metadata(self, storage, dcp_path, files, checkpoint,
                                     self.config.checkpoint_config.pause_gc)
