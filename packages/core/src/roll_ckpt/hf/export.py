@@ -620,6 +620,21 @@ class HFPart:
 
     # ------------------------------------------------------------------ in the writer thread
 
+    def manifest_part(self, storage: Any, write_path: str, module: Any, dcp_dir: str, *, component: str | None,
+                      only_model: bool) -> tuple[dict[str, FileEntry], dict[str, Any]]:
+        """The checkpoint's Hugging Face part, for its manifest: the files written into
+        ``write_path`` (none when the state holds no module under the key) and the manifest's
+        ``extra`` keys (``hf``; ``save_only_model``; a part's files the step lists at its root)."""
+        from ..format.components import STEP_ROOT_KEY
+
+        extra: dict[str, Any] = {"save_only_model": self.config.key} if only_model else {}
+        if module is None:
+            return {}, extra
+        files, extra["hf"] = self.write(storage, write_path, module, dcp_dir)
+        if component and self.config.step_root and files:  # at checkpoint-<step>/ too
+            extra[STEP_ROOT_KEY] = sorted(files)
+        return files, extra
+
     def write(self, storage: Any, write_path: str, module: Any, dcp_dir: str) -> tuple[dict[str, FileEntry], dict]:
         """Write the HF files into ``write_path``; returns their manifest entries and
         ``extra.hf``. A failure leaves no HF file behind and is returned as

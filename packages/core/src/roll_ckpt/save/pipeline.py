@@ -52,7 +52,7 @@ from ..contracts import NetworkCounts, SaveContext, Strategy
 from ..errors import RollCkptError, SaveError, StorageError, StorageFullError, carried_roll_error, disk_full
 from ..format import layout
 from ..format.commit import Leftovers, PendingCheckpoint, pending_checkpoint, utc_now
-from ..format.components import EXPECTS_KEY, STEP_ROOT_KEY, check_part_free, try_complete
+from ..format.components import EXPECTS_KEY, check_part_free, try_complete
 from ..format.manifest import hash_bytes, BESIDE_KEY, FileEntry, Manifest
 from ..format.layout import TRAINER_STATE
 from ..hf.export import HFPart
@@ -227,14 +227,12 @@ class Committer:
         storage, strategy = run.storage, ctx.strategy
         files = {f"{strategy.data_dir}/{name}": FileEntry(*digest) for name, digest in digests.items()}
         extra: dict[str, Any] = {"strategy": strategy.name}
-        if setup.config.strategy_config.save_only_model:
-            extra["save_only_model"] = self.hf.config.key  # type: ignore[union-attr]
-        if self.hf is not None and module is not None:  # from the dcp/ files just written (hf_weights)
-            hf_files, extra["hf"] = self.hf.write(storage, pending.write_path, module,
-                                                  storage.join(pending.write_path, strategy.data_dir))
+        if self.hf is not None:  # from the dcp/ files just written: in the manifest, so before it
+            hf_files, hf_extra = self.hf.manifest_part(
+                storage, pending.write_path, module, storage.join(pending.write_path, strategy.data_dir),
+                component=setup.component, only_model=setup.config.strategy_config.save_only_model)
             files.update(hf_files)
-            if setup.component and self.hf.config.step_root and hf_files:  # at checkpoint-<step>/ too
-                extra[STEP_ROOT_KEY] = sorted(hf_files)
+            extra.update(hf_extra)
         cc = setup.config.checkpoint_config
         if setup.component:  # every part this manager knows of: the step waits for them all
             extra[EXPECTS_KEY] = list(cc.components or ())
