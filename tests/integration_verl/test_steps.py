@@ -185,3 +185,29 @@ def test_shards_of_one_world_size_make_those_of_another(saved: int, now: int) ->
         start, length = _chunk(7, now, r)
         expected = chunks[r] if r < len(chunks) else full[7:]
         assert torch.equal(full[start:start + length], expected)
+
+
+def test_the_steps_hooks_live_as_long_as_their_role_steps(tmp_path: Path) -> None:
+    """A process without verl's steps runs none of their code at its saves: each role's
+    RoleSteps registers its two commit hooks when it is made and takes them back at close."""
+    from roll_ckpt.plugin import get_plugins
+
+    hooks = get_plugins().pm.hook
+
+    def steps_hooks() -> list[str]:
+        impls = hooks.roll_ckpt_save_finished.get_hookimpls() + hooks.roll_ckpt_on_commit.get_hookimpls()
+        return sorted(i.plugin_name for i in impls if "verl" in i.plugin_name)
+
+    assert steps_hooks() == []
+    (actor, a), (critic, c) = _role(tmp_path, "actor"), _role(tmp_path, "critic")
+    try:
+        assert len(steps_hooks()) == 4 and len(set(steps_hooks())) == 2  # two hooks of each role's steps
+        _save(actor, a, 1)  # the actor's hook takes its own marker only
+        assert not (tmp_path / "global_step_1" / marker_name("actor")).exists()
+        c.begin(1)
+        assert (tmp_path / "global_step_1" / marker_name("critic")).exists()
+    finally:
+        for steps, manager in ((a, actor), (c, critic)):
+            steps.close()
+            manager.close()
+    assert steps_hooks() == []

@@ -121,6 +121,15 @@ class Plugins:
         self._dist_of[name] = distribution or name
         self._records.clear()
 
+    def unregister(self, plugin: object) -> None:
+        """Unregister a plugin registered by hand (:meth:`register`); nothing when it is not."""
+        name = self.pm.get_name(plugin)
+        if name is None:
+            return
+        self.pm.unregister(plugin)
+        self._dist_of.pop(name, None)
+        self._records.clear()
+
     def distributions(self) -> list[str]:
         """The distributions of every registered plugin."""
         return sorted(set(self._dist_of.values()))

@@ -187,7 +187,7 @@ class RollCkptCheckpointManager(BaseCheckpointManager):
                 return self.manager  # (a load builds it with keep 0; the saves' value wins)
             self._close_manager()
         manager = CheckpointManager(self._config(where, keep), component=where.role, quiet=True)
-        if "verl" not in get_plugins().formats():  # (the registry the manager uses) its hooks commit the PPO steps
+        if "verl" not in get_plugins().formats():  # (the registry the manager uses) its format reads verl's folders
             manager.close()
             raise PluginError("roll-ckpt's verl plugin (entry point 'verl' of roll-ckpt-verl) is not loaded in this "
                               "process: ROLL_CKPT_PLUGINS or ROLL_CKPT_BLOCKED_PLUGINS leave it out, or "

@@ -39,19 +39,16 @@ import time
 import uuid
 from typing import Any
 
-from roll_ckpt.plugin import torch_file_problem
+from roll_ckpt.plugin import get_plugins, hookimpl, torch_file_problem
 
 from .layout import DATA, TRACKER
 
-__all__ = ["RoleSteps", "part_committed", "part_written", "marker_name", "write_tracker", "clear_for_save",
-           "MARKER_RE"]
+__all__ = ["RoleSteps", "marker_name", "write_tracker", "clear_for_save", "MARKER_RE"]
 
 log = logging.getLogger("roll_ckpt")
 
 MARKER_RE = re.compile(r"^\.verl-(.+)\.pending$")
 _STEP_RE = re.compile(r"^global_step_(\d+)$")
-_LIVE: dict[tuple[str, str], "RoleSteps"] = {}
-_LOCK = threading.Lock()
 _TRACKER_LOCK = threading.Lock()
 
 
@@ -63,33 +60,6 @@ def _up(path: str, levels: int) -> str:
     for _ in range(levels):
         path = path.rstrip("/").rsplit("/", 1)[0]
     return path
-
-
-def _of(path: str, role: str | None) -> "RoleSteps | None":
-    if role is None:
-        return None
-    with _LOCK:
-        return _LIVE.get((_up(path, 2).rstrip("/"), role))
-
-
-def part_committed(info: Any) -> None:
-    """``roll_ckpt_on_commit`` for a part (``info.component`` set), in the process that committed
-    it: its role's marker goes, if the role is one of ours under that root in this process."""
-    steps = _of(info.path, info.component)
-    if steps is not None:
-        steps.storage.remove(steps.storage.join(steps.step_path(info.step), marker_name(steps.role)))
-
-
-def part_written(save: Any, error: BaseException | None) -> None:
-    """``roll_ckpt_save_finished``, in the thread that wrote (every rank has agreed on the commit
-    by now: no collective waits on what follows): an asynchronous part of ours committed, its
-    coordinator waits for ``data.pt`` and commits the step."""
-    if error is not None:
-        return
-    role = save.path.rstrip("/").rsplit("/", 1)[-1]
-    steps = _of(save.path, role)
-    if steps is not None and steps.wait_in_writer and steps.manager.strategy.is_coordinator:
-        steps.await_step(save.step)
 
 
 class RoleSteps:
@@ -107,15 +77,34 @@ class RoleSteps:
         self.wait_in_writer = False
         """Set per save: the part commits in the writer thread, which may wait for ``data.pt``."""
         self.threads: list[threading.Thread] = []
-        with _LOCK:
-            _LIVE[(self.root, role)] = self
+        # Its two commit hooks are registered for as long as it lives (the registry its manager
+        # uses): a process without verl's steps runs none of this at its saves.
+        self._plugins = get_plugins()
+        self._plugins.register(self, name=f"verl-steps-{role}-{id(self):x}", distribution="roll-ckpt-verl")
 
     def close(self) -> None:
         for t in self.threads:
             t.join(self.timeout_s)
-        with _LOCK:
-            if _LIVE.get((self.root, self.role)) is self:
-                del _LIVE[(self.root, self.role)]
+        self._plugins.unregister(self)
+
+    def _ours(self, path: str, role: str | None) -> bool:
+        """Whether ``path`` (``<root>/global_step_<N>/<role>``) is a part of this role's steps."""
+        return role == self.role and _up(path, 2).rstrip("/") == self.root
+
+    @hookimpl
+    def roll_ckpt_on_commit(self, info: Any) -> None:
+        """A part committed in this process: if it is this role's, its marker goes."""
+        if self._ours(info.path, info.component):
+            self.storage.remove(self.storage.join(self.step_path(info.step), marker_name(self.role)))
+
+    @hookimpl
+    def roll_ckpt_save_finished(self, save: Any, error: BaseException | None) -> None:
+        """In the thread that wrote (every rank has agreed on the commit by now: no collective
+        waits on what follows): an asynchronous part of this role committed, its coordinator
+        waits for ``data.pt`` and commits the step."""
+        if error is None and self._ours(save.path, save.path.rstrip("/").rsplit("/", 1)[-1]) and \
+                self.wait_in_writer and self.manager.strategy.is_coordinator:
+            self.await_step(save.step)
 
     def step_path(self, step: int) -> str:
         return self.storage.join(self.root, f"global_step_{step}")
