@@ -102,6 +102,23 @@ def test_free_bytes_of_a_local_path_not_created_yet(tmp_path: Path) -> None:
     assert isinstance(free, int) and free > 0
 
 
+def test_write_create_keeps_its_temporary_file_inside_the_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The temporary file a crash may leave goes one folder up (never inside a checkpoint), but
+    not above the storage's root, where clean_stale would not find it: a file of the root itself
+    (a hold, .launch.json with timestamp_subdir: false) has its temporary file in the root."""
+    root = tmp_path / "out"
+    s = LocalStorage(str(root))
+    opened: list[str] = []
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda path, *a, **k: opened.append(str(path)) or real_open(path, *a, **k))
+    s.makedirs(s.join(s.root, "run", "checkpoint-1"))
+    s.write_create(s.join(s.root, ".launch.json"), b"{}")
+    s.write_create(s.join(s.root, "run", "checkpoint-1", "manifest.json"), b"{}")
+    tmp = [Path(p) for p in opened if Path(p).name.startswith(".tmp-")]
+    assert [p.parent for p in tmp] == [root, root / "run"], tmp
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
 def test_failed_write_create_leaves_no_partial_file(tmpfs) -> None:
     mnt = tmpfs("1m")
     s = LocalStorage(str(mnt))

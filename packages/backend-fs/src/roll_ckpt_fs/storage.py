@@ -167,11 +167,15 @@ class LocalStorage:
         a crash or power loss, sees a partial file there.
 
         The temporary file lives one folder up (``.tmp-*``, removed by ``clean_stale`` if
-        we die before unlinking it), so no stray file ever appears inside a checkpoint.
+        we die before unlinking it), so no stray file ever appears inside a checkpoint; but
+        never above this storage's root (``output_dir``: a file of the root itself, such as a
+        hold or ``.launch.json`` with ``timestamp_subdir: false``), where ``clean_stale`` would
+        not look: its temporary file stays in the root.
         """
         folder = os.path.dirname(path) or "."
         above = os.path.dirname(os.path.abspath(folder))
-        tmp_dir = above if os.path.isdir(above) and os.access(above, os.W_OK) else folder
+        within = os.path.commonpath([above, self.root]) == self.root
+        tmp_dir = above if within and os.path.isdir(above) and os.access(above, os.W_OK) else folder
         tmp = os.path.join(tmp_dir, f".tmp-{os.path.basename(path)}-{os.getpid()}-{time.monotonic_ns()}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
