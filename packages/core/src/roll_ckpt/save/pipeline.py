@@ -327,8 +327,6 @@ class SavePipeline:
         self._executor: cf.ThreadPoolExecutor | None = None
         self._inflight: cf.Future[SaveStats] | None = None
         self.leftovers = Leftovers()
-        self.async_save = config.async_save
-        """Periodic saves are asynchronous (:attr:`Config.async_save`, read once)."""
         self.hf = HFPart.of(config.checkpoint_config, config.strategy_config)
         """The Hugging Face files each checkpoint carries (``hf_weights``, ``save_only_model``), or ``None``."""
         self.committer = Committer(setup, self.hf, announce, after_commit)
@@ -357,7 +355,7 @@ class SavePipeline:
         self.wait()
         local.bind(strategy, forget_after=step - 1)
         t0 = time.perf_counter()
-        ctx = SaveContext(step=step, path=local.unit_path(step, strategy.rank), is_async=self.async_save,
+        ctx = SaveContext(step=step, path=local.unit_path(step, strategy.rank), is_async=config.async_save,
                           rank=strategy.rank, world_size=strategy.world_size, strategy=strategy, reuse=self._reuse,
                           budget=config.strategy_config.max_staging_bytes,
                           keep_buffers=config.strategy_config.keep_staging_buffers)
@@ -387,7 +385,7 @@ class SavePipeline:
         """A save is near: the staging policies make their buffers ready in the writer thread,
         after the write in flight (which then keeps them instead of freeing them)."""
         config = self.setup.config
-        if not self.async_save or config.strategy_config.keep_staging_buffers:
+        if not config.async_save or config.strategy_config.keep_staging_buffers:
             return None
         if self._policies is None:
             self._policies = self.setup.plugins.staging_order()
@@ -453,7 +451,7 @@ class SavePipeline:
         except TypeError as exc:
             raise RollCkptError(f"save(metadata=...) must hold JSON values: {exc}") from None
         sc = config.strategy_config
-        ctx = SaveContext(step=step, path=final_path, is_async=self.async_save and not final, rank=strategy.rank,
+        ctx = SaveContext(step=step, path=final_path, is_async=config.async_save and not final, rank=strategy.rank,
                           world_size=strategy.world_size, strategy=strategy, reuse=self._reuse,
                           budget=sc.max_staging_bytes, keep_buffers=sc.keep_staging_buffers)
         if local:  # (every rank makes the tier's group at the same point)
