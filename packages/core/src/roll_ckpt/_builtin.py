@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .contracts import StagingPolicyRecord, Strategy, StrategyRecord
+from .format.driver_state import holds_driver_state
 from .hookspecs import hookimpl
 from .save.staging import RegularCopy
 
@@ -24,12 +25,6 @@ def _make_json(config: Any, plugins: Any) -> Strategy:
     return JSONStrategy(config, plugins)
 
 
-def _holds_driver_state(state: Any) -> bool:
-    from .format.driver_state import holds_driver_state
-
-    return holds_driver_state(state)
-
-
 def _always(state: Any) -> bool:
     return True
 
@@ -40,7 +35,7 @@ def roll_ckpt_strategies() -> list[StrategyRecord]:
         name="dcp", factory=_make_dcp, applies=_always, priority=0,
         description="torch.distributed.checkpoint for one process or replicated modules",
     ), StrategyRecord(
-        name="json", factory=_make_json, applies=_holds_driver_state, priority=20,
+        name="json", factory=_make_json, applies=holds_driver_state, priority=20,
         description="DriverState values (a driver's step, counters, data position, history) as JSON, no pickle",
     )]
 

@@ -49,7 +49,7 @@ class SaveReport:
     def network(self) -> NetworkCounts:
         """The network faults this manager's storage met so far, retries and time lost included
         (all zero on a local disk); each save's own are in ``stats.last.network``."""
-        from .runtime.network import read_counts
+        from .save.pipeline import read_counts
 
         return read_counts(self._storage()) or NetworkCounts()
 

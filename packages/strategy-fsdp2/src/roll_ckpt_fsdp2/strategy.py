@@ -27,8 +27,8 @@ class FSDP2Strategy(DCPStrategy):
 
     def __init__(self, config: Any, plugins: Any = None) -> None:
         super().__init__(config, plugins)  # (its gloo group, bounded by checkpoint_config.collective_timeout_s)
-        if self._dist is not None and self._group is None:  # one rank of its own
-            self._group = self._dist.new_group(backend="gloo")
+        if self._dist is not None and self.process_group is None:  # one rank of its own
+            self.process_group = self._dist.new_group(backend="gloo")
         self.store = OffloadStore(config.options.get("offload_backend", "local"), self.collective_timeout_s)
 
     # ------------------------------------------------------------ offload cycle

@@ -104,9 +104,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
     from ..format.foreign import survey, what_is
 
     if len(refs) == 1 and refs[0].path == root:  # DIR is one folder: ours, another framework's, or unknown
-        others = [f for f in [what_is(storage, root, formats())] if f.kind != "roll-ckpt"]
+        others = [f for f in [what_is(storage, root, formats)] if f.kind != "roll-ckpt"]
     else:
-        others = [f for f in survey(storage, root, formats()) if f.kind != "roll-ckpt"]
+        others = [f for f in survey(storage, root, formats) if f.kind != "roll-ckpt"]
     refs = [r for r in refs if r.path not in {f.path for f in others}]
     rows = [_describe(storage, r) for r in refs if r.committed]
     # The components a step needs, per run: those of the run's newest committed step (one

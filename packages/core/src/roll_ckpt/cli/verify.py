@@ -99,7 +99,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             f"'{basename(root)}' of step {parse_step(basename(parent))}, from a save that never finished "
             "or is still running; use an earlier step")
     # A folder of checkpoints (output_dir or a run folder): verify every committed one.
-    refs = survey(storage, root, formats())
+    refs = survey(storage, root, formats)
     if not refs:
         raise CheckpointNotFoundError(f"{args.path} is neither a checkpoint nor a folder of checkpoints")
     bad = []

@@ -10,6 +10,10 @@ saying why. :func:`what_is` says the same of one folder, for an explicit path.
 
 Nothing here reads tensor data or unpickles anything: a format's ``recognize`` looks at
 names, sizes and small JSON files; what it finds wrong is in ``problems``.
+
+The formats come as a function (``Plugins.formats``) that is called only for a folder that is
+not a committed roll-ckpt checkpoint: a resume from roll-ckpt's own checkpoints imports and
+asks no format plugin.
 """
 
 from __future__ import annotations
@@ -17,16 +21,19 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 from ..contracts import ForeignCheckpoint, FormatRecord, Storage
-from .layout import CKPT_RE, DCP_DIR, TRAINER_STATE, basename, parent, run_folders, run_key
+from .layout import CKPT_RE, DCP_DIR, RUN_RE, TRAINER_STATE, basename, parent, run_key
 from .manifest import MANIFEST_NAME
 from .commit import MARKER_PREFIX
 
-__all__ = ["Found", "FORMAT_EXTRAS", "recognize", "survey", "passed_over", "what_is", "not_committed", "LOOKS_LIKE"]
+__all__ = ["Found", "Formats", "FORMAT_EXTRAS", "recognize", "survey", "passed_over", "what_is", "not_committed", "LOOKS_LIKE"]
 
 log = logging.getLogger("roll_ckpt")
+
+Formats = Callable[[], Mapping[str, FormatRecord]]
+"""The installed formats, asked for only when a folder needs them (``Plugins.formats``)."""
 
 LOOKS_LIKE = re.compile(r"^(?:checkpoint|global_step|step|iter)[-_]?(\d+)$")
 """Folder names training frameworks give checkpoints (``checkpoint-500``, ``global_step_500``,
@@ -90,8 +97,11 @@ def recognize(storage: Storage, path: str, formats: Mapping[str, FormatRecord],
     return None
 
 
-def _step_of(name: str, formats: Mapping[str, FormatRecord]) -> int | None:
-    for pattern in [CKPT_RE.pattern, *(r.folder_pattern for r in formats.values()), LOOKS_LIKE.pattern]:
+def _step_of(name: str, formats: Formats) -> int | None:
+    m = CKPT_RE.match(name)  # roll-ckpt's own name: no format asked
+    if m:
+        return int(m.group(1))
+    for pattern in [*(r.folder_pattern for r in formats().values()), LOOKS_LIKE.pattern]:
         m = re.match(pattern, name)
         if m:
             return int(m.group(1))
@@ -104,7 +114,7 @@ def _installed(formats: Mapping[str, FormatRecord]) -> str:
     return f"installed formats: {names}" + (f"; {'; '.join(hints)}" if hints else "")
 
 
-def not_committed(storage: Storage, path: str, formats: Mapping[str, FormatRecord]) -> tuple[bool, str]:
+def not_committed(storage: Storage, path: str, formats: Formats) -> tuple[bool, str]:
     """Whether a folder without ``manifest.json`` that no format recognizes is roll-ckpt's, and
     why it cannot be resumed."""
     from .components import parts_status
@@ -120,7 +130,7 @@ def not_committed(storage: Storage, path: str, formats: Mapping[str, FormatRecor
         return True, "an empty folder (a save that stopped before writing anything)"
     if names & {TRAINER_STATE, DCP_DIR, "state"} and CKPT_RE.match(basename(path)):
         return True, "a roll-ckpt save that never committed (no manifest.json)"
-    return False, f"no manifest.json, and no installed format recognizes it ({_installed(formats)})"
+    return False, f"no manifest.json, and no installed format recognizes it ({_installed(formats())})"
 
 
 def _marked(names: Iterable[str], folder_name: str) -> bool:
@@ -130,14 +140,14 @@ def _marked(names: Iterable[str], folder_name: str) -> bool:
     return any(n.startswith(prefix) for n in names)
 
 
-def _judge(storage: Storage, path: str, step: int, run: str, formats: Mapping[str, FormatRecord],
+def _judge(storage: Storage, path: str, step: int, run: str, formats: Formats,
            components: Iterable[str] | None, marked: bool = False, any_name: bool = False) -> Found:
     if CKPT_RE.match(basename(path)) and storage.exists(storage.join(path, MANIFEST_NAME)):
         return Found(path, step, run, True)
     if marked:
         return Found(path, step, run, False, None, "a roll-ckpt save in progress, or one a crash left (its owner "
                                                    "marker is beside it)")
-    foreign = recognize(storage, path, formats, any_name)
+    foreign = recognize(storage, path, formats(), any_name)
     if foreign is None:
         ours, reason = not_committed(storage, path, formats)
         return Found(path, step, run, False, None, reason, ours)
@@ -155,17 +165,18 @@ def _judge(storage: Storage, path: str, step: int, run: str, formats: Mapping[st
     return Found(path, step, run, False, foreign, "", False)
 
 
-def survey(storage: Storage, root: str, formats: Mapping[str, FormatRecord],
+def survey(storage: Storage, root: str, formats: Formats,
            components: Iterable[str] | None = None) -> list[Found]:
     """Every folder under ``root`` (and its run folders) that looks like a checkpoint,
     oldest first, each judged usable or not (``components``: the parts a step must hold)."""
     components = tuple(components or ())
     out: list[Found] = []
-    for run, folder in [("", root), *run_folders(storage, root)]:
-        entries = storage.list(folder)
+    top = storage.list(root)
+    runs = [(e.name, storage.list(e.path)) for e in top if e.is_dir and RUN_RE.match(e.name)]
+    for run, entries in [("", top), *runs]:
         names = [e.name for e in entries]
         for e in entries:
-            if not e.is_dir:
+            if not e.is_dir or (not run and RUN_RE.match(e.name)):  # (a run folder: its entries are)
                 continue
             step = _step_of(e.name, formats)
             if step is not None:
@@ -179,7 +190,7 @@ def passed_over(found: list[Found], chosen: Found | None) -> list[Found]:
     return [f for f in found if not f.usable and (chosen is None or f.order > chosen.order)]
 
 
-def what_is(storage: Storage, path: str, formats: Mapping[str, FormatRecord],
+def what_is(storage: Storage, path: str, formats: Formats,
             components: Iterable[str] | None = None) -> Found:
     """``path`` judged as :func:`survey` judges a folder (its step from its name, or -1),
     every format asked whatever the folder's name (a path the user gave)."""

@@ -80,7 +80,7 @@ class Resumer:
         if target != "latest":
             there = open_storage(setup.plugins, cc.type, target, cc.storage_options)
             return [(there, there.root, False)]
-        found = survey(storage, storage.root, setup.plugins.formats(), cc.components if setup.component else None)
+        found = survey(storage, storage.root, setup.plugins.formats, cc.components if setup.component else None)
         usable = [f for f in found if f.usable]
         local = usable[-1] if usable else None
         remote = None
@@ -278,10 +278,10 @@ class Resumer:
         if not storage.isdir(path):
             raise CheckpointNotFoundError(f"no checkpoint at {path}: the folder does not exist")
         setup = self.setup
-        formats = setup.plugins.formats()
+        formats = setup.plugins.formats
         components = setup.config.checkpoint_config.components if setup.component else None
         step_folder, name = layout.parent(path), layout.basename(path)
-        outer = recognize(storage, step_folder, formats) if step_folder else None
+        outer = recognize(storage, step_folder, formats()) if step_folder else None
         if outer is not None and name in outer.components() and setup.component in (None, name):
             found = what_is(storage, step_folder, formats)  # one part of another framework's step, named
             if found.usable:

@@ -43,12 +43,13 @@ import errno
 import functools
 import json
 import logging
+import posixpath
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, NoReturn, Sequence
 
-from ..contracts import NetworkCounts, SaveContext, Strategy
+from ..contracts import CountsNetwork, NetworkCounts, SaveContext, Storage, Strategy
 from ..errors import RollCkptError, SaveError, StorageError, StorageFullError, carried_roll_error, disk_full
 from ..format import layout
 from ..format.commit import Leftovers, PendingCheckpoint, pending_checkpoint, utc_now
@@ -58,14 +59,13 @@ from ..format.layout import TRAINER_STATE
 from ..hf.export import HFPart
 from ..runtime.background import lower_priority
 from ..runtime.collector import CollectorPause
-from ..runtime.network import check_objects, read_counts, report_save
 from ..runtime.units import human_bytes
 from ..tiers.retention import Retention
 from ..tiers.run import Run, Setup
 from .staging import stage_state_dict
 
 __all__ = ["SavePipeline", "StagedSave", "SaveStats", "Committer", "WarnMode", "save_error", "agreed_failure",
-           "check_step"]
+           "check_step", "read_counts", "report_save", "check_objects"]
 
 log = logging.getLogger("roll_ckpt")
 
@@ -117,6 +117,46 @@ def saved_state(state: Mapping[str, Any], hf: "HFPart | None", only_model: bool)
                             f"holds {', '.join(repr(k) for k in state) or 'nothing'}); set "
                             "checkpoint_config.hf_weights.key to the model's state key")
     return {key: state[key]}
+
+
+# --------------------------------------------------------------------------- what the network did to a save
+#
+# A networked backend counts the faults it met (``Storage.network_counts()``; the S3 backend's
+# policy is in ``roll_ckpt_fs.network``). The saver reads the counts when a save starts and
+# when it ends: the difference is ``SaveStats.network``, and a save that met any fault says so
+# in one WARNING line (retried requests are otherwise silent). Before the manifest of an
+# object-store checkpoint is written, every object is checked to be there with the size the
+# writer wrote (:func:`check_objects`): a checkpoint with a missing or short object is never
+# committed.
+
+
+def read_counts(storage: Storage) -> NetworkCounts | None:
+    """The backend's fault counts now (``None``: it keeps none, e.g. a local disk)."""
+    return storage.network_counts() if isinstance(storage, CountsNetwork) else None
+
+
+def report_save(what: str, rank: int, counts: NetworkCounts | None, *, failed: bool = False) -> None:
+    """One line for a save that met network faults (nothing when it met none)."""
+    if counts is None or not counts.faults:
+        return
+    outcome = "failed" if failed else "committed"
+    log.warning("roll-ckpt: %s %s on rank %d after %s", what, outcome, rank, counts.describe())
+
+
+def check_objects(storage: Storage, folder: str, sizes: Mapping[str, int]) -> None:
+    """Every file of ``sizes`` (relative to ``folder``) is listed there with that size, or a
+    :class:`SaveError` names the first that is not (nothing is committed then)."""
+    listed: dict[str, dict[str, int]] = {}
+    for name, size in sorted(sizes.items()):
+        sub = posixpath.dirname(name)
+        if sub not in listed:
+            where = storage.join(folder, sub) if sub else folder
+            listed[sub] = {e.name: e.size for e in storage.list(where) if not e.is_dir}
+        found = listed[sub].get(posixpath.basename(name))
+        if found != size:
+            state = "is missing" if found is None else f"holds {found} bytes"
+            raise SaveError(f"{storage.join(folder, name)} {state}, the writer wrote {size}: the upload did not "
+                            "complete; nothing of this checkpoint was committed and the next save tries again")
 
 
 # --------------------------------------------------------------------------- what a failed save raises

@@ -17,12 +17,26 @@ A state is a mapping of names to:
   exactly), with this process's RNG state.
 
 On load, an object that finds no entry for its own rank (the job grew) takes rank 0's.
+
+**The state-dict cache.** The module and optimizer state dicts of a training state, built once per structure.
+
+``get_model_state_dict``/``get_optimizer_state_dict`` cost ~20 µs per tensor, on every save.
+While the state keeps its structure -- the same modules, parameters, buffers, optimizer
+state tensors -- the dicts they return stay valid: a model's holds detached views of the
+live parameters and buffers, an optimizer's holds the optimizer's own per-parameter state
+dicts (``Optimizer.state_dict`` does not copy them), so later saves read the current
+values through them. Only the optimizer's ``param_groups`` (copies, with the learning rate
+the scheduler changes) are rebuilt every time.
+
+The structure is compared on every save (the identity of every module, parameter, buffer
+and optimizer state tensor, and the optimizer's state keys): a change is detected, never
+assumed, and the dicts are built again.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Any, Mapping, MutableMapping
+from typing import Any, Callable, Mapping, MutableMapping
 
 import torch
 
@@ -35,11 +49,10 @@ from ..format.layout import basename, parent, parse_step
 from ..runtime.optimizers import (fit_target, group_names, load_optimizer, optimizer_state_dict, owners_of,
                                  sole_optimizer)
 from ..runtime.rng import capture_rng, restore_rng
-from ..save.staging import StateDictCache
 from ..format.unpickle import METADATA_NAME
 from ..dcp.reader import assigned_files, job_metadata, read_dcp, placeholders, top_keys
-from ..dcp.writer import Increments
-from ..runtime.torch_compat import collective, dcp_save, loaded_in_place, local_tensor
+from ..dcp.writer import FixedLayouts, Increments
+from ..runtime.torch_compat import collective, dcp_save, loaded_in_place, local_tensor, module_tensor_ids
 
 __all__ = ["DCPStrategy", "PER_RANK", "RNG_KEY"]
 
@@ -66,7 +79,6 @@ class DCPStrategy(Strategy):
         self._state_dicts = StateDictCache()
         self._estimate: tuple[int, Any] = (-1, None)
         self._write_items: dict[bool, dict] = {}  # DCP's write items kept across saves (ReusingSavePlanner)
-        self._layouts: Any = None
         self.increments = Increments(bool(getattr(config.checkpoint_config, "incremental", False)))
         """The newest committed checkpoint, which a save takes unchanged files over from (:mod:`roll_ckpt.dcp.writer`)."""
         self._names_before: dict[str, list[list[str]]] = {}  # (load_targets, for hand_over)
@@ -74,33 +86,22 @@ class DCPStrategy(Strategy):
         self.world_size = self._dist.get_world_size() if self._dist else 1
         self.collective_timeout_s = float(config.checkpoint_config.collective_timeout_s)
         """How long a collective of a save, commit or resume waits for the other ranks (:mod:`roll_ckpt.runtime.distributed`)."""
-        self._group = None
+        self.process_group: Any = None
+        """The group DCP's collectives use: a gloo group of roll-ckpt's own, whose collectives
+        give up after ``checkpoint_config.collective_timeout_s`` (``None``: one process)."""
         if self._dist is not None and self.world_size > 1:  # (every rank creates its strategy at the same point)
             # both now: creating a group is itself a wait for every rank, with no bound of ours
-            self._group = checkpoint_group(self._dist, self.collective_timeout_s)
+            self.process_group = checkpoint_group(self._dist, self.collective_timeout_s)
             self._control = checkpoint_group(self._dist, self.collective_timeout_s)
+        self.layouts = FixedLayouts(self._dist, self.rank, self.world_size)
+        """The layout of the last full save, repeated by saves of the same structure
+        (:class:`roll_ckpt.dcp.writer.FixedLayouts`)."""
 
     @property
     def is_coordinator(self) -> bool:
         return self.rank == 0
 
-    @property
-    def layouts(self) -> Any:
-        """The layout of the last full save, repeated by saves of the same structure
-        (:class:`roll_ckpt.dcp.writer.FixedLayouts`)."""
-        if self._layouts is None:
-            from ..dcp.writer import FixedLayouts
-
-            self._layouts = FixedLayouts(self._dist, self.rank, self.world_size)
-        return self._layouts
-
-    # ------------------------------------------------------------ process group
-
-    @property
-    def process_group(self) -> Any:
-        """The group DCP's collectives use: a gloo group of roll-ckpt's own, whose
-        collectives give up after ``checkpoint_config.collective_timeout_s``."""
-        return self._group
+    # ------------------------------------------------------------ collectives
 
     def bounded(self, phase: str, step: int | None = None, after: str = "") -> Any:
         """A context in which a peer that never answers raises ``CollectiveTimeoutError``."""
@@ -156,7 +157,7 @@ class DCPStrategy(Strategy):
             if not isinstance(key, str) or not key or "." in key or key == PER_RANK:
                 raise RollCkptError(f"state key {key!r} must be a non-empty string without '.' "
                                     f"and not '{PER_RANK}'")
-        out: dict[str, Any] = self._state_dicts.get(state, torch.nn.Module, torch.optim.Optimizer, build)
+        out: dict[str, Any] = self._state_dicts.get(state, build)
         mine: dict[str, Any] = {RNG_KEY: capture_rng()}
         for key, obj in state.items():
             if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
@@ -447,3 +448,54 @@ def _box(value: Any) -> Any:
 
 def _unbox(value: Any) -> Any:
     return value[0] if isinstance(value, tuple) and len(value) == 1 else value
+
+
+# ---- the state-dict cache --------------------------------------------------
+
+
+def structure_of(state: Mapping[str, Any]) -> tuple:
+    """What a cached state dict depends on: the identity of every tensor it holds."""
+    parts: list[Any] = []
+    for key, obj in state.items():
+        if isinstance(obj, torch.nn.Module):
+            parts.append((key, id(obj), module_tensor_ids(obj)))
+        elif isinstance(obj, torch.optim.Optimizer):
+            parts.append((key, id(obj), len(obj.param_groups),
+                          tuple((id(p), tuple(st), tuple(map(id, st.values()))) for p, st in obj.state.items())))
+    return tuple(parts)
+
+
+class StateDictCache:
+    """The state dicts of a state's modules and optimizers, kept while its structure lasts."""
+
+    def __init__(self) -> None:
+        self._structure: tuple | None = None
+        self._dicts: dict[str, dict[str, Any]] = {}
+        self.builds = 0
+        """How often the dicts were built (a test can tell a reuse from a rebuild)."""
+
+    def get(self, state: Mapping[str, Any], build: Callable[[str, Any], dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """``{key: state dict}`` for every module and optimizer of ``state``; ``build(key, obj)``
+        makes one when the structure changed."""
+        if structure_of(state) != self._structure:
+            self._dicts = {key: build(key, obj) for key, obj in state.items()
+                           if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer))}
+            # after the build: building an optimizer's state dict may create its state
+            self._structure = structure_of(state)
+            self.builds += 1
+            return dict(self._dicts)
+        out = dict(self._dicts)
+        for key, obj in state.items():
+            if isinstance(obj, torch.optim.Optimizer):
+                out[key] = _with_current_groups(self._dicts[key], obj)
+        return out
+
+    def clear(self) -> None:
+        self._structure, self._dicts = None, {}
+
+
+def _with_current_groups(osd: dict[str, Any], optimizer: Any) -> dict[str, Any]:
+    """``osd`` with its ``param_groups`` as the optimizer has them now (learning rates move)."""
+    groups = [{**{k: v for k, v in live.items() if k != "params"}, "params": saved["params"]}
+              for live, saved in zip(optimizer.param_groups, osd["param_groups"])]
+    return {**osd, "param_groups": groups}

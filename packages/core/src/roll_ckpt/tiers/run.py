@@ -9,6 +9,7 @@ bag the parts reach into.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import uuid
 import warnings
@@ -46,7 +47,9 @@ class Setup:
 
     def progress(self, desc: str, strategy: Strategy, total: int | None = None) -> ContextManager[Progress | None]:
         """The coordinator's progress bar for ``with ... as on_bytes`` (``None`` where none is shown)."""
-        return progress(desc, total, enabled=not self.quiet and strategy.is_coordinator)
+        if self.quiet or not strategy.is_coordinator:
+            return contextlib.nullcontext()
+        return progress(desc, total)
 
 
 @dataclass(frozen=True)
@@ -72,10 +75,12 @@ def choose_strategy(config: Config, plugins: Plugins, state: Mapping[str, Any]) 
     if forced:
         record = plugins.strategy(forced)
     else:
-        fitting = [r for r in plugins.strategies().values() if r.applies(state)]
-        if not fitting:
+        # asked highest priority first, the first that applies wins (of equal ones, the first
+        # registered): the fallbacks below one that applies are never asked
+        ranked = sorted(plugins.strategies().values(), key=lambda r: -r.priority)
+        record = next((r for r in ranked if r.applies(state)), None)
+        if record is None:
             raise RollCkptError("no installed strategy can save this state; `roll-ckpt plugins` lists them")
-        record = max(fitting, key=lambda r: r.priority)
     strategy = as_strategy(record.factory(config, plugins), record.name)
     with bounded(strategy.rank, "the first save or resume: agreeing on a token", None,
                  float(strategy.collective_timeout_s)):
