@@ -262,7 +262,7 @@ def dumps(obj: Any) -> bytes:
 def _unpickle_times(data: bytes, reps: int = 1) -> dict[str, float]:
     """One rank's unpickle of ``.metadata``: plain / restricted, collector on / off (best of
     ``reps``): CPU seconds (``*_s``) and wall seconds (``*_wall_s``)."""
-    from roll_ckpt.format.unpickle import safe_load_metadata
+    from roll_ckpt.dcp.checked import safe_load_metadata
 
     out: dict[str, float] = {}
     gc.collect()

@@ -11,7 +11,7 @@ import torch
 
 from helpers.training import config
 from roll_ckpt import CheckpointManager
-from roll_ckpt.format.value_slots import padded_value, slot_capacity
+from roll_ckpt.dcp.files import padded_value, slot_capacity
 
 pytestmark = pytest.mark.timeout(120)
 

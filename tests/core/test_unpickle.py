@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
 from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 
 from roll_ckpt.errors import UnsafeCheckpointError
-from roll_ckpt.format.unpickle import _MetadataUnpickler, safe_load_metadata
+from roll_ckpt.dcp.checked import _MetadataUnpickler, safe_load_metadata
 
 SYSTEM_311 = "/usr/bin/python3.11"
 

@@ -83,7 +83,7 @@ def layout_save(out: str) -> None:
 
 def layout_resume(out: str, step: str, kind: str) -> None:
     """Resume ``checkpoint-<step>`` into a ``kind`` model, count what the resume read, save once more."""
-    import roll_ckpt.format.unpickle as unpickle
+    import roll_ckpt.dcp.checked as unpickle
     import roll_ckpt.dcp.reader as dcp_reader
     from roll_ckpt_fs.storage import LocalStorage
 

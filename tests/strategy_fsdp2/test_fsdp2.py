@@ -32,7 +32,7 @@ def load_full(path: Path) -> dict[str, object]:
     """Every value of a DCP folder as full tensors, read on one process."""
     from roll_ckpt.dcp.reader import SafeReader
     from roll_ckpt.runtime.torch_compat import load_state_dict_no_dist
-    from roll_ckpt.format.unpickle import SafeEmptyLoadPlanner
+    from roll_ckpt.dcp.checked import SafeEmptyLoadPlanner
     from roll_ckpt_fs import LocalStorage
 
     sd: dict[str, object] = {}

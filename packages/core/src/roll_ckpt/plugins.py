@@ -77,6 +77,12 @@ class Plugins:
         self.broken: list[BrokenPlugin] = []
         self._dist_of: dict[str, str] = {}
         self._records: dict[str, dict[str, Any]] = {}
+        self.hook: Any = self.pm.hook
+        """The hooks, to call (``plugins.hook.roll_ckpt_save(save=...)``): pluggy's relay, which
+        a plugin registered later joins."""
+        self.generation = 0
+        """Counts the changes to the registered plugins (:meth:`register`, :meth:`unregister`):
+        what is derived from them is derived again when it moves."""
         from . import _builtin
 
         self.pm.register(_builtin, name="core")
@@ -84,10 +90,6 @@ class Plugins:
         if autoload is None:
             autoload = not _truthy("ROLL_CKPT_DISABLE_PLUGIN_AUTOLOAD")
         self._load_entry_points(autoload)
-
-    @property
-    def hook(self) -> Any:
-        return self.pm.hook
 
     # ------------------------------------------------------------------ loading
 
@@ -120,6 +122,7 @@ class Plugins:
         self.pm.register(plugin, name=name)
         self._dist_of[name] = distribution or name
         self._records.clear()
+        self.generation += 1
 
     def unregister(self, plugin: object) -> None:
         """Unregister a plugin registered by hand (:meth:`register`); nothing when it is not."""
@@ -129,6 +132,7 @@ class Plugins:
         self.pm.unregister(plugin)
         self._dist_of.pop(name, None)
         self._records.clear()
+        self.generation += 1
 
     def distributions(self) -> list[str]:
         """The distributions of every registered plugin."""

@@ -5,7 +5,7 @@ calls it, so it lives outside the save/load core.
 
 The checkpoint is verified first (sizes and checksums), because DCP's ``.metadata`` is
 a pickle: it is read only once it matches the manifest, and then only through
-:func:`roll_ckpt.format.unpickle.safe_load_metadata`, which admits DCP's own classes. No tensor
+:func:`roll_ckpt.dcp.checked.safe_load_metadata`, which admits DCP's own classes. No tensor
 data is read.
 
 A step made of components (see :mod:`roll_ckpt.format.components`) is described part by part
@@ -223,7 +223,7 @@ def inspect_checkpoint(storage: Storage, path: str, *,
 def _dcp_keys(storage: Storage, path: str) -> list[KeyInfo]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from ..format.unpickle import METADATA_NAME, safe_load_metadata
+    from ..dcp.checked import METADATA_NAME, safe_load_metadata
 
     md_path = storage.join(path, DCP_DIR, METADATA_NAME)
     with storage.open_read(md_path) as f:

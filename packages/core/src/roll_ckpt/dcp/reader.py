@@ -1,6 +1,6 @@
 """DCP's reader on any backend, verifying every file before torch reads any of it:
-:class:`SafeReader` (``.metadata`` unpickled admitting DCP's metadata classes only:
-:mod:`roll_ckpt.format.unpickle`; tensors loaded from the checked files: :mod:`roll_ckpt.dcp.checked`).
+:class:`SafeReader` (``.metadata`` unpickled admitting DCP's metadata classes only, tensors
+loaded from the checked files: :mod:`roll_ckpt.dcp.checked`).
 
 **The job's load.** The pieces of a load coordinated by the job, not by DCP's global plan: ``.metadata`` read
 once, every file checked once, each process planning its own reads (the sequence is
@@ -43,8 +43,8 @@ from .files import StorageFileSystem
 from ..format.manifest import hash_bytes, hash_stream
 from ..errors import CheckpointCorruptError, PartlyLoadedError, UnsafeCheckpointError, carried_roll_error
 from ..runtime.torch_compat import dcp_load, local_tensor, narrow_tensor_by_index, set_element, transform_descriptors
-from ..format.unpickle import METADATA_NAME, pickle_reason, safe_load_metadata, SafeLoadPlanner
-from .checked import MAX_PIECE, StreamedFile, CHECK_STREAMS, Verified, load_tensor, piece_pool, read_hashed, verify_budget
+from .checked import (CHECK_STREAMS, MAX_PIECE, METADATA_NAME, SafeLoadPlanner, StreamedFile, Verified, load_tensor,
+                      piece_pool, pickle_reason, read_hashed, safe_load_metadata, verify_budget)
 from ..format.verify import content_fault
 from ..runtime.distributed import decide
 from ..format.layout import writer_rank
@@ -505,7 +505,7 @@ def job_metadata(strategy: Any, storage: Any, dcp_path: str, files: Mapping[str,
 
 def read_dcp(target: dict[str, Any], reader: Any, dcp_path: str, **group: Any) -> None:
     """``dcp_path`` read into ``target`` through ``reader`` (a :class:`~roll_ckpt.dcp.reader.SafeReader`)
-    and a :class:`~roll_ckpt.format.unpickle.SafeLoadPlanner`; ``group``: DCP's ``process_group``
+    and a :class:`~roll_ckpt.dcp.checked.SafeLoadPlanner`; ``group``: DCP's ``process_group``
     and ``no_dist``. An error of roll-ckpt's that DCP wrapped is raised as itself."""
     reader.reset(dcp_path)
     planner = SafeLoadPlanner()

@@ -80,10 +80,9 @@ from dataclasses import dataclass, field
 
 from ..runtime.collector import CollectorPause
 from ..contracts import Storage
-from .files import StorageFileSystem, write_tensor
-from ..format.value_slots import padded_value, slot_capacity
+from .files import StorageFileSystem, padded_value, slot_capacity, write_tensor
 from ..runtime.torch_compat import create_write_items, dcp_format_version, local_tensor, storage_info, storage_prefix, all_reduce_ints
-from ..format.unpickle import METADATA_NAME, safe_load_metadata
+from .checked import METADATA_NAME, safe_load_metadata
 from ..format.manifest import CHUNK_SIZE
 from ..errors import portable
 from ..format.commit import take_over_file

@@ -36,7 +36,7 @@ FSDP2 ranks exports on a laptop (memory permitting: every exported tensor is hel
 once).
 
 The checkpoint is verified against its manifest first; ``.metadata`` is only ever
-unpickled by :func:`roll_ckpt.format.unpickle.safe_load_metadata`, and non-tensor entries
+unpickled by :func:`roll_ckpt.dcp.checked.safe_load_metadata`, and non-tensor entries
 (learning rates, RNG states kept as objects, ...) are never read at all.
 
 A step made of components is exported one part at a time: give the part's folder
@@ -496,7 +496,7 @@ def read_full_tensors(reader: Any, md: Any, keys: Sequence[str], path: str) -> d
 
     from ..errors import carried_roll_error
     from ..runtime.torch_compat import get_element, load_state_dict_no_dist
-    from ..format.unpickle import SafeEmptyLoadPlanner
+    from ..dcp.checked import SafeEmptyLoadPlanner
 
     sd: dict[str, Any] = {}
     reader.reset(reader.path)

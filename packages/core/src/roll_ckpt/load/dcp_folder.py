@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ..contracts import Storage
 from ..errors import carried_roll_error
-from ..format.unpickle import METADATA_NAME, SafeLoadPlanner, safe_load_metadata
+from ..dcp.checked import METADATA_NAME, SafeLoadPlanner, safe_load_metadata
 from ..runtime.collector import CollectorPause
 from ..runtime.torch_compat import dcp_load, dcp_save, numpy_arrays_admitted
 from ..dcp.reader import SafeReader
@@ -26,7 +26,7 @@ __all__ = ["read_dcp_metadata", "dcp_folder_problems", "load_dcp", "write_dcp"]
 
 def read_dcp_metadata(storage: Storage, dcp_path: str) -> Metadata:
     """The ``.metadata`` of the DCP folder at ``dcp_path``, unpickled by the restricted
-    unpickler (DCP's metadata classes only: :mod:`roll_ckpt.format.unpickle`)."""
+    unpickler (DCP's metadata classes only: :mod:`roll_ckpt.dcp.checked`)."""
     path = storage.join(dcp_path, METADATA_NAME)
     with storage.open_read(path) as f:
         return safe_load_metadata(f.read(), path)

@@ -35,7 +35,6 @@ from typing import Any, Callable, Mapping
 from ..contracts import SpaceEstimate, Storage
 from ..errors import StorageFullError
 from ..runtime.units import human_bytes
-from ..format.value_slots import slot_slack
 
 __all__ = ["estimate_checkpoint_bytes", "estimate_items", "SpaceGuard", "committed_sizes"]
 
@@ -95,7 +94,9 @@ def _plain(obj: Any, budget: list[int]) -> bool:
 
 def _value_size(obj: Any) -> int:
     """The bytes the writer gives a non-tensor value: ``torch.save(obj)`` (DCP writes every
-    such value that way) in its slot (:func:`roll_ckpt.format.value_slots.slot_capacity`)."""
+    such value that way) in its slot (:func:`roll_ckpt.dcp.files.slot_capacity`)."""
+    from ..dcp.files import slot_slack  # (torch: only a DCP save's values are sized so)
+
     global _VALUE_FRAMING
     if _plain(obj, [10_000]):
         if _VALUE_FRAMING is None:
