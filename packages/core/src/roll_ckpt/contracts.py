@@ -457,6 +457,8 @@ class StagingPolicy(Protocol):
     # Optional: ``prepare(reuse) -> Callable | None``, called in the caller's thread when a save
     # is near (``CheckpointManager.prepare_save``); the callable it returns runs in the writer
     # thread, after the write in flight: what ``stage`` needs, made ready off the loop.
+    # Optional: ``active(save) -> bool``, asked once per save before any tensor: false when the
+    # policy can claim nothing in it (a store holding no tensor), so it is not asked per tensor.
 
 
 # --------------------------------------------------------------------------- other frameworks' checkpoints

@@ -26,18 +26,22 @@ from roll_ckpt.plugin import SaveContext
 __all__ = ["ZeroCopy", "LocalDedup"]
 
 
-def _slot(name: str, save: SaveContext) -> Any:
-    store = getattr(save.strategy, "store", None)
-    return store.lookup(name) if store is not None else None
+class _FromStore:
+    """A policy for tensors the offload store holds: it claims nothing in a save while the
+    state is not offloaded, so it is not asked for each tensor then."""
+
+    def active(self, save: SaveContext) -> bool:
+        store = getattr(save.strategy, "store", None)
+        return store is not None and store.offloaded
 
 
-class ZeroCopy:
+class ZeroCopy(_FromStore):
     name = "zero_copy"
     description = ("tensors resident in the 'local' offload store are written from its flat buffers "
                    "through exact-size aliases: no copy, no clone")
 
     def claims(self, name: str, tensor: Any, save: SaveContext) -> bool:
-        slot = _slot(name, save)
+        slot = save.strategy.store.lookup(name)
         return slot is not None and slot.segments == 1
 
     def stage(self, items: Sequence[tuple[str, Any]], save: SaveContext) -> list[Any]:
@@ -54,13 +58,13 @@ class ZeroCopy:
         save.strategy.store.release()
 
 
-class LocalDedup:
+class LocalDedup(_FromStore):
     name = "local_dedup"
     description = ("tensors the 'local_dedup' store keeps one segment of per rank: the local shard is "
                    "rebuilt by an all-gather in the writer thread, into staging buffers reused across saves")
 
     def claims(self, name: str, tensor: Any, save: SaveContext) -> bool:
-        slot = _slot(name, save)
+        slot = save.strategy.store.lookup(name)
         return slot is not None and slot.segments > 1
 
     def stage(self, items: Sequence[tuple[str, Any]], save: SaveContext) -> list[Any]:

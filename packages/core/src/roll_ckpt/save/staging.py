@@ -3,7 +3,8 @@
 A save's state dict holds live tensors the training loop will change as soon as ``save``
 returns. :func:`stage_state_dict` asks the staging policies (:class:`StagingPolicy`
 objects that plugins register through ``roll_ckpt_staging_policies``), in order, which
-one claims each tensor; the first claim wins and core's
+one claims each tensor (a policy that says, once per save, that it can claim nothing there,
+``active(save)`` false, is not asked); the first claim wins and core's
 :class:`~roll_ckpt.save.staging.RegularCopy` takes the rest. Each policy then stages its
 tensors in one call and is released once the write has finished. Non-tensor values are
 copied when mutable (DCP pickles them during the write).
@@ -44,6 +45,7 @@ tensor while the caller waits.
 from __future__ import annotations
 
 import copy
+import functools
 import sys
 import threading
 from collections.abc import Mapping
@@ -63,6 +65,8 @@ def stage_state_dict(sd: Mapping[str, Any], save: SaveContext, policies: Sequenc
 
     Each policy that staged something is released once the write has finished or failed
     (``save.run_finished_callbacks``)."""
+    # a policy that can claim nothing in this save (``active``) is not asked per tensor
+    policies = [p for p in policies if not hasattr(p, "active") or p.active(save)]
     torch = sys.modules.get("torch")  # a process that never imported torch holds no tensors (a driver)
     tensor_type: Any = torch.Tensor if torch is not None else ()
     claimed: list[list[tuple[str, Any]]] = [[] for _ in policies]
@@ -99,16 +103,12 @@ def stage_state_dict(sd: Mapping[str, Any], save: SaveContext, policies: Sequenc
         if not claimed[i]:
             continue
         results = policy.stage(claimed[i], save)
-        save.on_finished(_releaser(policy, save))
+        save.on_finished(functools.partial(policy.release, save))
         for (container, key), result in zip(places[i], results):
             container[key] = result
     claimed.clear()  # visit() refers to itself: its cycle must not keep the tensors alive
     places.clear()
     return staged
-
-
-def _releaser(policy: StagingPolicy, save: SaveContext) -> Callable[[], None]:
-    return lambda: policy.release(save)
 
 
 def _freeze(value: Any) -> Any:
