@@ -69,7 +69,7 @@ def soak(s3: Any, proxy: Any, *, saves: int, seed: int, options: dict[str, Any] 
     from roll_ckpt.format import layout
     from roll_ckpt.errors import RollCkptError
     from roll_ckpt.testing import assert_same_state, state_snapshot, tiny_state
-    from roll_ckpt.format.verify import verify
+    from roll_ckpt.format.manifest import verify
     from roll_ckpt_fs import FsspecStorage
 
     options = dict(OPTIONS if options is None else options)

@@ -20,7 +20,7 @@ from roll_ckpt.plugin import NetworkCounts  # noqa: E402
 from roll_ckpt.format import layout  # noqa: E402
 from roll_ckpt.errors import RollCkptError, SaveError  # noqa: E402
 from roll_ckpt.testing import assert_same_state, state_snapshot, tiny_state  # noqa: E402
-from roll_ckpt.format.verify import verify  # noqa: E402
+from roll_ckpt.format.manifest import verify  # noqa: E402
 from roll_ckpt_fs import FsspecStorage  # noqa: E402
 
 from . import s3server  # noqa: E402

@@ -24,7 +24,7 @@ from roll_ckpt.format import layout  # noqa: E402
 from roll_ckpt.errors import CheckpointCorruptError  # noqa: E402
 from roll_ckpt.format.manifest import MANIFEST_NAME  # noqa: E402
 from roll_ckpt.testing import BackendConformance, assert_same_state, state_snapshot, tiny_state  # noqa: E402
-from roll_ckpt.format.verify import verify  # noqa: E402
+from roll_ckpt.format.manifest import verify  # noqa: E402
 from roll_ckpt_fs import FsspecStorage, open_storage  # noqa: E402
 
 from . import s3server  # noqa: E402

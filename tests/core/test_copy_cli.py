@@ -21,7 +21,7 @@ from roll_ckpt.plugins import get_plugins
 from roll_ckpt.manager import open_storage
 from roll_ckpt.testing import assert_same_state, state_snapshot, tiny_state
 from roll_ckpt.tiers.transfer import CopyInterrupted, committed_manifest, copy_checkpoint
-from roll_ckpt.format.verify import verify
+from roll_ckpt.format.manifest import verify
 
 from ._backup_helpers import COPYING_CHILD, kill_when_busy, leftovers, save_steps
 

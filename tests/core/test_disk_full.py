@@ -15,7 +15,7 @@ from roll_ckpt import CheckpointManager
 from roll_ckpt.errors import StorageFullError
 from roll_ckpt.format import layout
 from roll_ckpt.testing import assert_same_state, state_snapshot
-from roll_ckpt.format.verify import verify
+from roll_ckpt.format.manifest import verify
 
 
 def _state(seed: int) -> dict:

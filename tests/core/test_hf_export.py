@@ -215,7 +215,7 @@ import json, sys, threading, time
 import psutil
 from roll_ckpt import export_hf
 # imported before the base is taken
-import roll_ckpt.hf.export, roll_ckpt.dcp.reader, roll_ckpt.format.verify, roll_ckpt.cli._common
+import roll_ckpt.hf.export, roll_ckpt.dcp.reader, roll_ckpt.format.manifest, roll_ckpt.cli._common
 import huggingface_hub, safetensors.torch, torch.distributed.checkpoint.state_dict_loader
 proc = psutil.Process()
 base = peak = proc.memory_info().rss

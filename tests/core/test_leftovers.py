@@ -13,7 +13,7 @@ from helpers.training import config, drift
 from roll_ckpt import CheckpointManager
 from roll_ckpt.format import layout
 from roll_ckpt.testing import tiny_state
-from roll_ckpt.format.verify import verify
+from roll_ckpt.format.manifest import verify
 
 
 def test_the_next_save_removes_what_a_failed_cleanup_left(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

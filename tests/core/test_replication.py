@@ -20,7 +20,7 @@ from roll_ckpt.errors import BackupError
 from roll_ckpt.format import layout
 from roll_ckpt.tiers import replication
 from roll_ckpt.testing import assert_same_state, state_snapshot, tiny_state
-from roll_ckpt.format.verify import verify
+from roll_ckpt.format.manifest import verify
 
 from ._backup_helpers import (REPLICATING_CHILD, FailingWrites, SlowWrites, committed_steps, kill_when_busy, leftovers,
                               manager, save_steps)

@@ -25,7 +25,7 @@ from roll_ckpt.tiers import replication  # noqa: E402
 from roll_ckpt.cli import main  # noqa: E402
 from roll_ckpt.format.manifest import MANIFEST_NAME  # noqa: E402
 from roll_ckpt.testing import assert_same_state, state_snapshot, tiny_state  # noqa: E402
-from roll_ckpt.format.verify import verify  # noqa: E402
+from roll_ckpt.format.manifest import verify  # noqa: E402
 from roll_ckpt_fs import FsspecStorage, open_storage  # noqa: E402
 
 from ._backup_helpers import (COPYING_CHILD, REPLICATING_CHILD, committed_steps, kill_when_busy,  # noqa: E402

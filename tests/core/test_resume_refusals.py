@@ -15,7 +15,7 @@ from roll_ckpt import CheckpointCorruptError, CheckpointManager, CheckpointNotFo
 from roll_ckpt.errors import UnsafeCheckpointError
 from roll_ckpt.format.manifest import hash_bytes
 from roll_ckpt.testing import assert_same_state, state_snapshot, tiny_state
-from roll_ckpt.format.verify import verify
+from roll_ckpt.format.manifest import verify
 
 
 @pytest.fixture
@@ -163,11 +163,11 @@ def test_manifest_path_escaping_the_checkpoint(saved: Path, ckpt_config) -> None
 def test_both_readers_of_metadata_judge_it_alike(saved: Path, entry: str) -> None:
     """``.metadata`` is read by the job's coordinator (``dcp.reader.job_metadata``) or by
     DCP's reader (``SafeReader.read_metadata``): the same bytes and manifest entry give the
-    same verdict (``format.verify.content_fault``, the one comparison)."""
+    same verdict (``format.manifest.content_fault``, the one comparison)."""
     import dataclasses
     import types
 
-    from roll_ckpt.format.verify import read_manifest
+    from roll_ckpt.format.manifest import read_manifest
     from roll_ckpt.dcp.reader import job_metadata
     from roll_ckpt.dcp.reader import SafeReader
     from roll_ckpt_fs import LocalStorage

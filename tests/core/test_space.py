@@ -24,7 +24,7 @@ from roll_ckpt.errors import StorageFullError
 from roll_ckpt.format import layout
 from roll_ckpt.tiers.space import SpaceGuard, estimate_checkpoint_bytes
 from roll_ckpt.testing import assert_same_state, state_snapshot, tiny_state
-from roll_ckpt.format.verify import verify
+from roll_ckpt.format.manifest import verify
 
 
 def _linear(width: int, seed: int = 0, adam: bool = False) -> dict:

@@ -25,7 +25,7 @@ from roll_ckpt.format.commit import MARKER_PREFIX
 from roll_ckpt.format.layout import TMP_PREFIX
 from roll_ckpt.format.manifest import MANIFEST_NAME
 from roll_ckpt.contracts import Storage
-from roll_ckpt.format.verify import list_files, verify
+from roll_ckpt.format.manifest import list_files, verify
 
 HERE = Path(__file__).resolve().parent
 CHILD = HERE / "_crash_child.py"

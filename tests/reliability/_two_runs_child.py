@@ -19,7 +19,7 @@ import torch
 
 from helpers.training import config, train_step
 from roll_ckpt import CheckpointManager
-from roll_ckpt.format.verify import verify
+from roll_ckpt.format.manifest import verify
 from roll_ckpt_fs import LocalStorage
 
 

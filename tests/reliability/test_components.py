@@ -63,10 +63,10 @@ from helpers.training import config
 from roll_ckpt import CheckpointManager, DriverState, new_run_name
 from roll_ckpt.format import layout
 from roll_ckpt.format.commit import MARKER_PREFIX
-from roll_ckpt.format.components import complete_pending, components_of, try_complete
+from roll_ckpt.format.components import complete_pending, try_complete
 from roll_ckpt.format.layout import TMP_PREFIX
 from roll_ckpt.format.manifest import MANIFEST_NAME, Manifest
-from roll_ckpt.format.verify import verify
+from roll_ckpt.format.manifest import verify
 from roll_ckpt_fs import open_storage
 
 from ._support import kills_per_mode
@@ -324,7 +324,7 @@ def reference(server: ForkServer, offline_aws: dict[str, str],
     storage = open_storage(out, {})
     latest = layout.latest(storage, storage.root)
     assert latest is not None and latest.path.endswith(f"{run}/checkpoint-{STEPS}")
-    assert set(components_of(verify(storage, latest.path).manifest)) == set(COMPONENTS)
+    assert set(verify(storage, latest.path).manifest.parts) == set(COMPONENTS)
     print(f"\n[reference] job of {len(COMPONENTS)} components, {STEPS} steps, saved {SAVED}: "
           f"{time.monotonic() - t0:.1f}s; steps committed by {commits}")
     return ref
@@ -375,7 +375,7 @@ class LatestWatcher:
             data = _read(self.storage, self.storage.join(ref.path, MANIFEST_NAME))
         except FileNotFoundError:
             return
-        parts = set(components_of(Manifest.from_bytes(data)[0]))
+        parts = set(Manifest.from_bytes(data)[0].parts)
         if parts != set(COMPONENTS):
             self.errors.append(f"{ref.path} is the latest step, but its manifest lists the parts {sorted(parts)}")
 
@@ -506,7 +506,7 @@ def _kill_cycle(server: ForkServer, reference: Reference, folder: Path, env: dic
     assert latest is not None and latest.path.rstrip("/") == before_path.rstrip("/"), (
         f"{where}: latest is {latest}, not the step before the killed one")
     assert _committed_steps(storage) == [(run1, s) for s in SAVED if s < KILL_STEP], _committed_steps(storage)
-    assert set(components_of(verify(storage, before_path).manifest)) == set(COMPONENTS)
+    assert set(verify(storage, before_path).manifest.parts) == set(COMPONENTS)
     if at == "write":
         assert not try_complete(storage, step_path, KILL_STEP, COMPONENTS)
         assert complete_pending(storage, root, COMPONENTS) == []
@@ -543,13 +543,13 @@ def _kill_cycle(server: ForkServer, reference: Reference, folder: Path, env: dic
     final = storage.join(root, run2, layout.checkpoint_name(STEPS))
     latest = layout.latest(storage, root)
     assert latest is not None and latest.path.rstrip("/") == final.rstrip("/"), latest
-    assert set(components_of(verify(storage, final).manifest)) == set(COMPONENTS)
+    assert set(verify(storage, final).manifest.parts) == set(COMPONENTS)
     if at == "write":
         watcher.check(never=step_path)
     else:
         watcher.check(never="")
         if storage.exists(resume_path):  # committed by the relaunch, from the parts alone
-            assert set(components_of(verify(storage, resume_path).manifest)) == set(COMPONENTS)
+            assert set(verify(storage, resume_path).manifest.parts) == set(COMPONENTS)
     # what is left: the newest `keep` (all without retention); a step that can no longer
     # complete is removed by retention, else left with the others' parts only: the
     # relaunch's first save removed what the victim left (its owner is gone)
@@ -695,7 +695,7 @@ def test_concurrent_step_commits_have_one_winner(backend: str, server: ForkServe
         assert data == original, f"[{backend}, {barrier}] the step's manifest differs from the one first committed"
         manifest = verify(storage, step_path).manifest
         assert isinstance(manifest, Manifest) and manifest.step == step
-        assert set(components_of(manifest)) == set(COMPONENTS)
+        assert set(manifest.parts) == set(COMPONENTS)
         latest = layout.latest(storage, storage.root)
         assert latest is not None and latest.path.rstrip("/") == step_path.rstrip("/")
         run_dir = storage.join(storage.root, run)

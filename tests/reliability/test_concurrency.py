@@ -20,7 +20,7 @@ from roll_ckpt import CheckpointManager
 from roll_ckpt.format import layout
 from roll_ckpt.format.manifest import MANIFEST_NAME
 from roll_ckpt.testing import assert_same_state, state_snapshot, tiny_state
-from roll_ckpt.format.verify import verify
+from roll_ckpt.format.manifest import verify
 from roll_ckpt_fs import LocalStorage
 
 from ._support import HERE, read_bytes

@@ -48,7 +48,7 @@ from roll_ckpt import CheckpointManager, RollCkptError, load_config
 from roll_ckpt.format import layout
 from roll_ckpt.format.manifest import MANIFEST_NAME
 from roll_ckpt.testing import tiny_state
-from roll_ckpt.format.verify import verify
+from roll_ckpt.format.manifest import verify
 from roll_ckpt_fs import open_storage
 
 from ._support import (CHILD, ForkServer, Snapshot, WorkerLog, assert_unchanged, kills_per_mode,

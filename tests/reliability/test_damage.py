@@ -15,7 +15,7 @@ import pytest
 from roll_ckpt import CheckpointCorruptError, CheckpointManager, CheckpointNotFoundError, load_config
 from roll_ckpt.cli import main as cli
 from roll_ckpt.testing import tiny_state
-from roll_ckpt.format.verify import verify
+from roll_ckpt.format.manifest import verify
 from roll_ckpt_fs import LocalStorage
 
 from ._support import copy_of, save_template

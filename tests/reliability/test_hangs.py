@@ -18,7 +18,7 @@ import pytest
 from helpers import warm
 from helpers.launch import child_env, free_port, rank_env
 from roll_ckpt.format import layout
-from roll_ckpt.format.verify import verify
+from roll_ckpt.format.manifest import verify
 from roll_ckpt_fs import LocalStorage
 
 CHILD = Path(__file__).with_name("_hang_child.py")

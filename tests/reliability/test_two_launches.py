@@ -21,7 +21,7 @@ import pytest
 from helpers import warm
 from helpers.launch import child_env
 from roll_ckpt.format import layout
-from roll_ckpt.format.verify import verify
+from roll_ckpt.format.manifest import verify
 from roll_ckpt_fs import LocalStorage
 
 CHILD = Path(__file__).with_name("_launch_child.py")

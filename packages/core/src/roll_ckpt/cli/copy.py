@@ -54,7 +54,7 @@ def cmd_copy(args: argparse.Namespace) -> int:
     copied = skipped = 0
     total_bytes = 0
     t0 = time.perf_counter()
-    from ..format.verify import read_manifest
+    from ..format.manifest import read_manifest
 
     for s_path, d_path in jobs:
         try:

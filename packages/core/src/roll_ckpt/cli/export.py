@@ -82,7 +82,7 @@ def cmd_export_format(args: argparse.Namespace) -> int:
 
 def cmd_export_file(args: argparse.Namespace) -> int:
     from ..hf.export import export_safetensors, require_tensors
-    from ..format.verify import read_manifest, verify
+    from ..format.manifest import read_manifest, verify
 
     storage = open_storage_arg(args, args.path)
     target, note = resolve(storage, storage.root, args.component)

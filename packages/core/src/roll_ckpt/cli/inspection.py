@@ -91,16 +91,10 @@ def _dtype_name(dtype: Any) -> str:
 
 # --------------------------------------------------------------------------- components
 
-def _components(manifest: Manifest) -> dict[str, dict]:
-    from ..format.components import components_of
-
-    return components_of(manifest)
-
-
 def parts_of(manifest: Manifest) -> list[PartInfo]:
     """The parts a step's manifest lists, with their files and bytes (empty without components)."""
     out = []
-    for name, info in sorted(_components(manifest).items()):
+    for name, info in sorted(manifest.parts.items()):
         info = info if isinstance(info, dict) else {}
         entries = [e for rel, e in manifest.files.items() if rel.startswith(f"{name}/")]
         ws = info.get("world_size")
@@ -115,9 +109,9 @@ def part_faults(storage: Storage, path: str, manifest: Manifest) -> list[tuple[s
     Each part's own ``manifest.json`` must parse, name its component and the step, and list
     exactly the files the step's manifest lists for that part. Files of the step that
     belong to no listed component are faults too. The step's checksums are not read
-    again here: :func:`roll_ckpt.format.verify.verify` does that.
+    again here: :func:`roll_ckpt.format.manifest.verify` does that.
     """
-    parts = _components(manifest)
+    parts = manifest.parts
     if not parts:
         return []
     from ..format.components import STEP_FILES_KEY, STEP_ROOT_KEY
@@ -138,7 +132,7 @@ def part_faults(storage: Storage, path: str, manifest: Manifest) -> list[tuple[s
             faults.append((rel, "missing (the part's own manifest)"))
             continue
         except OSError as exc:
-            from ..format.verify import unsafe_read_fault
+            from ..format.manifest import unsafe_read_fault
 
             faults.append((rel, unsafe_read_fault(exc)))
             continue
@@ -196,10 +190,10 @@ def inspect_checkpoint(storage: Storage, path: str, *,
     their manifests checked), or one component's part (DCP keys, or the values of a
     ``json`` part's ``state/state.json``).
     """
-    from ..format.verify import verify
+    from ..format.manifest import verify
 
     report = verify(storage, path, on_bytes=on_bytes)
-    if _components(report.manifest):
+    if report.manifest.parts:
         faults = part_faults(storage, path, report.manifest)
         if faults:
             raise CheckpointCorruptError(path, faults)
@@ -339,7 +333,7 @@ def verify_checkpoint(storage: Storage, path: str) -> dict:
     parts against the step's manifest) and return its manifest as JSON values; raises
     :class:`CheckpointCorruptError` naming every fault. What a plugin calls before it reads a
     checkpoint's files itself (``roll-ckpt export --format NAME``)."""
-    from ..format.verify import verify
+    from ..format.manifest import verify
 
     manifest = verify(storage, path).manifest
     faults = part_faults(storage, path, manifest)

@@ -28,11 +28,10 @@ def _describe(storage: Any, ref: Any, expected: Any = None, guess: bool = True) 
     """created / size / committed / components of one checkpoint, read from its manifest
     when committed; for a step of components that is not committed, its parts (``expected``:
     the components its run's steps have; when ``None`` and ``guess``, found beside it)."""
-    from ..format.components import components_of
     from ..hf.export import hf_status
     from ..format.components import parts_status
     from ..format.manifest import MANIFEST_NAME, Manifest
-    from ..format.verify import list_files
+    from ..format.manifest import list_files
 
     row: dict[str, Any] = {"step": ref.step, "run": ref.run, "path": ref.path, "committed": ref.committed,
                            "created": "", "bytes": None, "components": [], "missing_components": []}
@@ -43,7 +42,7 @@ def _describe(storage: Any, ref: Any, expected: Any = None, guess: bool = True) 
             row["created"] = manifest.created
             row["bytes"] = sum(e.size for e in manifest.files.values())
             row["taken_over"] = sum(e.size for e in manifest.files.values() if e.taken_over)
-            row["components"] = sorted(components_of(manifest))
+            row["components"] = sorted(manifest.parts)
             row["hf"] = hf_status(manifest.extra) + (" (model only)" if manifest.extra.get("save_only_model") else "")
             return row
         except (OSError, ValueError) as exc:
@@ -70,7 +69,7 @@ def _describe(storage: Any, ref: Any, expected: Any = None, guess: bool = True) 
 def cmd_ls(args: argparse.Namespace) -> int:
     from ..format.layout import CheckpointRef, parse_step, scan
     from ..format.manifest import MANIFEST_NAME
-    from ..format.verify import read_manifest
+    from ..format.manifest import read_manifest
 
     from .ls_local import is_local_tier, local_rows, show_local
 

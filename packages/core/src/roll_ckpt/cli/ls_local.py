@@ -45,7 +45,7 @@ def is_local_tier(storage: Any, root: str) -> bool:
 def local_rows(storage: Any, root: str) -> list[dict[str, Any]]:
     """One row per node folder and step: committed units by rank, which are the node's own."""
     from ..format.manifest import MANIFEST_NAME, Manifest
-    from ..format.verify import list_files
+    from ..format.manifest import list_files
 
     rows = []
     for node, folder in _node_folders(storage, root):

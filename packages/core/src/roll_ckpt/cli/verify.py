@@ -20,9 +20,8 @@ def _damaged(path: str, faults: list[tuple[str, str]]) -> tuple[bool, str]:
 def _verify_one(storage: Any, path: str) -> tuple[bool, str]:
     """Verify one checkpoint: a whole one, a step made of components (every file, and each
     part's manifest), or one part (also against its step's manifest)."""
-    from ..format.components import components_of
     from .inspection import part_faults
-    from ..format.verify import read_manifest, verify
+    from ..format.manifest import read_manifest, verify
 
     manifest = read_manifest(storage, path)
     total = sum(e.size for e in manifest.files.values())
@@ -36,7 +35,7 @@ def _verify_one(storage: Any, path: str) -> tuple[bool, str]:
     extra, note = part_in_step(storage, path, m)
     if faults or extra:
         return _damaged(path, faults + extra)
-    parts = components_of(m)
+    parts = m.parts
     what = f"step {m.step}" + (f", component {m.component}" if m.component else "")
     tail = f"; {len(parts)} components ({', '.join(sorted(parts))}), each part's manifest matches the step's" \
         if parts else ""
@@ -138,7 +137,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .inspection import format_inspection, inspect_checkpoint
-    from ..format.verify import read_manifest
+    from ..format.manifest import read_manifest
 
     storage = open_storage_arg(args, args.path)
     foreign = foreign_at(storage, storage.root)

@@ -45,7 +45,7 @@ from ..errors import CheckpointCorruptError, PartlyLoadedError, UnsafeCheckpoint
 from ..runtime.torch_compat import dcp_load, local_tensor, narrow_tensor_by_index, set_element, transform_descriptors
 from .checked import (CHECK_STREAMS, MAX_PIECE, METADATA_NAME, SafeLoadPlanner, StreamedFile, Verified, load_tensor,
                       piece_pool, pickle_reason, read_hashed, safe_load_metadata, verify_budget)
-from ..format.verify import content_fault
+from ..format.manifest import content_fault
 from ..runtime.distributed import decide
 from ..format.layout import writer_rank
 

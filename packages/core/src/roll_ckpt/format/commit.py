@@ -64,12 +64,12 @@ from datetime import datetime, timezone
 from typing import Any
 
 from ..contracts import Storage, TakesOver, ListsByPrefix
-from ..errors import CheckpointNotFoundError, RollCkptError, StorageError
+from ..errors import RollCkptError, StorageError
 from .layout import TMP_PREFIX, basename, parent, parse_step, run_folders
 from .manifest import MANIFEST_NAME
 from . import layout
 
-__all__ = ['PendingCheckpoint', 'RenameIntoPlace', 'ManifestLast', 'Leftovers', 'pending_checkpoint', 'require_committed', 'take_over_file', 'MARKER_PREFIX', 'STALE_FOREIGN_S', 'owner_record', 'owner_gone', 'is_mine', 'markers_named', 'read_markers', 'write_marker', 'clean_stale', 'live_writers', 'claim_run_folder', 'release_folder', 'utc_now', 'LAUNCH_RECORD', 'HOLD_PREFIX', 'hold', 'release', 'held']
+__all__ = ['PendingCheckpoint', 'RenameIntoPlace', 'ManifestLast', 'Leftovers', 'pending_checkpoint', 'take_over_file', 'MARKER_PREFIX', 'STALE_FOREIGN_S', 'owner_record', 'owner_gone', 'is_mine', 'markers_named', 'read_markers', 'write_marker', 'clean_stale', 'live_writers', 'claim_run_folder', 'release_folder', 'utc_now', 'LAUNCH_RECORD', 'HOLD_PREFIX', 'hold', 'release', 'held']
 
 
 # ---- the commit ------------------------------------------------------------
@@ -191,16 +191,6 @@ def _folders_deepest_first(storage: Storage, root: str) -> list[str]:
         if e.is_dir:
             out += _folders_deepest_first(storage, e.path)
     return out + [root]
-
-
-def require_committed(storage: Storage, path: str) -> None:
-    if not storage.isdir(path):
-        raise CheckpointNotFoundError(f"no checkpoint at {path}: the folder does not exist")
-    if not storage.exists(storage.join(path, MANIFEST_NAME)):
-        raise CheckpointNotFoundError(
-            f"{path} is not a committed checkpoint (no {MANIFEST_NAME}): it is either not a "
-            "roll-ckpt checkpoint or a save that never finished; resume from another one"
-        )
 
 
 def take_over_file(storage: Storage, src: str, dst: str) -> str:

@@ -44,17 +44,14 @@ from typing import Any, Iterable
 
 from ..contracts import Storage
 from .commit import take_over_file
-from .manifest import hash_bytes, hash_stream, MANIFEST_NAME, FileEntry, Manifest
+from .manifest import COMPONENTS_KEY, hash_bytes, hash_stream, MANIFEST_NAME, FileEntry, Manifest
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError, RollCkptError
 from .layout import basename, parent, scan
 
 log = logging.getLogger("roll_ckpt")
 
 __all__ = ["PartsStatus", "parts_status", "expected_components", "COMPONENTS_KEY", "EXPECTS_KEY", "STEP_FILES_KEY", "STEP_ROOT_KEY", "committed_parts", "step_manifest", "try_complete", "complete_pending",
-           "components_of", "expected_parts", "open_part", "check_component", "check_part_free", "read_resume_record"]
-
-COMPONENTS_KEY = "components"
-"""``manifest.extra[COMPONENTS_KEY]`` of a step: ``{component: {"step", "world_size", "strategy"}}``."""
+           "expected_parts", "open_part", "check_component", "check_part_free", "read_resume_record"]
 
 
 EXPECTS_KEY = "expects"
@@ -66,12 +63,6 @@ there by the program whose step it is (verl's trainer's ``data.pt``), covered by
 
 STEP_ROOT_KEY = "step_root"
 """``manifest.extra[STEP_ROOT_KEY]`` of a part: its files published at the step's folder too."""
-
-
-def components_of(manifest: Manifest) -> dict[str, dict]:
-    """The parts a step's manifest lists (empty for a checkpoint without components)."""
-    parts = manifest.extra.get(COMPONENTS_KEY)
-    return dict(parts) if isinstance(parts, dict) else {}
 
 
 def committed_parts(storage: Storage, step_path: str) -> dict[str, bytes]:
@@ -231,7 +222,7 @@ def open_part(storage: Storage, step_path: str, step: Manifest, component: str) 
     Raises :class:`CheckpointNotFoundError` when the step has no such part and
     :class:`CheckpointCorruptError` when the part's manifest is not the one the step committed.
     """
-    parts = components_of(step)
+    parts = step.parts
     if component not in parts:
         held = ", ".join(sorted(parts)) or "no components"
         raise CheckpointNotFoundError(
@@ -364,7 +355,7 @@ def expected_components(storage: Storage, step_path: str) -> list[str] | None:
                 manifest, _ = Manifest.from_bytes(f.read())
         except (OSError, ValueError):
             continue
-        parts = components_of(manifest)
+        parts = manifest.parts
         return sorted(parts) if parts else None
     return None
 

@@ -55,8 +55,8 @@ def resolve(storage: Any, path: str, component: str | None) -> tuple[str, str]:
     A step that is not committed is an error naming its missing parts, except that one of
     its committed parts may be named with ``component`` (with a note saying so).
     """
-    from .components import components_of, open_part
-    from .verify import read_manifest
+    from .components import open_part
+    from .manifest import read_manifest
 
     status = uncommitted_step(storage, path)
     if status is not None:
@@ -73,7 +73,7 @@ def resolve(storage: Any, path: str, component: str | None) -> tuple[str, str]:
         return path, note
     if component is None:
         return path, ""
-    parts = components_of(manifest)
+    parts = manifest.parts
     if parts:
         if component not in parts:
             raise CheckpointNotFoundError(f"{path} has no part for component '{component}' (its components: "
@@ -93,7 +93,7 @@ def part_in_step(storage: Any, path: str, manifest: Any) -> tuple[list[tuple[str
     from .components import open_part
     from .layout import parse_step
     from .manifest import MANIFEST_NAME
-    from .verify import read_manifest
+    from .manifest import read_manifest
 
     step_dir = parent(path)
     if manifest.component is None or not step_dir or parse_step(basename(step_dir)) is None:

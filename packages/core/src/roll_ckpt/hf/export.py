@@ -319,7 +319,7 @@ def export_hf(path: str, out: str | os.PathLike[str], *, component: str | None =
     from ..dcp.reader import SafeReader
     from ..tiers.run import open_storage
     from ..plugins import get_plugins
-    from ..format.verify import read_manifest, verify
+    from ..format.manifest import read_manifest, verify
 
     storage = open_storage(get_plugins(), type, path, dict(storage_options or {}))
     target, note = resolve(storage, storage.root, component)
@@ -444,10 +444,9 @@ def require_tensors(manifest: Manifest, path: str) -> None:
     state), or no ``dcp/`` folder at all. Returns when it has a DCP folder."""
     if any(name.startswith(f"{DCP_DIR}/") for name in manifest.files):
         return
-    from ..format.components import components_of
     from ..format.driver_state import STATE_FILE
 
-    parts = components_of(manifest)
+    parts = manifest.parts
     if parts:
         names = sorted(parts)
         dcp = [n for n in names if not isinstance(parts[n], dict) or parts[n].get("strategy") != "json"]
@@ -475,7 +474,7 @@ def load_full_tensors(storage: Storage, path: str, *, only: Sequence[str] | None
     group, whatever world size wrote the checkpoint.
     """
     from ..dcp.reader import SafeReader
-    from ..format.verify import read_manifest, verify
+    from ..format.manifest import read_manifest, verify
 
     manifest = read_manifest(storage, path)
     require_tensors(manifest, path)  # before reading any data: a step of components, a json part
@@ -532,7 +531,7 @@ def export_safetensors(storage: Storage, path: str, out: str | os.PathLike[str],
     accepts. The step and the source go into the file's metadata. The file is written
     beside its final name and renamed into place, so a failed export leaves nothing.
     ``verified=True`` skips the checksum pass for a caller that has just run
-    :func:`roll_ckpt.format.verify.verify` itself.
+    :func:`roll_ckpt.format.manifest.verify` itself.
     """
     out = os.fspath(out)
     if "://" in out:

@@ -24,13 +24,13 @@ from typing import Any, Callable, MutableMapping
 
 from ..format import layout
 from ..runtime.distributed import decide
-from ..format.components import complete_pending, components_of, open_part, read_resume_record
+from ..format.components import complete_pending, open_part, read_resume_record
 from ..contracts import Storage, Strategy
 from ..errors import CheckpointNotFoundError, RollCkptError
-from ..format.foreign import Found, recognize, survey, what_is
 from ..format.manifest import MANIFEST_NAME, Manifest
-from ..format.verify import read_manifest, verify
+from ..format.manifest import read_manifest, verify
 from ..tiers.run import LaunchHold, Run, Setup, open_storage
+from ..format.foreign import Found, recognize, survey, what_is
 from ..format.layout import TRAINER_STATE
 from ..format.commit import utc_now
 
@@ -326,7 +326,7 @@ class Resumer:
         """The folder this manager loads from ``path``: the checkpoint itself, or its component's part."""
         component = self.setup.component
         top = read_manifest(storage, path)
-        parts = components_of(top)
+        parts = top.parts
         if component is None:
             if parts or top.component:
                 what = f"made of components ({', '.join(sorted(parts))})" if parts else \

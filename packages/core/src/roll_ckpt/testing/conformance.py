@@ -260,7 +260,7 @@ class BackendConformance(ManagerChecks):
         return [r.path for r in layout.committed(storage, storage.root)]
 
     def test_commit_publishes_only_at_commit(self, storage: Storage) -> None:
-        from ..format.verify import verify
+        from ..format.manifest import verify
 
         pending = self._pending(storage, 3)
         pending.begin()
@@ -313,7 +313,7 @@ class BackendConformance(ManagerChecks):
         assert self._committed_paths(storage) == [done.final_path]
 
     def test_clean_stale_removes_dead_writers_only(self, storage: Storage) -> None:
-        from ..format.verify import verify
+        from ..format.manifest import verify
 
         done = self._pending(storage, 1, "done")
         done.begin()

@@ -29,7 +29,7 @@ class ManagerChecks:
 
     def test_manager_save_verify_resume(self, storage: Storage, checkpoint_config: dict[str, Any]) -> None:
         from .. import CheckpointManager
-        from ..format.verify import verify
+        from ..format.manifest import verify
 
         state = tiny_state(seed=1)
         before = state_snapshot(state)

@@ -39,7 +39,7 @@ from ..errors import RollCkptError
 from ..format.layout import DCP_DIR, TRAINER_STATE, checkpoint_name, parse_step
 from ..config.local import LocalTierConfig
 from ..format.manifest import MANIFEST_NAME, FileEntry, Manifest
-from ..format.verify import list_files, read_manifest, verify
+from ..format.manifest import list_files, read_manifest, verify
 
 __all__ = ["LocalTier", "node_name", "NODE_ENV"]
 

@@ -23,7 +23,7 @@ from typing import Any, Mapping
 
 from ..format.manifest import hash_bytes, MANIFEST_NAME, Manifest, UnsafeManifestError
 from ..runtime.torch_compat import collective
-from ..format.verify import list_files
+from ..format.manifest import list_files
 
 __all__ = ["ring_targets", "PeerGroup", "pack", "unpack_verified"]
 

@@ -149,8 +149,8 @@ def _abandoned_steps(storage: Storage, refs: list[CheckpointRef], protect: set[s
     """Steps with components that will never be committed: some parts are, but a newer step
     is whole and nobody writes to them. Components save their steps in order, one at a
     time, so once a newer step has every part, no part of an older step is still coming."""
-    from ..format.components import committed_parts, components_of
-    from ..format.verify import read_manifest
+    from ..format.components import committed_parts
+    from ..format.manifest import read_manifest
 
     done = [r for r in refs if r.committed]
     if not done:
@@ -166,7 +166,7 @@ def _abandoned_steps(storage: Storage, refs: list[CheckpointRef], protect: set[s
         # Every part the whole steps of its run have is there: only the step's own manifest
         # is missing (its writer failed), and the next resume commits it.
         whole = [d for d in done if d.run == r.run] or [newest]
-        if set(components_of(read_manifest(storage, max(whole, key=lambda d: d.order).path))) <= set(parts):
+        if set(read_manifest(storage, max(whole, key=lambda d: d.order).path).parts) <= set(parts):
             continue
         out.append(r)
     return out

@@ -35,7 +35,7 @@ from ..format.manifest import Hasher, MANIFEST_NAME, Manifest
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError, RollCkptError
 from ..format.layout import CheckpointRef, scan
 from ..contracts import Storage
-from ..format.verify import list_files, read_manifest
+from ..format.manifest import list_files, read_manifest
 
 __all__ = ["copy_checkpoint", "copy_checkpoints", "CopyReport", "CopyInterrupted", "CHUNK_BYTES",
            "relative_path", "committed_manifest", "same_checkpoint"]
