@@ -96,7 +96,7 @@ def test_a_resumed_job_starts_from_its_checkpoint_layout_and_resumes_exactly(tmp
     again = _state(seed=1)
     m2 = _manager(tmp_path, resume_from_checkpoint=True)
     assert m2.resume(again) == 2
-    assert m2.strategy.layouts.resumed is not None  # checkpoint-2's .metadata, for the next save to adopt
+    assert m2.strategy.resumed_from[3] is not None  # checkpoint-2's .metadata, for the next save to adopt
     _step(again, 3)  # the RNG restored too: the same step
     for a, b in zip(state["model"].parameters(), again["model"].parameters()):
         assert torch.equal(a, b)

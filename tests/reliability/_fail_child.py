@@ -111,7 +111,7 @@ def run(out: str, phase: str, faulty: int, step: int, me: int) -> dict[str, Any]
                 m.resume(state)
                 for s in range(1, step + 1):
                     active[0] = s == step
-                    result["fixed_layout"] = m.strategy is not None and m.strategy.layouts.layout is not None
+                    result["fixed_layout"] = getattr(getattr(m.strategy, "layouts", None), "layout", None) is not None
                     t0 = time.monotonic()
                     m.save(s, state)
         except Exception as exc:

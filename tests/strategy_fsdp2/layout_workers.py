@@ -110,7 +110,7 @@ def layout_resume(out: str, step: str, kind: str) -> None:
     got = m.resume(state)
     LocalStorage.open_read = real_open
     dcp_reader.safe_load_metadata = real_load
-    kept = m.strategy.layouts.resumed is not None  # for the first save to adopt where it holds
+    kept = m.strategy.resumed_from[3] is not None  # for the first save to adopt where it holds
     loaded = {"params": full(model), "optim": optim_full(model, opt)}
     data = [torch.randn(8, 16)]
     fast = []

@@ -601,9 +601,9 @@ class FixedLayouts:
         )
 
     def adopt_later(self, md_bytes: bytes, checksum: str) -> None:
-        """Keep a resumed checkpoint's ``.metadata`` bytes (checked; every process, after the
-        load) for the next save's :meth:`adopt`: the resume does not pay for a layout only a
-        save uses, nor keeps its tens of thousands of objects alive until then."""
+        """Keep a resumed checkpoint's ``.metadata`` bytes (checked at the resume; every process,
+        at the first save after it) for that save's :meth:`adopt`: the resume does not pay for a
+        layout only a save uses, nor keeps its tens of thousands of objects alive until then."""
         self.layout, self.resumed = None, (md_bytes, checksum)
 
     def adopt(self, planner: Any, threads: int, group: Any) -> None:

@@ -87,8 +87,9 @@ class DCPStrategy(Strategy):
         self._state_dicts = StateDictCache()
         self._estimate: tuple[int, Any] = (-1, None)
         self._write_items: dict[bool, dict] = {}  # DCP's write items kept across saves (ReusingSavePlanner)
-        self.increments = Increments(bool(getattr(config.checkpoint_config, "incremental", False)))
-        """The newest committed checkpoint, which a save takes unchanged files over from (:mod:`roll_ckpt.dcp.writer`)."""
+        self.increments: Increments | None = None
+        """The newest committed checkpoint, which a save takes unchanged files over from
+        (:mod:`roll_ckpt.dcp.writer`); made by the first save, as :attr:`layouts` is."""
         self._names_before: dict[str, list[list[str]]] = {}  # (load_targets, for hand_over)
         self.rank = self._dist.get_rank() if self._dist else 0
         self.world_size = self._dist.get_world_size() if self._dist else 1
@@ -101,9 +102,14 @@ class DCPStrategy(Strategy):
             # both now: creating a group is itself a wait for every rank, with no bound of ours
             self.process_group = checkpoint_group(self._dist, self.collective_timeout_s)
             self._control = checkpoint_group(self._dist, self.collective_timeout_s)
-        self.layouts = FixedLayouts(self._dist, self.rank, self.world_size)
+        self.layouts: FixedLayouts | None = None
         """The layout of the last full save, repeated by saves of the same structure
-        (:class:`roll_ckpt.dcp.writer.FixedLayouts`)."""
+        (:class:`roll_ckpt.dcp.writer.FixedLayouts`); made by the first save."""
+        self.resumed_from: tuple[Storage, str, dict[str, Any], tuple[bytes, str] | None] | None = None
+        """The checkpoint the last resume loaded, which the next save starts from: its storage,
+        DCP folder and manifest entries (the base of incremental saves) and its ``.metadata``
+        bytes and checksum (the layout to repeat, where it fits). A resume records it only; the
+        save makes of it what it uses (:meth:`_start_saving`)."""
 
     @property
     def is_coordinator(self) -> bool:
@@ -165,6 +171,8 @@ class DCPStrategy(Strategy):
             if not isinstance(key, str) or not key or "." in key or key == PER_RANK:
                 raise RollCkptError(f"state key {key!r} must be a non-empty string without '.' "
                                     f"and not '{PER_RANK}'")
+        if self.layouts is None or self.resumed_from is not None:
+            self._start_saving()
         out: dict[str, Any] = self._state_dicts.get(state, build)
         mine: dict[str, Any] = {RNG_KEY: capture_rng()}
         for key, obj in state.items():
@@ -179,6 +187,18 @@ class DCPStrategy(Strategy):
         out[PER_RANK] = {str(self.rank): mine}
         self.increments.note_state(state, self._state_dicts.builds)
         return out
+
+    def _start_saving(self) -> None:
+        """What saves keep across saves (:mod:`roll_ckpt.dcp.writer`), made by the first save,
+        then brought to the checkpoint a resume loaded since (:attr:`resumed_from`)."""
+        if self.layouts is None:
+            self.layouts = FixedLayouts(self._dist, self.rank, self.world_size)
+            self.increments = Increments(bool(getattr(self.config.checkpoint_config, "incremental", False)))
+        if self.resumed_from is not None:
+            (storage, dcp_path, files, layout), self.resumed_from = self.resumed_from, None
+            self.increments.seed(storage, dcp_path, files)
+            if layout is not None:
+                self.layouts.adopt_later(*layout)
 
     # ------------------------------------------------------------ write / read
 
@@ -195,6 +215,8 @@ class DCPStrategy(Strategy):
         """
         from ..dcp.writer import DigestingWriter, ReusingSavePlanner
 
+        if self.layouts is None or self.resumed_from is not None:  # (a write without state_dict: tests, tools)
+            self._start_saving()
         gate = getattr(save, "gate", None)
         threads = 1 if gate is not None else self.writer_threads(_local_bytes(sd))
         # the collector is held off while DCP plans, gathers and writes .metadata; the
@@ -298,7 +320,6 @@ class DCPStrategy(Strategy):
                     self.hand_over(state, target, src)
                     return
                 self._load_job(state, reader, storage, dcp_path, files, checkpoint or dcp_path, step)
-                self.increments.seed(storage, dcp_path, files or {})
             finally:
                 reader.release()  # the checked files, kept open across the loads below
                 del reader
@@ -334,8 +355,8 @@ class DCPStrategy(Strategy):
         except Exception as exc:  # e.g. a stateful object refusing its value: before the agreement
             error = exc
         self.agree(error, "resume: handing the values over", step)
-        if files is not None and METADATA_NAME in files:  # the next save starts from this layout
-            self.layouts.adopt_later(md_bytes, files[METADATA_NAME].checksum)
+        layout = (md_bytes, files[METADATA_NAME].checksum) if files is not None and METADATA_NAME in files else None
+        self.resumed_from = (storage, dcp_path, dict(files or {}), layout)  # the next save starts from it
 
     def load_targets(self, state: Mapping[str, Any], md: Any, dcp_path: str) -> tuple[dict[str, Any], str]:
         """A load's first step (then the read, :meth:`hand_over`): the state dict to load
