@@ -216,7 +216,7 @@ def test_with_components_a_foreign_checkpoint_must_hold_every_one(tmp_path: Path
 def test_a_path_the_user_names_goes_first_to_the_formats_whose_folders_are_named_so(tmp_path: Path) -> None:
     """Two frameworks write the same files (ROLL's older per-rank layout and verl's): a folder
     named as one of them names it is that one's, whichever was registered first."""
-    from roll_ckpt.format.foreign import recognize
+    from roll_ckpt.format.layout import recognize
     from roll_ckpt_fs.storage import LocalStorage
 
     class Named(Toy):

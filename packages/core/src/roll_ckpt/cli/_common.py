@@ -103,7 +103,7 @@ def formats() -> dict[str, Any]:
 def foreign_at(storage: Any, path: str) -> Any:
     """Another framework's checkpoint at ``path`` -- or of which ``path`` is one part's
     folder (a ROLL step's ``critic/``) -- as a format plugin recognizes it; else ``None``."""
-    from ..format.foreign import recognize
+    from ..format.layout import recognize
     from ..format.manifest import MANIFEST_NAME
 
     if storage.exists(storage.join(path, MANIFEST_NAME)) or not storage.isdir(path):

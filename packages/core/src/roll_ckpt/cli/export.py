@@ -62,7 +62,7 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
 def cmd_export_format(args: argparse.Namespace) -> int:
     """``--format <name>`` of a format plugin: another framework's own layout."""
     from ..errors import UnknownPluginError
-    from ..format.foreign import FORMAT_EXTRAS
+    from ..format.layout import FORMAT_EXTRAS
 
     given = [_flag(n) for n in _FILE_ONLY + _HF_ONLY if getattr(args, n) not in (None, False)]
     if given:

@@ -12,7 +12,7 @@ A step made of components (see :mod:`roll_ckpt.format.components`) is described 
 (name, world size, strategy, files, bytes), each part's own manifest checked against the
 step's; a part saved by the ``json`` strategy (:class:`~roll_ckpt.DriverState`) shows the
 values of ``state/state.json``, read as JSON. For a step folder that is not committed,
-:func:`roll_ckpt.format.components.parts_status` says which parts are committed and which are missing.
+:func:`roll_ckpt.format.layout.parts_status` says which parts are committed and which are missing.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ def _describe(storage: Any, ref: Any, expected: Any = None, guess: bool = True) 
     when committed; for a step of components that is not committed, its parts (``expected``:
     the components its run's steps have; when ``None`` and ``guess``, found beside it)."""
     from ..hf.export import hf_status
-    from ..format.components import parts_status
+    from ..format.layout import parts_status
     from ..format.manifest import MANIFEST_NAME, Manifest
     from ..format.manifest import list_files
 
@@ -100,7 +100,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             say(f"{args.dir} is the part of component '{part.component}' of step {part.step}, committed on its own"
                  + (f"; {where}" if where else "") + f"; `roll-ckpt ls {parent_dir(parent_dir(root)) or '.'}` lists the steps")
             return 0
-    from ..format.foreign import survey, what_is
+    from ..format.layout import survey, what_is
 
     if len(refs) == 1 and refs[0].path == root:  # DIR is one folder: ours, another framework's, or unknown
         others = [f for f in [what_is(storage, root, formats)] if f.kind != "roll-ckpt"]

@@ -54,7 +54,7 @@ def _verify_one(storage: Any, path: str) -> tuple[bool, str]:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from ..format.foreign import survey
+    from ..format.layout import survey
     from ..format.layout import parse_step
 
     from ..format.manifest import MANIFEST_NAME

@@ -65,7 +65,7 @@ from typing import Any
 
 from ..contracts import Storage, TakesOver, ListsByPrefix
 from ..errors import RollCkptError, StorageError
-from .layout import TMP_PREFIX, basename, parent, parse_step, run_folders
+from .layout import MARKER_PREFIX, TMP_PREFIX, basename, parent, parse_step, run_folders
 from .manifest import MANIFEST_NAME
 from . import layout
 
@@ -237,7 +237,6 @@ class Leftovers:
 
 # ---- owners and holds ------------------------------------------------------
 
-MARKER_PREFIX = ".inflight-"
 STALE_FOREIGN_S = 24 * 3600.0
 """Markers written by another host are only trusted to be stale after this long."""
 

@@ -39,18 +39,17 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
 from typing import Any, Iterable
 
 from ..contracts import Storage
 from .commit import take_over_file
 from .manifest import COMPONENTS_KEY, hash_bytes, hash_stream, MANIFEST_NAME, FileEntry, Manifest
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError, RollCkptError
-from .layout import basename, parent, scan
+from .layout import basename, committed_parts, parent, scan
 
 log = logging.getLogger("roll_ckpt")
 
-__all__ = ["PartsStatus", "parts_status", "expected_components", "COMPONENTS_KEY", "EXPECTS_KEY", "STEP_FILES_KEY", "STEP_ROOT_KEY", "committed_parts", "step_manifest", "try_complete", "complete_pending",
+__all__ = ["COMPONENTS_KEY", "EXPECTS_KEY", "STEP_FILES_KEY", "STEP_ROOT_KEY", "step_manifest", "try_complete", "complete_pending",
            "expected_parts", "open_part", "check_component", "check_part_free", "read_resume_record"]
 
 
@@ -63,20 +62,6 @@ there by the program whose step it is (verl's trainer's ``data.pt``), covered by
 
 STEP_ROOT_KEY = "step_root"
 """``manifest.extra[STEP_ROOT_KEY]`` of a part: its files published at the step's folder too."""
-
-
-def committed_parts(storage: Storage, step_path: str) -> dict[str, bytes]:
-    """``component -> manifest bytes`` for every part committed in ``step_path``."""
-    out: dict[str, bytes] = {}
-    for e in storage.list(step_path):
-        if not e.is_dir or e.name.startswith("."):
-            continue
-        try:
-            with storage.open_read(storage.join(e.path, MANIFEST_NAME)) as f:
-                out[e.name] = f.read()
-        except FileNotFoundError:
-            continue
-    return out
 
 
 def _parts(step: int, parts: dict[str, bytes], step_path: str) -> dict[str, Manifest]:
@@ -292,105 +277,3 @@ def read_resume_record(storage: Storage, path: str) -> list[tuple[str, bool]] | 
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise RollCkptError(f"{path} is damaged ({exc}): it records where this launch's components resume "
                             "from; remove it and restart every component") from None
-
-
-# --------------------------------------------------------------------------- a step not committed, part by part
-
-@dataclass(frozen=True)
-class PartsStatus:
-    """What the folder of a step that is not committed holds, part by part."""
-
-    path: str
-    step: int | None
-    committed: list[str]
-    """Parts whose own manifest is there (committed on their own)."""
-    unfinished: list[str]
-    """Parts being written, or left by a crash (a temporary folder, an owner marker, or a
-    folder without a manifest), and not committed."""
-    missing: list[str] | None
-    """The parts the step needs that are not committed; ``None`` when that is unknown (no
-    committed step of the same run says which parts a step has)."""
-    created: str = ""
-    """The newest committed part's ``created``."""
-
-    @property
-    def any(self) -> bool:
-        return bool(self.committed or self.unfinished)
-
-    @property
-    def complete(self) -> bool:
-        """Every part is committed, only the step's own manifest is missing."""
-        return self.missing == [] and bool(self.committed)
-
-    def describe(self) -> str:
-        """One short line, e.g. ``actor_train, critic; pipeline missing``."""
-        head = ", ".join(self.committed) if self.committed else "no part committed"
-        if self.missing is None:
-            rest = [f"{n} unfinished" for n in self.unfinished if n not in self.committed]
-            return "; ".join([head, ", ".join(rest + ["others unknown"])])
-        if not self.missing:
-            return f"{head}; step manifest missing"
-        rest = [f"{n} unfinished" if n in self.unfinished else f"{n} missing" for n in self.missing]
-        return f"{head}; {', '.join(rest)}"
-
-
-def expected_components(storage: Storage, step_path: str) -> list[str] | None:
-    """The components a step in ``step_path``'s folder is made of, as the newest committed
-    step beside it records them (one launch writes one run folder, with one config);
-    ``None`` when no step beside it is committed, or it has no components."""
-    from .layout import parse_step
-
-    folder = parent(step_path) if "/" in step_path.rstrip("/") else ""
-    if not folder:
-        return None
-    try:
-        entries = storage.list(folder)
-    except OSError:
-        return None
-    steps = sorted(((parse_step(e.name), e.path) for e in entries if e.is_dir and parse_step(e.name) is not None
-                    and e.path.rstrip("/") != step_path.rstrip("/")), reverse=True)
-    for _, path in steps:
-        try:
-            with storage.open_read(storage.join(path, MANIFEST_NAME)) as f:
-                manifest, _ = Manifest.from_bytes(f.read())
-        except (OSError, ValueError):
-            continue
-        parts = manifest.parts
-        return sorted(parts) if parts else None
-    return None
-
-
-def parts_status(storage: Storage, step_path: str, expected: list[str] | None = None,
-                 guess: bool = True) -> PartsStatus:
-    """Which parts of the (uncommitted) step at ``step_path`` are committed, unfinished, missing.
-
-    ``expected`` is the list of components a step needs; by default (``guess``) it is read
-    from the newest committed step beside it (:func:`expected_components`).
-    """
-    from .commit import MARKER_PREFIX
-    from .layout import TMP_PREFIX, parse_step
-
-    parts = committed_parts(storage, step_path)
-    committed = sorted(parts)
-    created = ""
-    for data in parts.values():
-        try:
-            created = max(created, Manifest.from_bytes(data)[0].created)
-        except ValueError:
-            pass
-    if expected is None and guess:
-        expected = expected_components(storage, step_path)
-    unfinished: set[str] = set()
-    for e in storage.list(step_path):
-        name = e.name
-        # Only a part's save leaves a temporary folder or an owner marker inside a step folder.
-        if e.is_dir and name.startswith(TMP_PREFIX):
-            unfinished.add(name[len(TMP_PREFIX):].rsplit("-", 1)[0])
-        elif not e.is_dir and name.startswith(MARKER_PREFIX) and name.endswith(".json"):
-            unfinished.add(name[len(MARKER_PREFIX):-len(".json")].rsplit("-", 1)[0])
-        elif e.is_dir and expected is not None and name in expected:
-            unfinished.add(name)  # written in place (object stores), its manifest not there yet
-    unfinished -= set(committed)
-    unfinished.discard("")
-    missing = None if expected is None else sorted(set(expected) - set(committed))
-    return PartsStatus(step_path, parse_step(basename(step_path)), committed, sorted(unfinished), missing, created)

@@ -15,7 +15,7 @@ __all__ = ["resolve", "uncommitted_step", "not_committed", "part_in_step"]
 
 
 def uncommitted_step(storage: Any, path: str) -> Any:
-    """The :class:`~roll_ckpt.format.components.PartsStatus` of ``path`` when it is the folder of a
+    """The :class:`~roll_ckpt.format.layout.PartsStatus` of ``path`` when it is the folder of a
     step made of components that is not committed; ``None`` otherwise."""
     from .layout import parse_step
     from .manifest import MANIFEST_NAME
@@ -23,7 +23,7 @@ def uncommitted_step(storage: Any, path: str) -> Any:
     if parse_step(basename(path)) is None or not storage.isdir(path) \
             or storage.exists(storage.join(path, MANIFEST_NAME)):
         return None
-    from .components import parts_status
+    from .layout import parts_status
 
     status = parts_status(storage, path)
     return status if status.any else None

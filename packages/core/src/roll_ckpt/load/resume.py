@@ -30,8 +30,7 @@ from ..errors import CheckpointNotFoundError, RollCkptError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..format.manifest import read_manifest, verify
 from ..tiers.run import LaunchHold, Run, Setup, open_storage
-from ..format.foreign import Found, recognize, survey, what_is
-from ..format.layout import TRAINER_STATE
+from ..format.layout import TRAINER_STATE, Found, recognize, survey, what_is
 from ..format.commit import utc_now
 
 __all__ = ['Resumer']
@@ -68,7 +67,7 @@ class Resumer:
 
         For ``latest``, the newest *usable* folder under ``output_dir``: a committed
         checkpoint, or another framework's that a format plugin recognizes complete
-        (:mod:`roll_ckpt.format.foreign`). Every newer folder passed over is named in a
+        (:mod:`roll_ckpt.format.layout`). Every newer folder passed over is named in a
         WARNING with the reason, or, with ``checkpoint_config.on_unusable_checkpoint:
         raise``, stops the resume. ``storage``: this manager's.
         """

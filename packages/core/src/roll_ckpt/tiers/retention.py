@@ -149,7 +149,7 @@ def _abandoned_steps(storage: Storage, refs: list[CheckpointRef], protect: set[s
     """Steps with components that will never be committed: some parts are, but a newer step
     is whole and nobody writes to them. Components save their steps in order, one at a
     time, so once a newer step has every part, no part of an older step is still coming."""
-    from ..format.components import committed_parts
+    from ..format.layout import committed_parts
     from ..format.manifest import read_manifest
 
     done = [r for r in refs if r.committed]
