@@ -364,8 +364,8 @@ class RollCkptFastPath:
         written = {name: [] for name in mine}
         writer = _StubWriter(mine, written)
         fl = FixedLayouts(sim, 0, n)
-        fl.layout = RankLayout(generation=1, structure=(), local_items=[], files=list(written.items()),
-                               metadata=md_bytes)
+        fl.layout = RankLayout(generation=1, keys=(), files=list(written.items()),
+                               items=[(name, []) for name in mine], metadata=md_bytes)
         fast = FastPlan(planner=None, files=[(name, []) for name in mine], slots={}, values={})
         digests = fl.save(fast, writer, None)
         if digests is None or fl.fast_saves != 1:

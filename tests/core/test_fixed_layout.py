@@ -204,3 +204,22 @@ def test_a_failed_short_save_commits_nothing_and_the_next_one_works(tmp_path: Pa
     m.save(3, state)
     assert _fast(m) == 1  # the layout still holds
     m.close()
+
+
+class _Marked(torch.Tensor):
+    """A tensor subclass of the job's own: what DCP makes of it is not told from its shape and dtype."""
+
+
+def test_a_state_holding_a_tensor_subclass_repeats_its_layout_too(tmp_path: Path) -> None:
+    """A layout holds for the values its keys describe (``roll_ckpt.dcp.writer.layout_keys``);
+    a tensor subclass (a float8 weight's shard) may make write items of its own: it is keyed
+    by those items, and its saves repeat the layout as the others do."""
+    state = _state()
+    state["buf"] = torch.zeros(5).as_subclass(_Marked)
+    m = _manager(tmp_path)
+    for s in (1, 2, 3):
+        _step(state, s)
+        m.save(s, state)
+    assert _fast(m) == 2
+    m.close()
+    assert all((tmp_path / f"checkpoint-{s}" / "manifest.json").is_file() for s in (1, 2, 3))

@@ -209,3 +209,19 @@ def test_the_base_is_named_within_its_run() -> None:
 
     assert Base("u", "/out/20261202-1/checkpoint-3/dcp", {}).name == "checkpoint-3"
     assert Base("u", "s3://b/run/checkpoint-3/actor/dcp", {}).name == "checkpoint-3/actor"  # a component's part
+
+
+def test_saves_of_a_frozen_base_repeat_the_layout_and_take_the_base_over(tmp_path: Path) -> None:
+    """The frozen base lies in a file of its own (``plan_files``); the saves after the first
+    repeat that layout, files and all (``roll_ckpt.dcp.writer``: fixed layouts), and still
+    take the base's file over instead of writing it."""
+    model, opt = lora()
+    with manager(tmp_path) as m:
+        for s in (1, 2, 3):
+            step(model, opt)
+            m.save(s, {"model": model, "optimizer": opt})
+            if s > 1:
+                assert m.stats.last.bytes_taken_over >= frozen_bytes(model)
+        assert m.strategy.layouts.fast_saves == 2
+    metadata = [(tmp_path / f"checkpoint-{s}" / "dcp" / ".metadata").read_bytes() for s in (1, 2, 3)]
+    assert metadata[0] == metadata[1] == metadata[2]

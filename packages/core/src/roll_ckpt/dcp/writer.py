@@ -21,8 +21,11 @@ structure (tensors first, byte values in slots: :mod:`roll_ckpt.dcp.files`). The
 ``.metadata`` of the last full save holds for the next one byte for byte, and a save needs
 only:
 
-1. each process checks locally that its plan, its files and their order are those of the
-   layout, and that its byte values fit their slots;
+1. each process checks locally that its state is the one the layout was written from (the
+   same keys: each value's name, shape, dtype, mesh and placements, :func:`layout_keys`) and
+   that its byte values fit their slots; no plan is made: the layout keeps each file's write
+   items (the *write program*), and the save writes them as they are, each value looked up
+   by DCP's own lookup;
 2. one all-reduce of three integers: every process agrees, from the same layout
    (``generation``);
 3. each process writes its files at the layout's offsets and sends the coordinator one
@@ -88,7 +91,7 @@ from ..errors import portable
 from ..format.commit import take_over_file
 from ..format.layout import CKPT_RE
 
-__all__ = ['DigestingWriter', 'ReusingSavePlanner', 'plan_files', 'FixedLayouts', 'RankLayout', 'structure_of', 'Base', 'Increments', 'TakeOver', 'cold_names']
+__all__ = ['DigestingWriter', 'ReusingSavePlanner', 'plan_files', 'FixedLayouts', 'RankLayout', 'layout_keys', 'Base', 'Increments', 'TakeOver', 'cold_names']
 
 
 # ---- the writer ------------------------------------------------------------
@@ -418,14 +421,18 @@ class RankLayout:
 
     generation: int
     """The same on every process for the same full save (or resumed checkpoint)."""
-    structure: tuple
-    """World size, rank, files, and each DTensor's mesh and placements."""
-    local_items: list[Any]
-    """The process's local plan (DCP's write items, before the global plan's dedup)."""
+    keys: tuple
+    """What the layout holds for: world size, rank, writer threads, and every value of the
+    flattened state dict as its write items depend on it (:func:`layout_keys`)."""
     files: list[tuple[str, Written]]
     """The process's files, each with its items' index, offset and length in file order."""
+    items: list[tuple[str, list[Any]]]
+    """The write program: each file's write items in file order (after the global plan's
+    dedup), which a save that repeats the layout writes as they are."""
     metadata: bytes | None = None
     """The coordinator's ``.metadata`` bytes (``None`` on the other processes)."""
+    meshes: tuple = ()
+    """The device meshes whose ``id`` :attr:`keys` holds, kept alive: an ``id`` is never another's."""
 
 
 @dataclass
@@ -438,24 +445,28 @@ class FastPlan:
     values: dict[Any, Any]
 
 
-def _mesh_key(mesh: Any) -> tuple:
-    return (tuple(mesh.shape), mesh.mesh_dim_names, mesh.get_coordinate())
-
-
-def structure_of(values: dict[str, Any], world_size: int, rank: int, threads: int) -> tuple:
-    """What a layout depends on beyond DCP's write items: each DTensor's mesh and placements."""
-    from torch.distributed.tensor import DTensor
-
-    meshes: dict[int, tuple] = {}
-    parts = []
+def layout_keys(values: dict[str, Any], world_size: int, rank: int, threads: int) -> tuple:
+    """What a layout holds for (:attr:`RankLayout.keys`): world size, rank, writer threads and
+    each value of the flattened state dict: a byte value by its name, a tensor by what its
+    write items are made of (:func:`_items_key`: name, global shape, mesh and placements, its
+    local shard's dtype and layout), or, for a subclass that may make its own (a float8
+    weight's local shard), by the items DCP makes of it."""
+    out: list[Any] = [world_size, rank, threads]
     for fqn, obj in values.items():
-        if isinstance(obj, DTensor):
-            mesh = obj.device_mesh
-            key = meshes.get(id(mesh))
-            if key is None:
-                key = meshes[id(mesh)] = _mesh_key(mesh)
-            parts.append((fqn, key, obj.placements))
-    return (world_size, rank, threads, tuple(parts))
+        if not isinstance(obj, torch.Tensor):
+            out.append(fqn)
+            continue
+        key = _items_key(fqn, obj)
+        if key is None:
+            mesh = getattr(obj, "device_mesh", None)
+            made = create_write_items(fqn, obj) if mesh is None or mesh.get_coordinate() is not None else []
+            key = (fqn, id(mesh), getattr(obj, "placements", None), tuple(made))
+        out.append(key)
+    return tuple(out)
+
+
+def _meshes(values: dict[str, Any]) -> tuple:
+    return tuple({id(m): m for v in values.values() if (m := getattr(v, "device_mesh", None)) is not None}.values())
 
 
 class FixedLayouts:
@@ -474,35 +485,37 @@ class FixedLayouts:
 
     # ------------------------------------------------------------ the local check
 
-    def prepare(self, planner: Any, threads: int, gate: Any) -> FastPlan | None:
-        """The save repeating the layout, if this process's state allows it (no collective)."""
-        from torch.distributed.checkpoint.default_planner import create_default_local_save_plan
+    def prepare(self, sd: dict[str, Any], threads: int, gate: Any, is_coordinator: bool) -> FastPlan | None:
+        """The save repeating the layout, if this process's state allows it (no collective):
+        the state has the layout's keys, its tensors come in the waves' order (staged in
+        waves) and its byte values fit their slots. No plan is made: the layout's write
+        items are written as they are, each value looked up in the state dict by DCP's own
+        lookup."""
+        from torch.distributed.checkpoint import DefaultSavePlanner
         from torch.distributed.checkpoint.planner import WriteItemType
 
         layout = self.layout
         if layout is None:
             return None
-        local = create_default_local_save_plan(planner.state_dict, planner.is_coordinator).items
-        if local != layout.local_items:
+        planner = DefaultSavePlanner()  # DCP's flattening of the state dict and its lookups
+        planner.set_up_planner(sd, None, is_coordinator)
+        if layout_keys(planner.state_dict, self.world_size, self.rank, threads) != layout.keys:
             return None
-        if structure_of(planner._values, self.world_size, self.rank, threads) != layout.structure:
-            return None
-        mine = {index for _, written in layout.files for index, _, _ in written}
-        final = [i for i in local if i.index in mine]
-        prefix = f"__{self.rank}_"
-        files = [(f"{prefix}{k}.distcp", items) for k, items in enumerate(plan_files(final, threads, gate))]
-        if [(n, [i.index for i in items]) for n, items in files] != \
-                [(n, [index for index, _, _ in w]) for n, w in layout.files]:
-            return None
+        if gate is not None:  # each file's tensors in the order their waves are staged
+            for _, items in layout.items:
+                names = [i.index.fqn for i in items if i.type != WriteItemType.BYTE_IO]
+                if gate.order(names) != list(range(len(names))):
+                    return None
         lengths = {index: length for _, w in layout.files for index, _, length in w}
         slots, values = {}, {}
-        for item in final:
-            if item.type == WriteItemType.BYTE_IO:
-                data = planner.resolve_data(item)
-                if padded_value(data.getbuffer(), lengths[item.index]) is None:
-                    return None  # the value outgrew its slot
-                slots[item.index], values[item.index] = lengths[item.index], data
-        return FastPlan(planner, files, slots, values)
+        for _, items in layout.items:
+            for item in items:
+                if item.type == WriteItemType.BYTE_IO:
+                    data = planner.resolve_data(item)
+                    if padded_value(data.getbuffer(), lengths[item.index]) is None:
+                        return None  # the value outgrew its slot
+                    slots[item.index], values[item.index] = lengths[item.index], data
+        return FastPlan(planner, layout.items, slots, values)
 
     # ------------------------------------------------------------ collectives
 
@@ -591,13 +604,16 @@ class FixedLayouts:
 
         self._full_saves += 1
         self.resumed = None
+        keys = layout_keys(planner._values, self.world_size, self.rank, threads)
         written = writer.written
+        by_index = {i.index: i for i in create_default_local_save_plan(planner.state_dict, planner.is_coordinator).items}
         self.layout = RankLayout(
             generation=self._full_saves,
-            structure=structure_of(planner._values, self.world_size, self.rank, threads),
-            local_items=create_default_local_save_plan(planner.state_dict, planner.is_coordinator).items,
+            keys=keys,
             files=[(name, written[name]) for name in written],
+            items=[(name, [by_index[index] for index, _, _ in written[name]]) for name in written],
             metadata=writer.metadata_bytes if self.rank == 0 else None,
+            meshes=_meshes(planner._values),
         )
 
     def adopt_later(self, md_bytes: bytes, checksum: str) -> None:
@@ -615,6 +631,7 @@ class FixedLayouts:
         assert self.resumed is not None
         (md_bytes, checksum), self.resumed = self.resumed, None
         local = create_default_local_save_plan(planner.state_dict, planner.is_coordinator).items
+        keys = layout_keys(planner._values, self.world_size, self.rank, threads)
         try:
             md = safe_load_metadata(md_bytes, ".metadata")  # (checked at the resume)
             files = _files_of(md, local, self.rank, self.world_size, threads)
@@ -624,12 +641,14 @@ class FixedLayouts:
         if self._max([1 if files is None else 0], group)[0]:
             return
         assert files is not None
+        by_index = {i.index: i for i in local}
         self.layout = RankLayout(
             generation=(1 << 40) + int(checksum[:8], 16),  # the same checkpoint on every process
-            structure=structure_of(planner._values, self.world_size, self.rank, threads),
-            local_items=list(local),
+            keys=keys,
             files=files,
+            items=[(name, [by_index[index] for index, _, _ in written]) for name, written in files],
             metadata=md_bytes if self.rank == 0 else None,
+            meshes=_meshes(planner._values),
         )
 
 

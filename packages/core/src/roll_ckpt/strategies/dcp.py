@@ -255,14 +255,14 @@ class DCPStrategy(Strategy):
         layouts = self.layouts
         if layouts.layout is None and layouts.resumed is None:  # then on no process: DCP's protocol
             return None
-        planner = ReusingSavePlanner(self._write_items.setdefault(False, {}))
-        planner.set_up_planner(sd, None, self.is_coordinator)
         if layouts.layout is None:  # the first save after a resume: the checkpoint's layout, if it fits
+            planner = ReusingSavePlanner(self._write_items.setdefault(False, {}))
+            planner.set_up_planner(sd, None, self.is_coordinator)
             layouts.adopt(planner, threads, self.process_group)
             if layouts.layout is None:
                 return None
         try:
-            fast = layouts.prepare(planner, threads, gate)
+            fast = layouts.prepare(sd, threads, gate, self.is_coordinator)
         except Exception:  # a state this rank cannot lay out as before: DCP's full path, on every rank
             fast = None
         if not layouts.agree(fast, self.process_group):
