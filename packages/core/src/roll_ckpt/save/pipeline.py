@@ -105,10 +105,8 @@ class SaveStats:
         return self.bytes - self.bytes_taken_over
 
 
-def saved_state(state: Mapping[str, Any], hf: "HFPart | None", only_model: bool) -> Mapping[str, Any]:
-    """What a save writes of ``state``: all of it, or with ``save_only_model`` the module alone."""
-    if not only_model:
-        return state
+def model_only(state: Mapping[str, Any], hf: "HFPart | None") -> Mapping[str, Any]:
+    """What a save writes of ``state`` with ``save_only_model``: the module alone."""
     import torch
 
     key = hf.config.key if hf is not None else "model"
@@ -291,7 +289,7 @@ class Committer:
         pending.commit(manifest.to_bytes())
         self.announce(ctx.path, manifest, setup.component)
         step_path = layout.parent(ctx.path) if setup.component else ctx.path
-        if self.commit_step(run, step_path, ctx.step):  # the whole checkpoint, or the last part of the step
+        if not setup.component or self.commit_step(run, step_path, ctx.step):  # the checkpoint, or the step's last part
             self.after_commit(run, step_path, ctx.step)
         total, taken = sum(e.size for e in files.values()), sum(e.size for e in files.values() if e.taken_over)
         if taken:
@@ -498,7 +496,7 @@ class SavePipeline:
         try:
             self.setup.plugins.hook.roll_ckpt_save(save=ctx)
             with CollectorPause(config.checkpoint_config.pause_gc):  # (the loop waits for this part)
-                sd = strategy.state_dict(saved_state(state, self.hf, sc.save_only_model))
+                sd = strategy.state_dict(model_only(state, self.hf) if sc.save_only_model else state)
                 refusal = self._check_space(run, sd, ctx, user) if strategy.is_coordinator else None
                 if refusal is not None:  # refused before anything is staged or written
                     raise refusal
@@ -587,8 +585,10 @@ class SavePipeline:
                           total_s=total_s, bytes=attempt.total, bytes_copied=ctx.bytes_copied,
                           bytes_allocated=ctx.bytes_allocated,
                           policies=dict(Counter(ctx.staging.values())),
-                          network=_since(read_counts(storage), attempt.counts), bytes_taken_over=attempt.taken)
-        report_save(f"checkpoint-{ctx.step}", strategy.rank, stats.network)
+                          network=None if attempt.counts is None else _since(storage, attempt.counts),
+                          bytes_taken_over=attempt.taken)
+        if stats.network is not None:
+            report_save(f"checkpoint-{ctx.step}", strategy.rank, stats.network)
         self.last_save = stats
         return stats
 
@@ -647,8 +647,8 @@ class SavePipeline:
                 raise
             if not attempt.committed and (attempt.begun or strategy.is_coordinator):
                 self.leftovers.discard(attempt.pending, attempt.begun)
-            report_save(f"checkpoint-{ctx.step}", strategy.rank, _since(read_counts(storage), attempt.counts),
-                        failed=True)
+            if attempt.counts is not None:
+                report_save(f"checkpoint-{ctx.step}", strategy.rank, _since(storage, attempt.counts), failed=True)
             translated = save_error(exc, ctx.step, storage.url, ctx.world_size)
             if translated is exc:
                 raise
@@ -720,5 +720,8 @@ def _blocked_s(ctx: SaveContext, total_s: float) -> float:
     return ctx.blocked_s
 
 
-def _since(now: NetworkCounts | None, before: NetworkCounts | None) -> NetworkCounts | None:
-    return None if now is None or before is None else now.since(before)
+def _since(storage: Storage, before: NetworkCounts) -> NetworkCounts | None:
+    """The storage's network counts since ``before`` (a storage that keeps none, whose
+    ``before`` is ``None``, is not asked again)."""
+    now = read_counts(storage)
+    return None if now is None else now.since(before)

@@ -222,21 +222,19 @@ class DCPStrategy(Strategy):
         # the collector is held off while DCP plans, gathers and writes .metadata; the
         # writer lets go of it while it writes the data (roll_ckpt.runtime.collector)
         pause = CollectorPause(self.config.checkpoint_config.pause_gc)
-
-        def new_writer() -> DigestingWriter:
-            return DigestingWriter(storage, dcp_path, thread_count=threads, on_bytes=on_bytes, gate=gate, pause=pause,
-                                   **self.increments.writer_options(storage, alone, gate))
-
+        options = {"thread_count": threads, "on_bytes": on_bytes, "gate": gate, "pause": pause}
         step = getattr(save, "step", None)
         with warnings.catch_warnings(), pause, self.bounded(
                 "save: writing", step, after=f"Nothing of checkpoint-{step} was committed; earlier ones are intact."):
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            writer = new_writer()
+            # (the increments' options anew for each writer: what one takes over is its own)
+            writer = DigestingWriter(storage, dcp_path, **options, **self.increments.writer_options(storage, alone, gate))
             if not alone:  # a save of the last full save's structure: a fixed-size message per process
                 digests = self._write_fixed(sd, writer, threads, gate)
                 if digests is not None:
                     return self.increments.wrote(storage, writer, digests)
-                tried, writer = writer, new_writer()
+                tried = writer
+                writer = DigestingWriter(storage, dcp_path, **options, **self.increments.writer_options(storage, False, gate))
                 for name in tried.take.taken if tried.take else ():  # a link is never written through
                     storage.remove(storage.join(dcp_path, name))
             planner = ReusingSavePlanner(self._write_items.setdefault(alone, {}))
