@@ -86,18 +86,24 @@ def test_the_paths_are_measured(paths: dict[str, Any]) -> None:
     assert any(m.endswith("dcp/writer.py") for m in paths["save"]["by_module"])
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="issue 37 open: the save path runs 25 modules and 191 functions of roll-ckpt, the resume "
-                          "32 modules and 171 functions (Python 3.11, torch 2.13); the redesign brings each under "
-                          f"{MAX_MODULES} modules and {MAX_FUNCTIONS} functions")
 @pytest.mark.timeout(CHILD_TIMEOUT_S + 30)
-def test_save_and_resume_run_at_most_20_modules_and_120_functions(paths: dict[str, Any]) -> None:
+def test_save_and_resume_run_at_most_20_modules(paths: dict[str, Any]) -> None:
     """Issue 37: one steady-state asynchronous save, and one resume, each run at most 20
-    modules and 120 functions of the product (torch_checkpointing: 70 functions in 10 modules
-    per async save, 64-81 in 16-17 per load)."""
-    over = [f"{p}: {paths[p]['modules']} modules, {paths[p]['functions']} functions" for p in ("save", "resume")
-            if paths[p]["modules"] > MAX_MODULES or paths[p]["functions"] > MAX_FUNCTIONS]
-    assert not over, f"above {MAX_MODULES} modules / {MAX_FUNCTIONS} functions: {'; '.join(over)}"
+    modules of the product (torch_checkpointing: 10 per async save, 16-17 per load)."""
+    over = [f"{p}: {paths[p]['modules']} modules" for p in ("save", "resume") if paths[p]["modules"] > MAX_MODULES]
+    assert not over, f"above {MAX_MODULES} modules: {'; '.join(over)}\n" + _report(paths)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="issue 37 open: the save path runs 167 functions of roll-ckpt, the resume 154 (Python "
+                          f"3.11, torch 2.13); the redesign brings each under {MAX_FUNCTIONS}")
+@pytest.mark.timeout(CHILD_TIMEOUT_S + 30)
+def test_save_and_resume_run_at_most_120_functions(paths: dict[str, Any]) -> None:
+    """Issue 37: one steady-state asynchronous save, and one resume, each run at most 120
+    functions of the product (torch_checkpointing: 70 per async save, 64-81 per load)."""
+    over = [f"{p}: {paths[p]['functions']} functions" for p in ("save", "resume")
+            if paths[p]["functions"] > MAX_FUNCTIONS]
+    assert not over, f"above {MAX_FUNCTIONS} functions: {'; '.join(over)}"
 
 
 def long_functions() -> list[str]:
