@@ -240,3 +240,35 @@ def test_a_path_the_user_names_goes_first_to_the_formats_whose_folders_are_named
     other = tmp_path / "elsewhere"
     folder.rename(other)
     assert recognize(storage, str(other), p.formats(), any_name=True).format == "toy"  # no name matches: in order
+
+
+class CountingToy(ToyPlugin):
+    """The toy format, counting how often its records are asked for."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    @hookimpl
+    def roll_ckpt_formats(self) -> list[FormatRecord]:
+        self.asked += 1
+        return super().roll_ckpt_formats()
+
+
+def test_a_resume_among_roll_ckpt_checkpoints_asks_no_format_plugin(tmp_path: Path) -> None:
+    """``latest`` asks the format plugins only about a folder that is neither a committed
+    roll-ckpt checkpoint nor hidden (a temporary folder, a marker); a folder with another
+    name (``logs/``: it might be another framework's checkpoint) makes it ask."""
+    saved = _saved(tmp_path, 10)
+    (saved.parent / ".tmp-checkpoint-11-0123456789ab").mkdir()  # a save a crash left
+    counting = CountingToy()
+    plugins = Plugins()
+    plugins.register(counting, "toy", "toy-dist")
+    with _manager(tmp_path, plugins) as m:
+        assert m.resume(tiny_state(seed=3)) == 10
+    assert counting.asked == 0
+    (saved.parent / "logs").mkdir()
+    plugins = Plugins()
+    plugins.register(counting, "toy", "toy-dist")
+    with _manager(tmp_path, plugins) as m:
+        assert m.resume(tiny_state(seed=3)) == 10
+    assert counting.asked == 1

@@ -330,7 +330,8 @@ def run_component(spec: dict[str, Any]) -> int:
 
     plugins = get_plugins()
     events = f"components-test-events-{os.getpid()}"
-    plugins.register(_Events(fd), events)
+    hooks = _Events(fd)
+    plugins.register(hooks, events)
     manager = CheckpointManager(_config(spec, component), component=component, plugins=plugins, quiet=True)
     kill = spec.get("kill")
     if kill and int(kill.get("rank", 0)) == rank and kill.get("at", "write") == "write":
@@ -354,7 +355,7 @@ def run_component(spec: dict[str, Any]) -> int:
         json.dump({"component": component, "rank": rank, "start": start, "losses": losses,
                    "final": digests}, f)
     emit(fd, "done")
-    plugins.pm.unregister(name=events)  # the fork server's own runs leave nothing to its children
+    plugins.unregister(hooks)  # the fork server's own runs leave nothing to its children
     os.close(fd)
     if component == "actor_train":
         import torch.distributed as dist

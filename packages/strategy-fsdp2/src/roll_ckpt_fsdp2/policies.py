@@ -28,7 +28,8 @@ __all__ = ["ZeroCopy", "LocalDedup"]
 
 class _FromStore:
     """A policy for tensors the offload store holds: it claims nothing in a save while the
-    state is not offloaded, so it is not asked for each tensor then."""
+    state is not offloaded, so it is not asked for each tensor then (``claims`` is asked only
+    where ``active`` is true: the strategy has a store)."""
 
     def active(self, save: SaveContext) -> bool:
         store = getattr(save.strategy, "store", None)

@@ -453,8 +453,8 @@ def layout_keys(values: dict[str, Any], world_size: int, rank: int, threads: int
     weight's local shard), by the items DCP makes of it."""
     out: list[Any] = [world_size, rank, threads]
     for fqn, obj in values.items():
-        if not isinstance(obj, torch.Tensor):
-            out.append(fqn)
+        if not isinstance(obj, torch.Tensor):  # a byte value: one item, but an object may make its own
+            out.append(tuple(create_write_items(fqn, obj)) if hasattr(obj, "__create_write_items__") else fqn)
             continue
         key = _items_key(fqn, obj)
         if key is None:

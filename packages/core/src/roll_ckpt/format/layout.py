@@ -25,8 +25,9 @@ Nothing here reads tensor data or unpickles anything: a format's ``recognize`` l
 names, sizes and small JSON files; what it finds wrong is in ``problems``.
 
 The formats come as a function (``Plugins.formats``) that is called only for a folder that is
-not a committed roll-ckpt checkpoint: a resume from roll-ckpt's own checkpoints imports and
-asks no format plugin.
+neither a committed roll-ckpt checkpoint nor a hidden one (temporary folders, markers): a
+resume from an ``output_dir`` that holds only roll-ckpt's checkpoints asks no format plugin
+(a ``logs/`` folder beside them does: its name might be another framework's checkpoint's).
 
 **A step not committed, part by part** (:func:`parts_status`): which parts of a step made of
 components (:mod:`roll_ckpt.format.components`) are committed, unfinished or missing.
@@ -244,6 +245,8 @@ def _step_of(name: str, formats: Formats) -> int | None:
     m = CKPT_RE.match(name)  # roll-ckpt's own name: no format asked
     if m:
         return int(m.group(1))
+    if name.startswith("."):  # a temporary folder or a marker: nobody's checkpoint
+        return None
     for pattern in [*(r.folder_pattern for r in formats().values()), LOOKS_LIKE.pattern]:
         m = re.match(pattern, name)
         if m:
