@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import importcost, run
+from bench import importcost, peers, run
 from helpers.launch import REPO, TESTS, run_python
 
 pytestmark = pytest.mark.timeout(300)  # shared 2-core machines: the smoke run took 200 s under load 13
@@ -80,11 +80,15 @@ def test_smoke_run_writes_the_report(tmp_path: Path) -> None:
 
     # T6: the training loop, every method, with and without a save
     loop = res["loop"]["methods"]
-    assert set(loop) | set(lacking) == {"dcp_thread", "dcp_process", "rc_regular", "rc_zc", "rc_zc_nice0"} | set(lacking)
+    # torch-checkpointing's async save joins the loop where it is installed (the torchtitan leg)
+    peer = set() if peers.PEERS["tc"]().why_not() else {"tc_async"}
+    expected = {"dcp_thread", "dcp_process", "rc_regular", "rc_zc", "rc_zc_nice0"} | peer
+    assert set(loop) | set(lacking) == expected | set(lacking)
     assert set(loop).isdisjoint(lacking)
     for name, r in loop.items():
         assert r["durable_s"] > 0 and r["without_s"] > 0 and r["lost_s"] is not None, name
-        assert r["cpu_s_per_gb"] is not None and r["cpu_s_per_gb"] > 0, name  # T6: the save path's CPU
+        if name != "tc_async":  # (measured beside the loop only, not alone: bench/loop.py)
+            assert r["cpu_s_per_gb"] is not None and r["cpu_s_per_gb"] > 0, name  # T6: the save path's CPU
     assert set(res["targets"]["T6"]["cpu_s_per_gb"]) == set(loop)
     # T12-T14 come from bench.scale (its smoke run: simulated ranks, no real jobs)
     assert (out / "scale.json").exists() and (out / "scale.md").exists()
@@ -101,7 +105,7 @@ def test_smoke_run_writes_the_report(tmp_path: Path) -> None:
     assert res["hash"]["file_hasher_gbps"] > 0
     # T10/T11: the Hugging Face Llama on FSDP2, every method
     tr = res["transformer"]
-    assert set(tr["methods"]) == {"dcp_save", "rc_sync", "dcp_thread", "rc_regular", "rc_zc"}
+    assert set(tr["methods"]) == {"dcp_save", "rc_sync", "dcp_thread", "rc_regular", "rc_zc"} | peer
     assert tr["tensors"] > 20 and tr["k"]["rc_sync"] == 0 and tr["k"]["rc_zc"] >= 1
     for name, r in tr["methods"].items():
         assert r["durable_s"] > 0 and r["us_per_tensor"] > 0 and r["lost_s"] is not None, name
