@@ -117,8 +117,11 @@ VALID = st.fixed_dictionaries({
          "output_dir": st.sampled_from(["./out/ckpt", "/tmp/roll-ckpt-fuzz", "memory://fuzz", "s3://bucket/run"])},
         optional={
             "timestamp_subdir": st.booleans(), "max_ckpt_to_keep": st.integers(0, 5),
+            # No "$": a random "${" is a bad interpolation, rejected by design (the one change
+            # below draws interpolations on purpose). The roll-2.8 leg's CI found this.
             "storage_options": st.dictionaries(st.sampled_from(["endpoint_url", "key", "anon"]),
-                                               st.one_of(st.text(max_size=8), st.booleans()), max_size=2),
+                                               st.one_of(st.text(alphabet=st.characters(blacklist_characters="$"),
+                                                                 max_size=8), st.booleans()), max_size=2),
             "components": st.lists(st.sampled_from(["actor", "critic", "pipeline"]), unique=True, max_size=3),
             "backup": st.fixed_dictionaries(
                 {"output_dir": st.sampled_from(["/tmp/roll-ckpt-backup", "memory://backup"])},
