@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ..errors import UnsafeCheckpointError
 from ..runtime import torch_compat
-from ..runtime.torch_compat import empty_state_dict_load_planner, local_load_plan, planner_set_value
+from ..runtime.torch_compat import empty_state_dict_load_planner, planner_set_value
 from .files import writable_view, tensor_frame
 from ..format.manifest import hash_chunk
 
@@ -542,13 +542,6 @@ def _load_bytes_safely(value: io.BytesIO, read_item: Any = None) -> Any:
 
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, but non-tensor values are read with ``weights_only=True``."""
-
-    reader: Any = None
-
-    def create_local_plan(self) -> Any:
-        if self.allow_partial_load:
-            return super().create_local_plan()
-        return local_load_plan(self.state_dict, self.metadata)  # each DTensor's chunk made once per shape
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         planner_set_value(self, read_item.dest_index.fqn, _load_bytes_safely(value, read_item))

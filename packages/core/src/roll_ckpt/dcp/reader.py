@@ -18,11 +18,21 @@ Instead:
    world size (at the same world size: the process that wrote it, which reads it next),
    and the job agrees that every check passed (one all-reduce: ``strategy.agree``)
    before any process reads a byte it did not check itself;
-3. each process plans and reads its own part (DCP with ``no_dist``: resharding needs only
-   the metadata), and the job agrees again that every process loaded.
+3. each process plans and reads its own part (resharding needs only the metadata), and
+   the job agrees again that every process loaded.
 
 An error on one process is raised on every process (the same type and message).
-:func:`read_dcp` is the read itself, for the job's folders and for a folder one process wrote.
+
+**The read program.** :func:`read_dcp` is the read itself, for the job's folders, for a
+folder one process wrote and for another framework's folder (``load_dcp``). It is DCP's load
+without DCP's protocol around it: every read of roll-ckpt is one process's own, so the
+planner's and reader's hooks through which DCP builds and scatters a job-wide plan
+(``prepare_local_plan``, ``prepare_global_plan``, ``finish_plan``, the plan's ``storage_data``)
+had nothing to do but carry which files were checked. The program uses DCP's
+``DefaultLoadPlanner`` to flatten the target and look each item up, plans the reads from the
+metadata (:func:`~roll_ckpt.runtime.torch_compat.local_load_plan`, DCP's own read items) and
+hands the plan to :meth:`SafeReader.load`. ``SafeReader`` stays a DCP ``StorageReader`` for
+the unchecked reads that go through ``dcp.load`` (the HF export).
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ import os
 import pickle
 import threading
 import torch
-import warnings
+from operator import itemgetter
 from typing import Any, Callable, Mapping
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
@@ -41,8 +51,8 @@ from ..runtime.collector import CollectorPause
 from ..contracts import Storage
 from .files import StorageFileSystem
 from ..format.manifest import hash_bytes, hash_stream
-from ..errors import CheckpointCorruptError, PartlyLoadedError, UnsafeCheckpointError, carried_roll_error
-from ..runtime.torch_compat import dcp_load, local_tensor, narrow_tensor_by_index, set_element, transform_descriptors
+from ..errors import CheckpointCorruptError, PartlyLoadedError, UnsafeCheckpointError
+from ..runtime.torch_compat import local_load_plan, local_tensor, set_element, transform_descriptors
 from .checked import (CHECK_STREAMS, MAX_PIECE, METADATA_NAME, SafeLoadPlanner, StreamedFile, Verified, load_tensor,
                       piece_pool, pickle_reason, read_hashed, safe_load_metadata, verify_budget)
 from ..format.manifest import content_fault
@@ -57,18 +67,15 @@ __all__ = ['SafeReader', 'read_dcp', 'job_metadata', 'assigned_files', 'writer_r
 _LOAD_THREADS = 4
 
 
-def _item_key(req: Any) -> Any:
-    return (req.dest_index, tuple(req.dest_offsets), req.storage_index, tuple(req.storage_offsets), tuple(req.lengths))
-
-
 class SafeReader(FileSystemReader):
     """DCP's standard reader on a backend: restricted ``.metadata`` unpickler, and, given
     the manifest's entries (``files``), every file checked before torch reads any of it.
 
-    With ``files``, each rank reads each file its load plan needs once from the disk,
-    hashing it in cache-sized pieces, in ``prepare_local_plan`` (started early by
-    :meth:`start_checks`): a mismatch on any rank fails the load on every rank before a
-    single tensor is written. The file stays open from the check to the load, which
+    With ``files``, every file a load reads is checked before any of it is read into a target
+    (:meth:`load`): each file once, read from the disk and hashed in cache-sized pieces (started
+    early by :meth:`start_checks`); in a job's load each process checks the files assigned to
+    it and the job agrees on the result first (``checked``), so a mismatch on any rank fails
+    the load on every rank before a single tensor is written. The file stays open from the check to the load, which
     then reads each tensor's bytes from the page cache the check filled, with one
     ``pread`` straight into the target tensor (DCP's own reader allocates a tensor per
     item and copies it once more). Backends without file descriptors keep the checked
@@ -96,12 +103,10 @@ class SafeReader(FileSystemReader):
         self._failed: dict[str, BaseException] = {}
         self._keeps_files = True
         self._targets: dict[Any, torch.Tensor] = {}
-        self.planner: Any = None
-        """The load planner (set by ``DCPStrategy``): targets are looked up while files are checked."""
         self._metadata: Metadata | None = None
-        self.job_checked = False
-        """Every file was checked before the load by the process it is assigned to, and the
-        job agreed on it (:mod:`roll_ckpt.dcp.reader`): the plans need not carry it."""
+        self.checked = False
+        """Every file a load reads was checked: by the process it is assigned to, the job
+        agreeing on it (:mod:`roll_ckpt.dcp.reader`), or by this reader's :meth:`load`."""
         self._stream = stream
         self._pool: Any = None
         self._pool_lock = threading.Lock()
@@ -194,7 +199,7 @@ class SafeReader(FileSystemReader):
     def start_checks(self, names: list[str]) -> None:
         """Start reading and checking ``names`` (the files this process will most likely
         load) in the background, so the disk works while the load is being planned.
-        ``prepare_local_plan`` waits for the ones its plan needs; it checks others itself."""
+        :meth:`check_files` waits for the ones it is given; it checks others itself."""
         names = [n for n in names if self._files is not None and n in self._files and not self._streams(n)]
         if not names or self._early_thread is not None:
             return
@@ -206,7 +211,7 @@ class SafeReader(FileSystemReader):
             for name in mine:
                 try:
                     self._early[name] = (self._read_verified(name, keep), None)
-                except BaseException as exc:  # raised again by prepare_local_plan, on every rank
+                except BaseException as exc:  # raised again by check_files (then on every rank)
                     self._early[name] = (None, exc)
                 done[name].set()
 
@@ -232,31 +237,32 @@ class SafeReader(FileSystemReader):
                 t.join()
         return out
 
-    def _resolve_targets(self, plan: Any) -> None:
+    def _resolve_targets(self, plan: Any, planner: Any) -> None:
         """Look up every tensor item's target now (no data is read or written). A whole local
         shard is what DCP's lookup would give, taken directly (its lookup goes through
         ``DTensor.to_local``'s autograd function); anything else through the planner."""
         from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
         from torch.distributed.checkpoint.planner import LoadItemType
 
-        planner, self._targets = self.planner, {}
-        if planner is None:
-            return
+        self._targets = {}
         flat = planner.state_dict if type(planner).resolve_tensor is DefaultLoadPlanner.resolve_tensor else {}
         try:
-            for req in plan.items:
+            for req in plan.items:  # (read items are frozen dataclasses: they key the targets)
                 if req.type == LoadItemType.BYTE_IO:
                     continue
                 t = local_tensor(flat.get(req.dest_index.fqn))
                 if type(t) is torch.Tensor and not any(req.dest_offsets) and tuple(req.lengths) == t.shape:
-                    self._targets[_item_key(req)] = t.detach() if t.requires_grad else t
+                    self._targets[req] = t.detach() if t.requires_grad else t
                 else:
-                    self._targets[_item_key(req)] = planner.resolve_tensor(req).detach()
+                    self._targets[req] = planner.resolve_tensor(req).detach()
         except Exception:  # a planner that resolves only while reading: do it then
             self._targets = {}
 
-    def _verify_plan(self, names: list[str]) -> None:
-        """Check every file in ``names`` not checked yet (or take its early check)."""
+    def check_files(self, names: list[str]) -> None:
+        """Check every file in ``names`` not checked yet (or take its early check), keeping
+        them open for the load; raises the first damage found. Files loaded streamed are
+        checked piece by piece as they load instead."""
+        names = [n for n in names if not self._streams(n)]
         for name, (data, error) in self._take_early(names).items():
             if data is not None:
                 self._verified.setdefault(name, data)
@@ -274,11 +280,21 @@ class SafeReader(FileSystemReader):
             else:
                 self._keeps_files = False  # too large to keep: DCP's reader reads them again
 
-    # ------------------------------------------------------------ DCP's StorageReader
+    # ------------------------------------------------------------ the read program's reader
 
-    def use_metadata(self, md: Metadata) -> None:
-        """Answer DCP with ``md`` (read and checked once for the job) instead of reading it."""
-        self._metadata = md
+    def load(self, plan: Any, planner: Any) -> None:
+        """Read ``plan`` (DCP's read items, made by :func:`read_dcp`) into the targets of
+        ``planner``. With ``files``, every file the plan reads is checked first, unless the
+        job checked them all (``checked``): a load of this process alone checks them here,
+        looking the targets up while its early checks read the disk."""
+        if self._files is not None:
+            self._resolve_targets(plan, planner)
+            if not self.checked:
+                self.check_files(sorted({self.storage_data[i.storage_index].relative_path for i in plan.items}))
+                self.checked = True
+        self.read_data(plan, planner)
+
+    # ------------------------------------------------------------ DCP's StorageReader
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """``.metadata``, read, checked and unpickled once (DCP asks again for every load)."""
@@ -298,61 +314,11 @@ class SafeReader(FileSystemReader):
         md.storage_meta.load_id = self.load_id
         return md
 
-    def _plan_bytes(self, plan: Any) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for item in plan.items:
-            info = self.storage_data[item.storage_index]
-            out[info.relative_path] = out.get(info.relative_path, 0) + info.length
-        return out
-
-    def prepare_local_plan(self, plan: Any) -> Any:
-        # Each file is checked by one process: one that reads at least half of it (its
-        # writer, at the same world size). Others may read a few items of it (DCP puts a
-        # value every rank holds, like AdamW's step, in one rank's file) and rely on that
-        # check, announced through the global plan, instead of reading all of it again.
-        import dataclasses
-
-        plan = super().prepare_local_plan(plan)
-        if self._files is None:
-            return plan
-        if self.job_checked:
-            self._resolve_targets(plan)
-            return dataclasses.replace(plan, storage_data={"roll_ckpt_checked": sorted(self._files)})
-        reads = self._plan_bytes(plan)
-        streamed = sorted(n for n in reads if self._streams(n))  # checked piece by piece as they load
-        mine = sorted(n for n, b in reads.items() if 2 * b >= self._expected(n).size and n not in streamed)
-        self._resolve_targets(plan)  # while the early checks read the disk
-        # the files this plan reads that are being checked early: wait for those only
-        self._verify_plan(sorted(set(mine) | {n for n in reads if n in self._early_done}))
-        for name in sorted(reads):
-            if name in self._failed:  # an early check found it damaged
-                raise self._failed[name]
-        return dataclasses.replace(plan, storage_data={"roll_ckpt_checked": sorted(set(self._verified) | set(streamed))})
-
-    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
-        import dataclasses
-
-        plans = super().prepare_global_plan(plans)
-        if self._files is None or self.job_checked:
-            return plans
-        checked = {n for p in plans for n in ((p.storage_data or {}).get("roll_ckpt_checked") or ())}
-        needed = {n for p in plans for n in self._plan_bytes(p)}
-        # files no process reads much of: the coordinator checks them, before anyone reads
-        self._verify_plan(sorted(n for n in needed - checked if not self._streams(n)))
-        checked |= needed
-        return [dataclasses.replace(p, storage_data={"roll_ckpt_checked": sorted(checked)}) for p in plans]
-
-    def check_files(self, names: list[str]) -> None:
-        """Check ``names`` now (those a job-wide load assigned to this process), keeping
-        them open for the load; raises the first damage found."""
-        names = [n for n in names if not self._streams(n)]
-        self.start_checks(names)
-        self._verify_plan(names)
-
-    def _checked_elsewhere(self, name: str, plan: Any) -> Verified | None:
-        """A file another process checked for this load, opened to read a few items of it
-        (``None``: let DCP's reader read just those items, e.g. from an object store)."""
-        if name not in ((plan.storage_data or {}).get("roll_ckpt_checked") or ()):
+    def _checked_file(self, name: str) -> Verified | None:
+        """A file checked for this load but not kept open by this process (another process
+        checked it, or it reads a few items of it), opened to read its items (``None``: let
+        DCP's reader read just those items, e.g. from an object store)."""
+        if not self.checked:
             raise self._fault(name, "read before its checksum was checked")
         f = self._storage.open_read(self._storage.join(self.path, name))
         try:
@@ -408,14 +374,17 @@ class SafeReader(FileSystemReader):
         # the checked files stay open until release(): a load may take two passes
         per_file: dict[str, list[Any]] = {}
         for item in plan.items:
-            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+            info = self.storage_data[item.storage_index]
+            per_file.setdefault(info.relative_path, []).append((info.offset, item))
+        per_file = {name: [req for _, req in sorted(reqs, key=itemgetter(0))]  # in file order: the pages
+                    for name, reqs in per_file.items()}                        # are touched sequentially
         direct = []
         for name, reqs in per_file.items():
             data = self._verified.get(name)
             if data is None and self._streams(name):
                 data = self._open_streamed(name)
             if data is None and self._expected(name).size and self._keeps_files:
-                data = self._checked_elsewhere(name, plan)
+                data = self._checked_file(name)
             if data is None or any(transform_descriptors(self.storage_data[r.storage_index]) for r in reqs):
                 if isinstance(data, StreamedFile):  # DCP decodes it itself: check the whole file first
                     self._read_verified(name, False)
@@ -442,25 +411,25 @@ class SafeReader(FileSystemReader):
         return fut
 
     def _load_items(self, data: Verified | StreamedFile, reqs: list[Any], planner: Any) -> None:
-        """Load ``reqs`` of one checked file into their targets, in file order (the pages are
-        touched sequentially)."""
+        """Load ``reqs`` of one checked file, in file order, into their targets."""
         from torch.distributed.checkpoint.planner import LoadItemType
 
         release = getattr(data, "release_before", None)
-        for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
+        for req in reqs:
             info = self.storage_data[req.storage_index]
             if release is not None:
                 release(info.offset)
             if req.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(req, io.BytesIO(data.bytes(info.offset, info.length)))
                 continue
-            target = self._targets.pop(_item_key(req), None)
+            target = self._targets.pop(req, None)
             if target is None:
                 target = planner.resolve_tensor(req).detach()
             whole = not any(req.storage_offsets) and tuple(req.lengths) == tuple(target.shape)
-            tensor = narrow_tensor_by_index(
-                load_tensor(data, info.offset, info.length, target if whole else None),
-                req.storage_offsets, req.lengths)
+            tensor = load_tensor(data, info.offset, info.length, target if whole else None)
+            for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths)):
+                if start or length != tensor.size(dim):  # the part of a saved chunk this item asks for
+                    tensor = tensor.narrow(dim, start, length)
             if target.size() != tensor.size():
                 raise AssertionError(f"req {req.storage_index} mismatch sizes {target.size()} vs {tensor.size()}")
             if tensor.data_ptr() != target.data_ptr() or tensor.dtype != target.dtype \
@@ -503,25 +472,15 @@ def job_metadata(strategy: Any, storage: Any, dcp_path: str, files: Mapping[str,
         return safe_load_metadata(data, path), data
 
 
-def read_dcp(target: dict[str, Any], reader: Any, dcp_path: str, **group: Any) -> None:
-    """``dcp_path`` read into ``target`` through ``reader`` (a :class:`~roll_ckpt.dcp.reader.SafeReader`)
-    and a :class:`~roll_ckpt.dcp.checked.SafeLoadPlanner`; ``group``: DCP's ``process_group``
-    and ``no_dist``. An error of roll-ckpt's that DCP wrapped is raised as itself."""
-    reader.reset(dcp_path)
+def read_dcp(target: dict[str, Any], reader: Any, md: Any) -> None:
+    """The read program: ``target`` loaded in place from ``reader``'s folder (a
+    :class:`~roll_ckpt.dcp.reader.SafeReader`), whose ``.metadata`` is ``md``: DCP's planner
+    flattens ``target`` (tensors, DTensors resharded, values in their slots), the reads are
+    planned from ``md`` alone, and the reader checks and reads them (the module docstring)."""
     planner = SafeLoadPlanner()
-    planner.reader = reader
-    reader.planner = planner
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        try:
-            dcp_load(target, storage_reader=reader, planner=planner, **group)
-        except BaseException as exc:  # DCP wraps every rank's error in a CheckpointException
-            found = carried_roll_error(exc)
-            if found is None:
-                raise
-            raise found from None
-        finally:  # no cycle: the metadata and plans they hold go with the load, not at a collection
-            planner.reader = reader.planner = None
+    planner.set_up_planner(target, md, True)
+    reader.storage_data = md.storage_data
+    reader.load(local_load_plan(planner.state_dict, md), planner)
 
 
 # ---- what a resume loads into: a checkpoint's top-level keys, and a structure rebuilt from .metadata

@@ -15,11 +15,10 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ..contracts import Storage
-from ..errors import carried_roll_error
-from ..dcp.checked import METADATA_NAME, SafeLoadPlanner, safe_load_metadata
+from ..dcp.checked import METADATA_NAME, safe_load_metadata
 from ..runtime.collector import CollectorPause
-from ..runtime.torch_compat import dcp_load, dcp_save, numpy_arrays_admitted
-from ..dcp.reader import SafeReader
+from ..runtime.torch_compat import dcp_save, numpy_arrays_admitted
+from ..dcp.reader import SafeReader, read_dcp
 
 __all__ = ["read_dcp_metadata", "dcp_folder_problems", "load_dcp", "write_dcp"]
 
@@ -73,19 +72,9 @@ def load_dcp(target: dict[str, Any], storage: Storage, dcp_path: str, *, numpy: 
     Keys of ``target`` missing from the folder raise, naming them.
     """
     reader = SafeReader(storage, dcp_path)
-    planner = SafeLoadPlanner()
-    planner.reader = reader
-    reader.planner = planner
     try:
-        with numpy_arrays_admitted() if numpy else contextlib.nullcontext(), CollectorPause(True), \
-                warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")  # no_dist: on purpose
-            dcp_load(target, storage_reader=reader, planner=planner, process_group=None, no_dist=True)
-    except BaseException as exc:  # DCP wraps every error in a CheckpointException (a BaseException)
-        found = carried_roll_error(exc)
-        if found is None or isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            raise
-        raise found from None
+        with numpy_arrays_admitted() if numpy else contextlib.nullcontext(), CollectorPause(True):
+            read_dcp(target, reader, reader.read_metadata())
     finally:
         reader.release()
 

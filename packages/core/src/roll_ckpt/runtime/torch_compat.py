@@ -24,8 +24,8 @@ from ..errors import TorchCompatError
 __all__ = ["TorchCompatError", "fsdp2_options", "gloo_averages", "local_tensor", "set_local_tensor", "rewrap_dtensor", "save_tensor_without_crc",
            "serializes_plainly", "create_write_items",
            "weights_only_load", "file_reader", "storage_info", "transform_descriptors", "dcp_format_version", "set_element", "get_element",
-           "dcp_save", "dcp_load", "load_state_dict_no_dist", "module_tensor_ids", "empty_state_dict_load_planner", "planner_set_value", "storage_prefix",
-           "narrow_tensor_by_index", "local_chunk", "loaded_in_place", "optimizer_loaded_in_place",
+           "dcp_save", "load_state_dict_no_dist", "module_tensor_ids", "empty_state_dict_load_planner", "planner_set_value", "storage_prefix",
+           "local_chunk", "loaded_in_place", "optimizer_loaded_in_place",
            "take_param_groups", "local_load_plan", "collective", "all_reduce_ints", "CHECKED_ON",
            "default_stager", "process_mode", "caching_save_planner", "without_collectives", "compare_save_plans", "storage_prefix_record",
            "set_plan_cache_key", "cached_local_plan", "forget_cached_plans", "numpy_arrays_admitted"]
@@ -500,31 +500,6 @@ def dcp_save(state_dict: dict, *, storage_writer: Any, planner: Any, process_gro
                             process_group=None, no_dist=True, planner=planner)
 
 
-def dcp_load(state_dict: dict, *, storage_reader: Any, planner: Any, process_group: Any, no_dist: bool) -> None:
-    """``dcp.load`` with its ``no_dist`` (torch 2.8-2.14); on torch 2.6, whose ``dcp.load`` has
-    none, a load of one process in a job with a default group goes through
-    ``state_dict_loader._load_state_dict`` (2.6-2.14), with ``Stateful`` values handled as
-    ``dcp.load`` handles them."""
-    import torch.distributed.checkpoint as dcp
-
-    if _takes("load", "no_dist"):
-        dcp.load(state_dict, storage_reader=storage_reader, planner=planner, process_group=process_group,
-                 no_dist=no_dist)
-        return
-    if not no_dist:
-        dcp.load(state_dict, storage_reader=storage_reader, planner=planner, process_group=process_group)
-        return
-    from torch.distributed.checkpoint.stateful import Stateful
-
-    loaded = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
-    load_state_dict_no_dist(loaded, storage_reader, planner)
-    for key, value in loaded.items():
-        if isinstance(state_dict[key], Stateful):
-            state_dict[key].load_state_dict(value)
-        else:
-            state_dict[key] = value
-
-
 def load_state_dict_no_dist(sd: dict, reader: Any, planner: Any) -> None:
     """DCP's load in one process without a process group, into ``sd`` as the planner
     builds it (``state_dict_loader._load_state_dict``, torch 2.6-2.14)."""
@@ -543,16 +518,6 @@ def empty_state_dict_load_planner() -> type:
     except ImportError as exc:
         raise _missing("torch.distributed.checkpoint.default_planner._EmptyStateDictLoadPlanner", exc) from None
     return _EmptyStateDictLoadPlanner
-
-
-def narrow_tensor_by_index(tensor: Any, offsets: Any, sizes: Any) -> Any:
-    """The part of ``tensor`` a DCP read item asks for (``_shard._utils.narrow_tensor_by_index``,
-    torch 2.6-2.14)."""
-    try:
-        from torch.distributed._shard._utils import narrow_tensor_by_index as narrow
-    except ImportError as exc:
-        raise _missing("torch.distributed._shard._utils.narrow_tensor_by_index", exc) from None
-    return narrow(tensor, offsets, sizes)
 
 
 # --------------------------------------------------------------------------- DCP's newer options

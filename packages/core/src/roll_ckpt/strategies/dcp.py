@@ -313,8 +313,9 @@ class DCPStrategy(Strategy):
                     if files:
                         reader.start_checks(sorted(n for n in files if n.startswith(f"__{self.rank}_")
                                                    and n.endswith(".distcp")))
-                    target, src = self.load_targets(state, reader.read_metadata(), dcp_path)
-                    read_dcp(target, reader, dcp_path, **self._dcp_group(True))
+                    md = reader.read_metadata()
+                    target, src = self.load_targets(state, md, dcp_path)
+                    read_dcp(target, reader, md)
                     self.hand_over(state, target, src)
                     return
                 self._load_job(state, reader, storage, dcp_path, files, checkpoint or dcp_path, step)
@@ -328,7 +329,6 @@ class DCPStrategy(Strategy):
         one process before any process reads it; an error anywhere is raised everywhere."""
         md, md_bytes = job_metadata(self, storage, dcp_path, files, checkpoint,
                                     self.config.checkpoint_config.pause_gc)
-        reader.use_metadata(md)
         error: BaseException | None = None
         try:
             mine = assigned_files(files, self.rank, self.world_size) if files else []
@@ -337,15 +337,13 @@ class DCPStrategy(Strategy):
             target, src = self.load_targets(state, md, dcp_path)
             if files:
                 reader.check_files(mine)
-                reader.job_checked = True
+                reader.checked = True
         except Exception as exc:
             error = exc
         self.agree(error, "resume: checking the files", step)  # every check passed before any read
         try:
-            read_dcp(target, reader, dcp_path, **self._dcp_group(True))
-        except BaseException as exc:  # DCP's CheckpointException is a BaseException
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                raise
+            read_dcp(target, reader, md)
+        except Exception as exc:
             error = exc
         self.agree(error, "resume: loading", step)
         try:
