@@ -272,3 +272,25 @@ def test_a_resume_among_roll_ckpt_checkpoints_asks_no_format_plugin(tmp_path: Pa
     with _manager(tmp_path, plugins) as m:
         assert m.resume(tiny_state(seed=3)) == 10
     assert counting.asked == 1
+
+
+def test_the_survey_orders_runs_by_time_then_attempt_and_steps_as_numbers(tmp_path: Path) -> None:
+    """``survey`` lists the folders under ``output_dir`` oldest first: those directly under it,
+    then each run folder by its timestamp and its suffix as a number (``-5`` before ``-123``,
+    which a sort by name would invert), each run's steps as numbers (9 before 10). An owner
+    marker marks its own folder only, not one whose name it starts with."""
+    from roll_ckpt.format.layout import MARKER_PREFIX, survey
+    from roll_ckpt_fs import LocalStorage
+
+    for folder in ["checkpoint-3", "20260101-000000-123/checkpoint-1", "20260101-000000-5/checkpoint-10",
+                   "20260101-000000-5/checkpoint-9", "20251231-235959/checkpoint-2"]:
+        (tmp_path / folder).mkdir(parents=True)
+    (tmp_path / "20260101-000000-5" / f"{MARKER_PREFIX}checkpoint-1-owner").write_text("{}")
+    found = survey(LocalStorage(str(tmp_path)), str(tmp_path), dict)
+    assert [(f.run, f.step) for f in found] == [
+        ("", 3), ("20251231-235959", 2), ("20260101-000000-5", 9), ("20260101-000000-5", 10),
+        ("20260101-000000-123", 1)]
+    assert not any("in progress" in f.reason for f in found), [f.reason for f in found]
+    (tmp_path / "20260101-000000-5" / f"{MARKER_PREFIX}checkpoint-9-owner").write_text("{}")
+    found = survey(LocalStorage(str(tmp_path)), str(tmp_path), dict)
+    assert ["in progress" in f.reason for f in found] == [False, False, True, False, False]

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import re
+from operator import attrgetter
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Callable, Iterable, Mapping
@@ -316,16 +317,18 @@ def survey(storage: Storage, root: str, formats: Formats,
     components = tuple(components or ())
     out: list[Found] = []
     top = storage.list(root)
-    runs = [(e.name, storage.list(e.path)) for e in top if e.is_dir and RUN_RE.match(e.name)]
-    for run, entries in [("", top), *runs]:
-        names = [e.name for e in entries]
+    runs = sorted((run_key(e.name), e.name, storage.list(e.path))
+                  for e in top if e.is_dir and RUN_RE.match(e.name))
+    for _, run, entries in [(None, "", top), *runs]:  # the folders directly under root: the oldest run
+        markers = [e.name for e in entries if e.name.startswith(MARKER_PREFIX)]  # (usually none)
+        found: list[Found] = []
         for e in entries:
             if not e.is_dir or (not run and RUN_RE.match(e.name)):  # (a run folder: its entries are)
                 continue
             step = _step_of(e.name, formats)
             if step is not None:
-                out.append(_judge(storage, e.path, step, run, formats, components, _marked(names, e.name)))
-    out.sort(key=lambda f: f.order)
+                found.append(_judge(storage, e.path, step, run, formats, components, _marked(markers, e.name)))
+        out += sorted(found, key=attrgetter("step"))
     return out
 
 

@@ -232,7 +232,11 @@ class Resumer:
         data_dir = f"{strategy.data_dir}/"
         with self.setup.progress("verify", strategy) as progress:
             manifest = verify(storage, part, on_bytes=progress, defer=lambda name: name.startswith(data_dir)).manifest
-        _check_written_by(manifest, part, strategy)
+        if not any(name.startswith(data_dir) for name in manifest.files):
+            raise RollCkptError(
+                f"{part} was written by the '{manifest.extra.get('strategy')}' strategy and holds no "
+                f"'{data_dir}' folder, which the '{strategy.name}' strategy chosen for this state "
+                "loads; resume it with the same kind of state it was saved from")
         return part, manifest
 
     def _resume_from(self, run: Run, strategy: Strategy, state: MutableMapping[str, Any], storage: Storage,
@@ -342,14 +346,6 @@ class Resumer:
             raise RollCkptError(f"{path} was saved without components; resume it with a manager created "
                                 "without component=")
         return open_part(storage, path, top, component)
-
-
-def _check_written_by(manifest: Manifest, path: str, strategy: Strategy) -> None:
-    if not any(name.startswith(f"{strategy.data_dir}/") for name in manifest.files):
-        raise RollCkptError(
-            f"{path} was written by the '{manifest.extra.get('strategy')}' strategy and holds no "
-            f"'{strategy.data_dir}/' folder, which the '{strategy.name}' strategy chosen for this state "
-            "loads; resume it with the same kind of state it was saved from")
 
 
 def only_model(state: MutableMapping[str, Any], manifest: Manifest, path: str) -> MutableMapping[str, Any]:
