@@ -242,23 +242,23 @@ class Resumer:
     def _resume_from(self, run: Run, strategy: Strategy, state: MutableMapping[str, Any], storage: Storage,
                      path: str) -> int:
         """Verify the checkpoint at ``path`` (of ``storage``), load it into ``state``; return its step."""
-        foreign = decide(strategy, functools.partial(self._foreign_part, storage, path),
-                         where=f"cannot resume from {path}", phase="resume: verifying",
-                         step=layout.parse_step(layout.basename(path)))
-        if foreign is not None:
-            return self._resume_foreign(strategy, state, storage, *foreign)
-
-        def check() -> tuple[str, Manifest, bytes]:
+        def check() -> tuple[Any, Manifest | None, bytes]:
+            foreign = self._foreign_part(storage, path)
+            if foreign is not None:
+                return foreign, None, b""
             if storage is run.storage:  # another launch's retention must leave it alone meanwhile
                 self.holds.hold(run, path)
             part, manifest = self._verify_part(storage, path, strategy)
             with storage.open_read(storage.join(part, TRAINER_STATE)) as f:
                 return part, manifest, f.read()
 
-        # The coordinator alone reads the manifest and the trainer state (the manifest grows
-        # with the job: read by every rank, its bytes would grow with the square of it).
-        part, manifest, trainer_bytes = decide(strategy, check, where=f"cannot verify {path}", phase="resume: verifying",
-                                               step=layout.parse_step(layout.basename(path)))
+        # The coordinator alone tells what the folder is, reads the manifest and the trainer
+        # state, in one decision (the manifest grows with the job: read by every rank, its
+        # bytes would grow with the square of it).
+        part, manifest, trainer_bytes = decide(strategy, check, where=f"cannot resume from {path}",
+                                               phase="resume: verifying", step=layout.parse_step(layout.basename(path)))
+        if manifest is None:  # another framework's checkpoint: (its folder, component)
+            return self._resume_foreign(strategy, state, storage, *part)
         data_dir = strategy.data_dir
         files = {name[len(data_dir) + 1:]: entry for name, entry in manifest.files.items()
                  if name.startswith(f"{data_dir}/")}
