@@ -173,10 +173,6 @@ class RegularCopy:
         return arenas.ready
 
 
-def _nbytes(t: Any) -> int:
-    return t.numel() * t.element_size()
-
-
 class Arenas:
     """The arenas and wrappers of the latest layout (one per manager, in ``save.reuse``).
 
@@ -198,7 +194,7 @@ class Arenas:
         from ..runtime.torch_compat import local_tensor
 
         locals_ = [local_tensor(t) for _, t in items]
-        total = sum(_nbytes(t) for t in locals_)
+        total = sum(t.nbytes for t in locals_)
         if budget and total > budget:
             return WaveGate.start(items, locals_, save, policy, budget, self)
         layout = tuple((name, tuple(t.shape), t.dtype, t.device.type) for (name, _), t in zip(items, locals_))
@@ -212,7 +208,7 @@ class Arenas:
         outputs = []
         for i, ((name, src), local) in enumerate(zip(items, locals_)):
             outputs.append(self._output(i, src, local))
-            save.note_staged(name, policy, _nbytes(local))
+            save.note_staged(name, policy, local.nbytes)
         return outputs
 
     def want(self) -> None:
@@ -365,7 +361,7 @@ class WaveGate:
         direct: list[bool] = []
         size = half + 1
         for i, t in enumerate(locals_):
-            n = _nbytes(t)
+            n = t.nbytes
             if n > half:  # written from the live tensor while the caller waits
                 waves.append([i])
                 direct.append(True)
@@ -379,7 +375,7 @@ class WaveGate:
             size += n
         copied = [w for w, d in enumerate(direct) if not d]
         half_of = {w: k % 2 for k, w in enumerate(copied)}
-        cap = max([sum(_nbytes(locals_[i]) for i in waves[w]) for w in copied] + [0])
+        cap = max([sum(locals_[i].nbytes for i in waves[w]) for w in copied] + [0])
         buffers = [torch.empty(cap, dtype=torch.uint8) for _ in range(min(2, len(copied)))]
         save.bytes_allocated += cap * len(buffers)  # (made for this save, freed after it)
         views: list[Any] = list(locals_)  # a direct wave's tensors are the live ones
@@ -387,8 +383,8 @@ class WaveGate:
             off = 0
             for i in waves[w]:
                 t = locals_[i]
-                views[i] = buffers[half_of[w]].narrow(0, off, _nbytes(t)).view(t.dtype).view(t.shape)
-                off += _nbytes(t)
+                views[i] = buffers[half_of[w]].narrow(0, off, t.nbytes).view(t.dtype).view(t.shape)
+                off += t.nbytes
         gate = cls(waves, [name for name, _ in items])
         gate.direct, gate.copied = direct, copied
         outputs = [src if view is local else (view if local is src else rewrap_dtensor(src, view))
@@ -398,7 +394,7 @@ class WaveGate:
             for i in waves[w]:
                 if not direct[w]:
                     views[i].copy_(locals_[i].detach())
-                save.note_staged(items[i][0], policy, 0 if direct[w] else _nbytes(locals_[i]))
+                save.note_staged(items[i][0], policy, 0 if direct[w] else locals_[i].nbytes)
             gate.staged[w].set()
 
         gate._fill = fill_wave
