@@ -94,9 +94,9 @@ def stage_state_dict(sd: Mapping[str, Any], save: SaveContext, policies: Sequenc
             for i, v in enumerate(value):
                 items[i] = visit(v, f"{name}.{i}", items, i)
             return items
-        if isinstance(value, tuple):  # one value to DCP, pickled whole: its tensors too
+        if isinstance(value, (tuple, set, bytearray)):  # a tuple: one value to DCP, pickled whole (its tensors too)
             return _copy_value(value, tensor_type, save.is_async)
-        return _freeze(value)
+        return value  # immutable, or an object DCP pickles as it is (copying it could run its code)
 
     staged = visit(sd, "", None, None)
     for i, policy in enumerate(policies):
@@ -111,16 +111,12 @@ def stage_state_dict(sd: Mapping[str, Any], save: SaveContext, policies: Sequenc
     return staged
 
 
-def _freeze(value: Any) -> Any:
-    """Non-tensor leaves are pickled by DCP when written: copy mutable ones now."""
-    return copy.deepcopy(value) if isinstance(value, (set, bytearray)) else value
-
-
 def _copy_value(value: Any, tensor_type: Any, clone: bool) -> Any:
     """A value DCP pickles whole (a tuple), its containers rebuilt and, for an asynchronous
     save, its tensors cloned: each then has a storage of its own size, which is what
     ``torch.save`` writes (a view into a larger buffer would drag the whole buffer along).
-    Other objects are kept as they are: copying them could run their code."""
+    Non-tensor leaves are pickled by DCP when written: mutable plain ones (sets, bytearrays)
+    are copied now; other objects are kept as they are: copying them could run their code."""
     if isinstance(value, tensor_type):
         return value.detach().clone() if clone else value
     if isinstance(value, Mapping):
@@ -128,7 +124,7 @@ def _copy_value(value: Any, tensor_type: Any, clone: bool) -> Any:
     if isinstance(value, (list, tuple)):
         out = [_copy_value(v, tensor_type, clone) for v in value]
         return out if isinstance(value, list) else tuple(out)
-    return _freeze(value)
+    return copy.deepcopy(value) if isinstance(value, (set, bytearray)) else value
 
 
 # ---- the regular copy ------------------------------------------------------
