@@ -165,7 +165,7 @@ class RegularCopy:
         arenas = reuse.get(self.name)
         if arenas is None:
             return None
-        arenas.want()
+        arenas.wanted = True  # (before ready() is queued behind the write in flight)
         return arenas.ready
 
 
@@ -178,7 +178,9 @@ class Arenas:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._wanted = False
+        self.wanted = False
+        """A save is near: the write in flight must not free the buffers (set in the caller's
+        thread by :meth:`RegularCopy.prepare`; the next save's copy clears it)."""
         self._layout: tuple = ()
         self._arenas: dict[Any, Any] = {}
         self._views: list[Any] = []
@@ -195,33 +197,27 @@ class Arenas:
             return WaveGate.start(items, locals_, save, policy, budget, self)
         layout = tuple((name, tuple(t.shape), t.dtype, t.device.type) for (name, _), t in zip(items, locals_))
         with self._lock:
-            self._wanted = False
+            self.wanted = False
             if layout != self._layout:
                 save.bytes_allocated += self._switch(layout)
             # a save nobody announced: fresh pages, in the call
             save.bytes_allocated += self._restore(self._arenas, touch=False)
             self._copy(locals_)
-        outputs = []
-        for i, ((name, src), local) in enumerate(zip(items, locals_)):
-            outputs.append(self._output(i, src, local))
-            save.note_staged(name, policy, local.nbytes)
-        return outputs
-
-    def want(self) -> None:
-        """A save is near: the write in flight must not free the buffers (set in the caller's
-        thread, before :meth:`ready` is queued behind that write)."""
-        self._wanted = True
+        # what note_staged records per tensor, for all of them at once: every byte was copied
+        save.staging.update(dict.fromkeys([name for name, _ in items], policy))
+        save.bytes_copied += total
+        return [self._output(i, src, local) for i, ((_, src), local) in enumerate(zip(items, locals_))]
 
     def ready(self) -> None:
         """The latest layout's memory allocated and every page touched (off the loop)."""
         with self._lock:
-            if self._wanted:
+            if self.wanted:
                 self._restore(self._arenas, touch=True)
 
     def free(self) -> None:
         """Give the memory of every layout's arenas back (a near save keeps it)."""
         with self._lock:
-            if self._wanted:
+            if self.wanted:
                 return
             try:
                 for arenas in [self._arenas] + [kept[0] for kept in self._kept.values()]:
