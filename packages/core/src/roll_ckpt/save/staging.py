@@ -67,6 +67,8 @@ def stage_state_dict(sd: Mapping[str, Any], save: SaveContext, policies: Sequenc
     (``save.run_finished_callbacks``)."""
     # a policy that can claim nothing in this save (``active``) is not asked per tensor
     policies = [p for p in policies if not hasattr(p, "active") or p.active(save)]
+    # core's regular copy, last, claims every tensor: it takes what the others leave unasked
+    asked = policies[:-1] if policies and isinstance(policies[-1], RegularCopy) else policies
     torch = sys.modules.get("torch")  # a process that never imported torch holds no tensors (a driver)
     tensor_type: Any = torch.Tensor if torch is not None else ()
     claimed: list[list[tuple[str, Any]]] = [[] for _ in policies]
@@ -79,11 +81,15 @@ def stage_state_dict(sd: Mapping[str, Any], save: SaveContext, policies: Sequenc
                 out[k] = visit(v, f"{name}.{k}" if name else str(k), out, k)
             return out
         if isinstance(value, tensor_type):
-            for i, policy in enumerate(policies):
+            for i, policy in enumerate(asked):
                 if policy.claims(name, value, save):
-                    claimed[i].append((name, value))
-                    places[i].append((container, key))
-                    return None  # filled below, once the policy has staged it
+                    break
+            else:
+                i = len(asked)  # the regular copy's, or, without it, nobody's: the tensor as it is
+            if i < len(policies):
+                claimed[i].append((name, value))
+                places[i].append((container, key))
+                return None  # filled below, once the policy has staged it
         if isinstance(value, Mapping):
             out = {}
             for k, v in value.items():
