@@ -547,10 +547,11 @@ class SavePipeline:
         if self.space is None:
             self.space = SpaceGuard(run.storage, run.root, self.setup.config.checkpoint_config.output_dir)
         folder = run.folder or run.root
-        if not self.space.can_tell(folder):
+        free = self.space.free(folder)
+        if free is None:
             return None  # an object store: nothing to check, nothing to estimate
         estimate = ctx.strategy.estimate(sd, user)
-        return self.space.check(estimate, path=folder, step=ctx.step, keep=self.retention.keep,
+        return self.space.check(estimate, free=free, path=folder, step=ctx.step, keep=self.retention.keep,
                                 retention=functools.partial(self.retention.apply, run, ctx.path),
                                 sizes=functools.partial(committed_sizes, run.storage, run.root, run.folder))
 

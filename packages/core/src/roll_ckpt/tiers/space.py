@@ -227,25 +227,24 @@ class SpaceGuard:
         self.last_free: int | None = None
 
     def free(self, path: str) -> int | None:
+        """The bytes free at ``path``; ``None`` where the store cannot tell (said once, in the
+        log: saves there are not checked)."""
         try:
-            return self.storage.free_bytes(path)
+            free = self.storage.free_bytes(path)
         except (OSError, NotImplementedError, AttributeError):
-            return None
-
-    def can_tell(self, path: str) -> bool:
-        """Whether the store tells its free space (says once, in the log, when it cannot)."""
-        if self.free(path) is not None:
-            return True
-        if not self._told_unknown:
+            free = None
+        if free is None and not self._told_unknown:
             self._told_unknown = True
             log.info("roll-ckpt: %s cannot tell its free space; saves there are not checked "
                      "for space beforehand", self.storage.url)
-        return False
+        return free
 
-    def check(self, estimate: SpaceEstimate, *, path: str, step: int, keep: int,
+    def check(self, estimate: SpaceEstimate, *, free: int, path: str, step: int, keep: int,
               retention: Callable[[int], list[str]] | None = None,
               sizes: Callable[[], list[int]] | None = None) -> StorageFullError | None:
-        """``None`` when the checkpoint fits (or the store cannot tell), else the error to raise.
+        """``None`` when the checkpoint fits, else the error to raise. ``free``: what
+        :meth:`free` said of ``path`` just before (the caller asked it first: a store that
+        cannot tell is not estimated for).
 
         ``retention(k)`` keeps the newest ``k`` committed checkpoints and returns what it
         removed; ``sizes()`` lists the committed checkpoints' sizes, oldest first (for
@@ -253,11 +252,7 @@ class SpaceGuard:
         """
         self.last_estimate = estimate
         need = estimate.total + estimate.files * _SLACK_PER_FILE
-        free = self.free(path)
         self.last_free = free
-        if free is None:
-            self.can_tell(path)
-            return None
         if need <= free:
             return None
         if keep and retention is not None:
