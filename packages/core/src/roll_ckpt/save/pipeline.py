@@ -355,6 +355,8 @@ class SavePipeline:
         self.local = local
         self.retention = retention
         config = setup.config
+        self.is_async = config.async_save
+        """Whether periodic saves are asynchronous (read once: the config is frozen)."""
         self.errors = WarnMode(config.checkpoint_config.on_save_error)
         self.last_save: SaveStats | None = None
         self.committed_steps: set[int] = set()
@@ -392,7 +394,7 @@ class SavePipeline:
         self.wait()
         local.bind(strategy, forget_after=step - 1)
         t0 = time.perf_counter()
-        ctx = SaveContext(step=step, path=local.unit_path(step, strategy.rank), is_async=config.async_save,
+        ctx = SaveContext(step=step, path=local.unit_path(step, strategy.rank), is_async=self.is_async,
                           rank=strategy.rank, world_size=strategy.world_size, strategy=strategy, reuse=self._reuse,
                           budget=config.strategy_config.max_staging_bytes,
                           keep_buffers=config.strategy_config.keep_staging_buffers)
@@ -422,7 +424,7 @@ class SavePipeline:
         """A save is near: the staging policies make their buffers ready in the writer thread,
         after the write in flight (which then keeps them instead of freeing them)."""
         config = self.setup.config
-        if not config.async_save or config.strategy_config.keep_staging_buffers:
+        if not self.is_async or config.strategy_config.keep_staging_buffers:
             return None
         if self._policies is None:
             self._policies = self.setup.plugins.staging_order()
@@ -488,7 +490,7 @@ class SavePipeline:
         except TypeError as exc:
             raise RollCkptError(f"save(metadata=...) must hold JSON values: {exc}") from None
         sc = config.strategy_config
-        ctx = SaveContext(step=step, path=final_path, is_async=config.async_save and not final, rank=strategy.rank,
+        ctx = SaveContext(step=step, path=final_path, is_async=self.is_async and not final, rank=strategy.rank,
                           world_size=strategy.world_size, strategy=strategy, reuse=self._reuse,
                           budget=sc.max_staging_bytes, keep_buffers=sc.keep_staging_buffers)
         if local:  # (every rank makes the tier's group at the same point)
