@@ -363,7 +363,9 @@ class SavePipeline:
         self.space: Any = None
         self._reuse: dict[str, Any] = {}
         self._policies: list[Any] | None = None
-        self._executor: cf.ThreadPoolExecutor | None = None
+        # the writer thread: started by the first job submitted (an executor starts no thread before)
+        self._executor = cf.ThreadPoolExecutor(1, thread_name_prefix="roll-ckpt-save", initializer=lower_priority,
+                                               initargs=(config.checkpoint_config.background_nice,))
         self._inflight: cf.Future[SaveStats] | None = None
         self.leftovers = Leftovers()
         self.hf = HFPart.of(config.checkpoint_config, config.strategy_config)
@@ -436,14 +438,7 @@ class SavePipeline:
             for w in work:
                 w()
 
-        return self._writer().submit(ready)
-
-    def _writer(self) -> cf.ThreadPoolExecutor:
-        if self._executor is None:
-            self._executor = cf.ThreadPoolExecutor(
-                1, thread_name_prefix="roll-ckpt-save", initializer=lower_priority,
-                initargs=(self.setup.config.checkpoint_config.background_nice,))
-        return self._executor
+        return self._executor.submit(ready)
 
     def _stage(self, sd: dict[str, Any], ctx: SaveContext) -> dict[str, Any]:
         if self._policies is None:
@@ -462,7 +457,7 @@ class SavePipeline:
             return
         if ctx.gate is None:
             ctx.blocked_s = time.perf_counter() - t0
-        self._inflight = self._writer().submit(write)
+        self._inflight = self._executor.submit(write)
         if ctx.gate is not None:  # staged in waves within the budget, as the write goes on
             try:
                 ctx.gate.fill()
@@ -665,8 +660,7 @@ class SavePipeline:
         try:
             self.wait()
         finally:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
+            self._executor.shutdown(wait=True)
             self.leftovers.retry()
             self._reuse.clear()
 
