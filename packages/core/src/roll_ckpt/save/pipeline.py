@@ -16,9 +16,9 @@ failed save raises (one module: a save read in one sitting).
         strategy.write               DCP's format, every file hashed while written
         Committer.commit             coordinator: HF files, manifest last (rename / create-only),
                                      the step of components, retention, replication
-        _agree                       every rank: the commit's outcome
-      _failing_cleanly             around both: a failure removes what was written and
-                                     becomes one roll-ckpt error (save_error, below)
+        strategy.agree               every rank: the commit's outcome
+      _failed                      a failure of either: what was written removed, the
+                                     error one roll-ckpt error (save_error, below)
 
 One save is in flight at most: a save issued while an asynchronous one is still writing
 waits for it first (and raises its error, if it failed).
@@ -38,7 +38,6 @@ one roll-ckpt error that says which checkpoint, what happened and what to do
 from __future__ import annotations
 
 import concurrent.futures as cf
-import contextlib
 import errno
 import functools
 import json
@@ -47,7 +46,7 @@ import posixpath
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, NoReturn, Sequence
+from typing import Any, Callable, Mapping, NoReturn, Sequence
 
 from ..contracts import CountsNetwork, NetworkCounts, SaveContext, Storage, Strategy
 from ..errors import RollCkptError, SaveError, StorageError, StorageFullError, carried_roll_error, disk_full
@@ -552,16 +551,19 @@ class SavePipeline:
                                 retention=functools.partial(self.retention.apply, run, ctx.path),
                                 sizes=functools.partial(committed_sizes, run.storage, run.root, run.folder))
 
-    def write_and_commit(self, save: StagedSave) -> SaveStats:
+    def write_and_commit(self, save: StagedSave, refusal: BaseException | None = None) -> SaveStats:
         """Write the staged state and commit it (the coordinator), every rank agreeing twice:
         before the write (a rank's refusal, or the coordinator's failed begin, ends every
         rank's save there) and after the commit (no rank reports a step the coordinator did
-        not commit)."""
+        not commit). A failure anywhere is :meth:`_failed`'s; the callbacks and
+        ``roll_ckpt_save_finished`` are told in every case. ``refusal``: see :meth:`refuse`."""
         ctx, run = save.ctx, save.run
         strategy, storage = ctx.strategy, run.storage
-        attempt = self._attempt(run, ctx)
-        with self._failing_cleanly(ctx, attempt):
-            self._begin(ctx, attempt)
+        pending = pending_checkpoint(storage, ctx.path, run.token)
+        attempt = _Attempt(run, pending, storage.join(pending.write_path, strategy.data_dir), read_counts(storage))
+        error: BaseException | None = None
+        try:
+            self._begin(ctx, attempt, refusal)
             if save.local_unit is not None:  # the local tier's unit of the same staged state, first (never raises)
                 save.local_unit()
             with self.setup.progress(f"save step {ctx.step}", strategy) as progress:
@@ -569,15 +571,21 @@ class SavePipeline:
             failed = None
             if strategy.is_coordinator:
                 try:
-                    attempt.total, attempt.taken = self.committer.commit(run, attempt.pending, ctx, save.user, digests,
+                    attempt.total, attempt.taken = self.committer.commit(run, pending, ctx, save.user, digests,
                                                                          save.hf_module)
                     attempt.committed = True
                 except Exception as exc:
                     failed = exc
-            self._agree(ctx, attempt, failed, "save: committing")
+            strategy.agree(agreed_failure(failed, ctx.step, storage.url, ctx.world_size), "save: committing", ctx.step)
             self.committed_steps.add(ctx.step)
             if (increments := strategy.increments) is not None:
                 increments.committed(storage, ctx.path, strategy.data_dir)
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            error = exc
+            self._failed(ctx, attempt, exc)
+        finally:
+            ctx.run_finished_callbacks()
+            self.setup.plugins.hook.roll_ckpt_save_finished(save=ctx, error=error)
         total_s = time.perf_counter() - save.t0
         stats = SaveStats(step=ctx.step, path=ctx.path, is_async=ctx.is_async, blocked_s=_blocked_s(ctx, total_s),
                           total_s=total_s, bytes=attempt.total, bytes_copied=ctx.bytes_copied,
@@ -593,67 +601,48 @@ class SavePipeline:
     def refuse(self, run: Run, ctx: SaveContext, exc: BaseException) -> NoReturn:
         """This rank's save failed before its write (a refusal, a state dict that cannot be
         built): the other ranks are on their way to the write's first agreement, so meet them
-        there with ``exc``, which every rank then raises."""
-        with self._failing_cleanly(ctx, attempt := self._attempt(run, ctx)):
-            self._agree(ctx, attempt, exc, "save: starting")
+        there with ``exc``, which every rank then raises (nothing staged: nothing written)."""
+        self.write_and_commit(StagedSave(run, {}, ctx, {}, 0.0), refusal=exc)
         raise AssertionError("unreachable: the agreement raises the refusal") from exc
 
-    def _attempt(self, run: Run, ctx: SaveContext) -> "_Attempt":
-        pending = pending_checkpoint(run.storage, ctx.path, run.token)
-        return _Attempt(run, pending, run.storage.join(pending.write_path, ctx.strategy.data_dir),
-                        read_counts(run.storage))
-
-    def _begin(self, ctx: SaveContext, attempt: "_Attempt") -> None:
+    def _begin(self, ctx: SaveContext, attempt: "_Attempt", refusal: BaseException | None) -> None:
         """Coordinator: claim the checkpoint's folder (its owner marker) and make the data
-        folder, before any rank writes; every rank agrees that it worked."""
+        folder, before any rank writes; every rank agrees that it worked (and raises the first
+        rank's failure: this one's ``refusal``, when it has one, before anything is begun)."""
         storage, component = attempt.run.storage, self.setup.component
-        failed: BaseException | None = None
-        try:
-            ctx.run_before_write_callbacks()
-            if ctx.strategy.is_coordinator:
-                self.leftovers.retry()
-                if component:
-                    check_part_free(storage, ctx.path, ctx.step, component)
-                attempt.pending.begin()
-                attempt.begun = True
-                storage.makedirs(attempt.data_path)
-        except Exception as exc:
-            failed = exc
-        self._agree(ctx, attempt, failed, "save: starting")
+        failed = refusal
+        if refusal is None:
+            try:
+                ctx.run_before_write_callbacks()
+                if ctx.strategy.is_coordinator:
+                    self.leftovers.retry()
+                    if component:
+                        check_part_free(storage, ctx.path, ctx.step, component)
+                    attempt.pending.begin()
+                    attempt.begun = True
+                    storage.makedirs(attempt.data_path)
+            except Exception as exc:
+                failed = exc
+        ctx.strategy.agree(agreed_failure(failed, ctx.step, storage.url, ctx.world_size), "save: starting", ctx.step)
 
-    def _agree(self, ctx: SaveContext, attempt: "_Attempt", failed: BaseException | None, phase: str) -> None:
-        """Every rank: raise the failure of any rank (the first), or go on together."""
-        error = agreed_failure(failed, ctx.step, attempt.run.storage.url, ctx.world_size)
-        ctx.strategy.agree(error, phase, ctx.step)
-
-    @contextlib.contextmanager
-    def _failing_cleanly(self, ctx: SaveContext, attempt: "_Attempt") -> Iterator[None]:
-        """A save's failure, wherever it happens: nothing of it left (the coordinator removes
-        what it wrote), the caller's next wave not waited for, the error raised as a roll-ckpt
-        one; the callbacks and ``roll_ckpt_save_finished`` told in every case."""
+    def _failed(self, ctx: SaveContext, attempt: "_Attempt", exc: BaseException) -> NoReturn:
+        """A save's failure, wherever it happened: nothing of it left (the coordinator removes
+        what it wrote), the caller's next wave not waited for, the error raised as a roll-ckpt one."""
         strategy, storage = ctx.strategy, attempt.run.storage
-        error: BaseException | None = None
-        try:
-            yield
-        except BaseException as exc:  # DCP's CheckpointException is a BaseException
-            error = exc
-            if (increments := strategy.increments) is not None:
-                increments.failed()
-            if ctx.gate is not None:
-                ctx.gate.abort(exc)  # the caller may be waiting to stage the next wave
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                raise
-            if not attempt.committed and (attempt.begun or strategy.is_coordinator):
-                self.leftovers.discard(attempt.pending, attempt.begun)
-            if attempt.counts is not None:
-                report_save(f"checkpoint-{ctx.step}", strategy.rank, _since(storage, attempt.counts), failed=True)
-            translated = save_error(exc, ctx.step, storage.url, ctx.world_size)
-            if translated is exc:
-                raise
-            raise translated from exc
-        finally:
-            ctx.run_finished_callbacks()
-            self.setup.plugins.hook.roll_ckpt_save_finished(save=ctx, error=error)
+        if (increments := strategy.increments) is not None:
+            increments.failed()
+        if ctx.gate is not None:
+            ctx.gate.abort(exc)  # the caller may be waiting to stage the next wave
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise exc
+        if not attempt.committed and (attempt.begun or strategy.is_coordinator):
+            self.leftovers.discard(attempt.pending, attempt.begun)
+        if attempt.counts is not None:
+            report_save(f"checkpoint-{ctx.step}", strategy.rank, _since(storage, attempt.counts), failed=True)
+        translated = save_error(exc, ctx.step, storage.url, ctx.world_size)
+        if translated is exc:
+            raise exc
+        raise translated from exc
 
     def close(self) -> None:
         """Drain the save in flight (re-raising its error), then stop the writer thread."""
