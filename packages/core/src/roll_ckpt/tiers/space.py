@@ -27,6 +27,7 @@ others at the save's first agreement, before any rank writes (``strategy.agree``
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import pickle
@@ -47,8 +48,6 @@ _FIXED_BYTES = 200
 _MANIFEST_PER_FILE = 110
 _SLACK_PER_FILE = 4096
 """File systems allocate whole blocks: a little room per file on top of the estimate."""
-
-_TENSOR_FRAMING: int | None = None
 
 
 class _CountingSink:
@@ -108,15 +107,14 @@ def _value_size(obj: Any) -> int:
     return n + slot_slack(n)
 
 
+@functools.cache
 def _tensor_framing() -> int:
-    """What ``torch.save`` adds around one tensor's bytes (zip records, pickle, padding)."""
-    global _TENSOR_FRAMING
-    if _TENSOR_FRAMING is None:
-        import torch
+    """What ``torch.save`` adds around one tensor's bytes (zip records, pickle, padding);
+    measured once per process."""
+    import torch
 
-        # One element, so the data record and its alignment padding are counted too.
-        _TENSOR_FRAMING = _saved_size(torch.zeros(1, dtype=torch.float32)) - 4
-    return _TENSOR_FRAMING
+    # One element, so the data record and its alignment padding are counted too.
+    return _saved_size(torch.zeros(1, dtype=torch.float32)) - 4
 
 
 def _is_dtensor(t: Any) -> bool:
