@@ -538,7 +538,7 @@ class SavePipeline:
     def _check_space(self, run: Run, sd: dict[str, Any], ctx: SaveContext,
                      user: dict[str, Any]) -> BaseException | None:
         """The coordinator's check that ``checkpoint-<step>`` fits; the refusal to raise, or ``None``."""
-        from ..tiers.space import SpaceGuard, committed_sizes
+        from ..tiers.space import SpaceGuard
 
         if self.space is None:
             self.space = SpaceGuard(run.storage, run.root, self.setup.config.checkpoint_config.output_dir)
@@ -548,8 +548,7 @@ class SavePipeline:
             return None  # an object store: nothing to check, nothing to estimate
         estimate = ctx.strategy.estimate(sd, user)
         return self.space.check(estimate, free=free, path=folder, step=ctx.step, keep=self.retention.keep,
-                                retention=functools.partial(self.retention.apply, run, ctx.path),
-                                sizes=functools.partial(committed_sizes, run.storage, run.root, run.folder))
+                                retention=functools.partial(self.retention.apply, run, ctx.path), own_run=run.folder)
 
     def write_and_commit(self, save: StagedSave, refusal: BaseException | None = None) -> SaveStats:
         """Write the staged state and commit it (the coordinator), every rank agreeing twice:

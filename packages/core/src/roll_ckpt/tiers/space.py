@@ -239,14 +239,14 @@ class SpaceGuard:
 
     def check(self, estimate: SpaceEstimate, *, free: int, path: str, step: int, keep: int,
               retention: Callable[[int], list[str]] | None = None,
-              sizes: Callable[[], list[int]] | None = None) -> StorageFullError | None:
+              own_run: str | None = None) -> StorageFullError | None:
         """``None`` when the checkpoint fits, else the error to raise. ``free``: what
         :meth:`free` said of ``path`` just before (the caller asked it first: a store that
         cannot tell is not estimated for).
 
         ``retention(k)`` keeps the newest ``k`` committed checkpoints and returns what it
-        removed; ``sizes()`` lists the committed checkpoints' sizes, oldest first (for
-        the hint). Neither is called when the checkpoint fits.
+        removed; it is not called when the checkpoint fits. ``own_run``: the saving launch's
+        run folder (the hint counts the checkpoints retention may remove: :func:`committed_sizes`).
         """
         self.last_estimate = estimate
         need = estimate.total + estimate.files * _SLACK_PER_FILE
@@ -262,7 +262,7 @@ class SpaceGuard:
                 self.last_free = free
                 if free is None or need <= free:
                     return None
-        hint = self._hint(need, free, keep, sizes() if sizes is not None else [])
+        hint = self._hint(need, free, keep, committed_sizes(self.storage, self.root, own_run))
         return StorageFullError(
             f"no space left for checkpoint-{step} under {self.where}: it needs about {human_bytes(need)} "
             f"and only {human_bytes(free)} are free, so the save was refused before writing anything; "
