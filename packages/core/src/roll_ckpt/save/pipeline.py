@@ -361,7 +361,6 @@ class SavePipeline:
         self.committed_steps: set[int] = set()
         self.space: Any = None
         self._reuse: dict[str, Any] = {}
-        self._policies: list[Any] | None = None
         # the writer thread: started by the first job submitted (an executor starts no thread before)
         self._executor = cf.ThreadPoolExecutor(1, thread_name_prefix="roll-ckpt-save", initializer=lower_priority,
                                                initargs=(config.checkpoint_config.background_nice,))
@@ -401,7 +400,7 @@ class SavePipeline:
                           keep_buffers=config.strategy_config.keep_staging_buffers)
         self.setup.plugins.hook.roll_ckpt_save(save=ctx)
         with CollectorPause(config.checkpoint_config.pause_gc):
-            staged = self._stage(strategy.state_dict(state), ctx)
+            staged = stage_state_dict(strategy.state_dict(state), ctx, self._policies)
         trainer_state = self.committer.trainer_state(ctx, {})
 
         def write() -> None:
@@ -427,8 +426,6 @@ class SavePipeline:
         config = self.setup.config
         if not self.is_async or config.strategy_config.keep_staging_buffers:
             return None
-        if self._policies is None:
-            self._policies = self.setup.plugins.staging_order()
         work = [w for p in self._policies if hasattr(p, "prepare") and (w := p.prepare(self._reuse)) is not None]
         if not work:
             return None  # nothing staged yet: the first save lays its buffers out in the call
@@ -439,10 +436,10 @@ class SavePipeline:
 
         return self._executor.submit(ready)
 
-    def _stage(self, sd: dict[str, Any], ctx: SaveContext) -> dict[str, Any]:
-        if self._policies is None:
-            self._policies = self.setup.plugins.staging_order()
-        return stage_state_dict(sd, ctx, self._policies)
+    @functools.cached_property
+    def _policies(self) -> list[Any]:
+        """The staging policies in the order a save asks them, read at the first save (or prepare)."""
+        return self.setup.plugins.staging_order()
 
     def _launch(self, ctx: SaveContext, t0: float, write: Any) -> None:
         """Run ``write`` now, or in the writer thread for an asynchronous save.
@@ -496,7 +493,7 @@ class SavePipeline:
                 refusal = self._check_space(run, sd, ctx, user) if strategy.is_coordinator else None
                 if refusal is not None:  # refused before anything is staged or written
                     raise refusal
-                staged = self._stage(sd, ctx)
+                staged = stage_state_dict(sd, ctx, self._policies)
         except Exception as exc:  # the other ranks go on to the write's first agreement: meet them there
             self.refuse(run, ctx, exc)
         save = StagedSave(run, staged, ctx, user, t0)
