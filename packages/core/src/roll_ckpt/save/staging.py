@@ -195,7 +195,7 @@ class Arenas:
         self._kept: dict[tuple, tuple] = {}
 
     def stage(self, items: Sequence[tuple[str, Any]], save: SaveContext, policy: str, budget: int) -> list[Any]:
-        from ..runtime.torch_compat import local_tensor
+        from ..runtime.torch_compat import local_tensor, rewrap_dtensor
 
         locals_ = [local_tensor(t) for _, t in items]
         total = sum(t.nbytes for t in locals_)
@@ -212,7 +212,16 @@ class Arenas:
         # what note_staged records per tensor, for all of them at once: every byte was copied
         save.staging.update(dict.fromkeys([name for name, _ in items], policy))
         save.bytes_copied += total
-        return [self._output(i, src, local) for i, ((_, src), local) in enumerate(zip(items, locals_))]
+        # what the write reads: the arena's view, a DTensor's wrapped around it (as the source's
+        # mesh and placements), built once per source tensor and reused while it lasts
+        outputs = []
+        for i, ((_, src), local) in enumerate(zip(items, locals_)):
+            cached_src, out = self._outputs[i]
+            if cached_src is not src:
+                out = self._views[i] if local is src else rewrap_dtensor(src, self._views[i])
+                self._outputs[i] = (src, out)
+            outputs.append(out)
+        return outputs
 
     def ready(self) -> None:
         """The latest layout's memory allocated and every page touched (off the loop)."""
@@ -310,16 +319,6 @@ class Arenas:
         self._flats[i] = (t, ptr, flat) if t.is_contiguous() and flat.data_ptr() == ptr else None
         return flat
 
-    def _output(self, i: int, src: Any, local: Any) -> Any:
-        from ..runtime.torch_compat import rewrap_dtensor
-
-        cached_src, out = self._outputs[i]
-        if cached_src is src:
-            return out
-        view = self._views[i]
-        out = view if local is src else rewrap_dtensor(src, view)
-        self._outputs[i] = (src, out)
-        return out
 
 
 class WaveGate:
