@@ -294,7 +294,17 @@ class Arenas:
 
         by_arena: dict[Any, list[Any]] = {}
         for i, t in enumerate(locals_):
-            by_arena.setdefault((t.dtype, t.device.type), []).append(self._flat(i, t))
+            # t as one flat view, kept across saves while t is the same tensor over the same memory
+            # (a new flat view per tensor per save is an allocation the garbage collector counts:
+            # thousands per save set off collections of the whole heap)
+            cached, ptr = self._flats[i], t.data_ptr()
+            if cached is not None and cached[0] is t and cached[1] == ptr:
+                flat = cached[2]
+            else:
+                flat = t.reshape(-1)
+                # only a view stays current: a copy (t not contiguous) is made again every time
+                self._flats[i] = (t, ptr, flat) if t.is_contiguous() and flat.data_ptr() == ptr else None
+            by_arena.setdefault((t.dtype, t.device.type), []).append(flat)
         for (dtype, device), sources in by_arena.items():
             arena = self._arenas[(dtype, device)]
             if device == "cpu":  # one call for the whole dtype: the copies loop in C++
@@ -305,19 +315,6 @@ class Arenas:
                 view.copy_(t.detach(), non_blocking=True)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.current_stream().synchronize()
-
-    def _flat(self, i: int, t: Any) -> Any:
-        """``t`` as one flat view, kept across saves while ``t`` is the same tensor over the
-        same memory (a new flat view per tensor per save is an allocation the garbage
-        collector counts: thousands per save set off collections of the whole heap)."""
-        cached = self._flats[i]
-        ptr = t.data_ptr()
-        if cached is not None and cached[0] is t and cached[1] == ptr:
-            return cached[2]
-        flat = t.reshape(-1)
-        # only a view stays current: a copy (t not contiguous) is made again every time
-        self._flats[i] = (t, ptr, flat) if t.is_contiguous() and flat.data_ptr() == ptr else None
-        return flat
 
 
 
