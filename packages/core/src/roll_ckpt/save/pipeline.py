@@ -251,6 +251,7 @@ class Committer:
         self.announce = announce
         """``announce(path, manifest, component=None)``: ``roll_ckpt_on_commit`` for what was committed."""
         self.hooks = list(after_commit)
+        """Run in order as ``hook(run, path, step)`` for each checkpoint (or step) committed here."""
         self.resumed_from: str | None = None
         """The checkpoint this launch resumed from (``trainer_state.json`` names it); set by the manager."""
         self._versions: tuple[int, dict[str, str]] | None = None
@@ -289,7 +290,8 @@ class Committer:
         self.announce(ctx.path, manifest, setup.component)
         step_path = layout.parent(ctx.path) if setup.component else ctx.path
         if not setup.component or self.commit_step(run, step_path, ctx.step):  # the checkpoint, or the step's last part
-            self.after_commit(run, step_path, ctx.step)
+            for hook in self.hooks:
+                hook(run, step_path, ctx.step)
         total, taken = sum(e.size for e in files.values()), sum(e.size for e in files.values() if e.taken_over)
         if taken:
             log.info("roll-ckpt: %s: %s written, %s taken over unchanged from %s", layout.basename(ctx.path),
@@ -320,11 +322,6 @@ class Committer:
         self.announce(step_path, manifest)
         log.info("roll-ckpt: step %d committed (every component's part is in %s)", step, step_path)
         return True
-
-    def after_commit(self, run: Run, path: str, step: int) -> None:
-        """The hooks, for the checkpoint (or step) of ``run`` just committed at ``path``."""
-        for hook in self.hooks:
-            hook(run, path, step)
 
     def trainer_state(self, ctx: SaveContext, user: dict[str, Any]) -> bytes:
         body = {
