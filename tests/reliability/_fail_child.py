@@ -43,6 +43,7 @@ def _target(phase: str) -> tuple[Any, str]:
     """The object and attribute whose call the fault replaces."""
     from roll_ckpt.format.commit import PendingCheckpoint
     from roll_ckpt.dcp.reader import SafeReader
+    import roll_ckpt.save.pipeline as pipeline_module
     from roll_ckpt.save.pipeline import SavePipeline
     from roll_ckpt.dcp.writer import DigestingWriter
     import roll_ckpt.strategies.dcp as strategy_module
@@ -51,7 +52,7 @@ def _target(phase: str) -> tuple[Any, str]:
     return {
         "state_dict": (DCPStrategy, "state_dict"),
         "space": (SavePipeline, "_check_space"),
-        "stage": (SavePipeline, "_stage"),
+        "stage": (pipeline_module, "stage_state_dict"),  # staging, as the pipeline calls it
         "begin": (PendingCheckpoint, "begin"),
         "write": (DigestingWriter, "write_files"),
         "commit": (PendingCheckpoint, "commit"),

@@ -20,6 +20,7 @@ stays cheap (no torch.distributed import, no connection to a store).
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable, Mapping, MutableMapping, Protocol, Sequence, runtime_checkable
@@ -284,30 +285,32 @@ class SaveContext:
     """Set by a policy that stages in waves (within ``budget``): the writer asks it the
     order to write in and waits for each tensor to be staged; the caller fills it after
     the write has started (``roll_ckpt.save.staging.WaveGate``)."""
-    _before_write: list[Callable[[], None]] = field(default_factory=list)
-    _finished: list[Callable[[], None]] = field(default_factory=list)
+    _callbacks: dict[str, list[Callable[[], None]]] = field(default_factory=dict)
+    """What :meth:`before_write` and :meth:`on_finished` registered, by phase."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def on_finished(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` once the write has finished (or failed): release staged memory."""
         with self._lock:
-            self._finished.append(callback)
+            self._callbacks.setdefault("finished", []).append(callback)
 
     def before_write(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` in the writing thread before anything is written (a policy's
         work that must not block the caller: rebuilding shards...)."""
-        self._before_write.append(callback)
-
-    def run_before_write_callbacks(self) -> None:
-        callbacks, self._before_write = self._before_write, []
-        for cb in callbacks:
-            cb()
-
-    def run_finished_callbacks(self) -> None:
         with self._lock:
-            callbacks, self._finished = self._finished, []
+            self._callbacks.setdefault("before_write", []).append(callback)
+
+    def _run_callbacks(self, phase: str) -> None:
+        with self._lock:
+            callbacks = self._callbacks.pop(phase, [])
         for cb in callbacks:
             cb()
+
+    # the save pipeline runs each phase's callbacks once: the same loop for both
+    run_before_write_callbacks = functools.partialmethod(_run_callbacks, "before_write")
+    """Run the :meth:`before_write` callbacks (the pipeline, in the writing thread, before the write)."""
+    run_finished_callbacks = functools.partialmethod(_run_callbacks, "finished")
+    """Run the :meth:`on_finished` callbacks (the pipeline, once the write has finished or failed)."""
 
     def note_staged(self, name: str, policy: str, nbytes_copied: int) -> None:
         self.staging[name] = policy

@@ -287,7 +287,8 @@ class CheckpointManager:
         committer = self._saves.committer
         if not committer.commit_step(run, step_path, step, parts=list(parts), files=list(files)):
             return False
-        committer.after_commit(run, step_path, step)
+        for hook in committer.hooks:
+            hook(run, step_path, step)
         return True
 
     def hf_files(self, *objects: Any) -> None:

@@ -39,18 +39,20 @@ class CollectorPause:
         self.enabled = enabled
         self._held = False
 
-    def hold(self) -> None:
+    def hold(self) -> "CollectorPause":
         global _holds, _switched_off
         if not self.enabled or self._held:
-            return
+            return self
         with _lock:
             if _holds == 0 and gc.isenabled():
                 gc.disable()
                 _switched_off = True
             _holds += 1
             self._held = True
+        return self
 
-    def release(self) -> None:
+    def release(self, *exc: object) -> None:
+        """Let go of this hold (``exc``: ``__exit__``'s arguments, not looked at)."""
         global _holds, _switched_off
         if not self._held:
             return
@@ -61,9 +63,6 @@ class CollectorPause:
                 _switched_off = False
                 gc.enable()
 
-    def __enter__(self) -> "CollectorPause":
-        self.hold()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
+    # ``with CollectorPause(...)``: a hold for the block (the same methods, no wrappers around them)
+    __enter__ = hold
+    __exit__ = release

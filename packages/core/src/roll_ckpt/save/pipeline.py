@@ -16,9 +16,9 @@ failed save raises (one module: a save read in one sitting).
         strategy.write               DCP's format, every file hashed while written
         Committer.commit             coordinator: HF files, manifest last (rename / create-only),
                                      the step of components, retention, replication
-        _agree                       every rank: the commit's outcome
-      _failing_cleanly             around both: a failure removes what was written and
-                                     becomes one roll-ckpt error (save_error, below)
+        strategy.agree               every rank: the commit's outcome
+      _failed                      a failure of either: what was written removed, the
+                                     error one roll-ckpt error (save_error, below)
 
 One save is in flight at most: a save issued while an asynchronous one is still writing
 waits for it first (and raises its error, if it failed).
@@ -38,7 +38,6 @@ one roll-ckpt error that says which checkpoint, what happened and what to do
 from __future__ import annotations
 
 import concurrent.futures as cf
-import contextlib
 import errno
 import functools
 import json
@@ -47,7 +46,7 @@ import posixpath
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, NoReturn, Sequence
+from typing import Any, Callable, Mapping, NoReturn, Sequence
 
 from ..contracts import CountsNetwork, NetworkCounts, SaveContext, Storage, Strategy
 from ..errors import RollCkptError, SaveError, StorageError, StorageFullError, carried_roll_error, disk_full
@@ -252,6 +251,7 @@ class Committer:
         self.announce = announce
         """``announce(path, manifest, component=None)``: ``roll_ckpt_on_commit`` for what was committed."""
         self.hooks = list(after_commit)
+        """Run in order as ``hook(run, path, step)`` for each checkpoint (or step) committed here."""
         self.resumed_from: str | None = None
         """The checkpoint this launch resumed from (``trainer_state.json`` names it); set by the manager."""
         self._versions: tuple[int, dict[str, str]] | None = None
@@ -290,7 +290,8 @@ class Committer:
         self.announce(ctx.path, manifest, setup.component)
         step_path = layout.parent(ctx.path) if setup.component else ctx.path
         if not setup.component or self.commit_step(run, step_path, ctx.step):  # the checkpoint, or the step's last part
-            self.after_commit(run, step_path, ctx.step)
+            for hook in self.hooks:
+                hook(run, step_path, ctx.step)
         total, taken = sum(e.size for e in files.values()), sum(e.size for e in files.values() if e.taken_over)
         if taken:
             log.info("roll-ckpt: %s: %s written, %s taken over unchanged from %s", layout.basename(ctx.path),
@@ -322,11 +323,6 @@ class Committer:
         log.info("roll-ckpt: step %d committed (every component's part is in %s)", step, step_path)
         return True
 
-    def after_commit(self, run: Run, path: str, step: int) -> None:
-        """The hooks, for the checkpoint (or step) of ``run`` just committed at ``path``."""
-        for hook in self.hooks:
-            hook(run, path, step)
-
     def trainer_state(self, ctx: SaveContext, user: dict[str, Any]) -> bytes:
         body = {
             "step": ctx.step,
@@ -355,13 +351,16 @@ class SavePipeline:
         self.local = local
         self.retention = retention
         config = setup.config
+        self.is_async = config.async_save
+        """Whether periodic saves are asynchronous (read once: the config is frozen)."""
         self.errors = WarnMode(config.checkpoint_config.on_save_error)
         self.last_save: SaveStats | None = None
         self.committed_steps: set[int] = set()
         self.space: Any = None
         self._reuse: dict[str, Any] = {}
-        self._policies: list[Any] | None = None
-        self._executor: cf.ThreadPoolExecutor | None = None
+        # the writer thread: started by the first job submitted (an executor starts no thread before)
+        self._executor = cf.ThreadPoolExecutor(1, thread_name_prefix="roll-ckpt-save", initializer=lower_priority,
+                                               initargs=(config.checkpoint_config.background_nice,))
         self._inflight: cf.Future[SaveStats] | None = None
         self.leftovers = Leftovers()
         self.hf = HFPart.of(config.checkpoint_config, config.strategy_config)
@@ -392,13 +391,13 @@ class SavePipeline:
         self.wait()
         local.bind(strategy, forget_after=step - 1)
         t0 = time.perf_counter()
-        ctx = SaveContext(step=step, path=local.unit_path(step, strategy.rank), is_async=config.async_save,
+        ctx = SaveContext(step=step, path=local.unit_path(step, strategy.rank), is_async=self.is_async,
                           rank=strategy.rank, world_size=strategy.world_size, strategy=strategy, reuse=self._reuse,
                           budget=config.strategy_config.max_staging_bytes,
                           keep_buffers=config.strategy_config.keep_staging_buffers)
         self.setup.plugins.hook.roll_ckpt_save(save=ctx)
         with CollectorPause(config.checkpoint_config.pause_gc):
-            staged = self._stage(strategy.state_dict(state), ctx)
+            staged = stage_state_dict(strategy.state_dict(state), ctx, self._policies)
         trainer_state = self.committer.trainer_state(ctx, {})
 
         def write() -> None:
@@ -422,10 +421,8 @@ class SavePipeline:
         """A save is near: the staging policies make their buffers ready in the writer thread,
         after the write in flight (which then keeps them instead of freeing them)."""
         config = self.setup.config
-        if not config.async_save or config.strategy_config.keep_staging_buffers:
+        if not self.is_async or config.strategy_config.keep_staging_buffers:
             return None
-        if self._policies is None:
-            self._policies = self.setup.plugins.staging_order()
         work = [w for p in self._policies if hasattr(p, "prepare") and (w := p.prepare(self._reuse)) is not None]
         if not work:
             return None  # nothing staged yet: the first save lays its buffers out in the call
@@ -434,19 +431,12 @@ class SavePipeline:
             for w in work:
                 w()
 
-        return self._writer().submit(ready)
+        return self._executor.submit(ready)
 
-    def _writer(self) -> cf.ThreadPoolExecutor:
-        if self._executor is None:
-            self._executor = cf.ThreadPoolExecutor(
-                1, thread_name_prefix="roll-ckpt-save", initializer=lower_priority,
-                initargs=(self.setup.config.checkpoint_config.background_nice,))
-        return self._executor
-
-    def _stage(self, sd: dict[str, Any], ctx: SaveContext) -> dict[str, Any]:
-        if self._policies is None:
-            self._policies = self.setup.plugins.staging_order()
-        return stage_state_dict(sd, ctx, self._policies)
+    @functools.cached_property
+    def _policies(self) -> list[Any]:
+        """The staging policies in the order a save asks them, read at the first save (or prepare)."""
+        return self.setup.plugins.staging_order()
 
     def _launch(self, ctx: SaveContext, t0: float, write: Any) -> None:
         """Run ``write`` now, or in the writer thread for an asynchronous save.
@@ -460,7 +450,7 @@ class SavePipeline:
             return
         if ctx.gate is None:
             ctx.blocked_s = time.perf_counter() - t0
-        self._inflight = self._writer().submit(write)
+        self._inflight = self._executor.submit(write)
         if ctx.gate is not None:  # staged in waves within the budget, as the write goes on
             try:
                 ctx.gate.fill()
@@ -488,7 +478,7 @@ class SavePipeline:
         except TypeError as exc:
             raise RollCkptError(f"save(metadata=...) must hold JSON values: {exc}") from None
         sc = config.strategy_config
-        ctx = SaveContext(step=step, path=final_path, is_async=config.async_save and not final, rank=strategy.rank,
+        ctx = SaveContext(step=step, path=final_path, is_async=self.is_async and not final, rank=strategy.rank,
                           world_size=strategy.world_size, strategy=strategy, reuse=self._reuse,
                           budget=sc.max_staging_bytes, keep_buffers=sc.keep_staging_buffers)
         if local:  # (every rank makes the tier's group at the same point)
@@ -500,7 +490,7 @@ class SavePipeline:
                 refusal = self._check_space(run, sd, ctx, user) if strategy.is_coordinator else None
                 if refusal is not None:  # refused before anything is staged or written
                     raise refusal
-                staged = self._stage(sd, ctx)
+                staged = stage_state_dict(sd, ctx, self._policies)
         except Exception as exc:  # the other ranks go on to the write's first agreement: meet them there
             self.refuse(run, ctx, exc)
         save = StagedSave(run, staged, ctx, user, t0)
@@ -542,28 +532,31 @@ class SavePipeline:
     def _check_space(self, run: Run, sd: dict[str, Any], ctx: SaveContext,
                      user: dict[str, Any]) -> BaseException | None:
         """The coordinator's check that ``checkpoint-<step>`` fits; the refusal to raise, or ``None``."""
-        from ..tiers.space import SpaceGuard, committed_sizes
+        from ..tiers.space import SpaceGuard
 
         if self.space is None:
             self.space = SpaceGuard(run.storage, run.root, self.setup.config.checkpoint_config.output_dir)
         folder = run.folder or run.root
-        if not self.space.can_tell(folder):
+        free = self.space.free(folder)
+        if free is None:
             return None  # an object store: nothing to check, nothing to estimate
         estimate = ctx.strategy.estimate(sd, user)
-        return self.space.check(estimate, path=folder, step=ctx.step, keep=self.retention.keep,
-                                retention=functools.partial(self.retention.apply, run, ctx.path),
-                                sizes=functools.partial(committed_sizes, run.storage, run.root, run.folder))
+        return self.space.check(estimate, free=free, path=folder, step=ctx.step, keep=self.retention.keep,
+                                retention=functools.partial(self.retention.apply, run, ctx.path), own_run=run.folder)
 
-    def write_and_commit(self, save: StagedSave) -> SaveStats:
+    def write_and_commit(self, save: StagedSave, refusal: BaseException | None = None) -> SaveStats:
         """Write the staged state and commit it (the coordinator), every rank agreeing twice:
         before the write (a rank's refusal, or the coordinator's failed begin, ends every
         rank's save there) and after the commit (no rank reports a step the coordinator did
-        not commit)."""
+        not commit). A failure anywhere is :meth:`_failed`'s; the callbacks and
+        ``roll_ckpt_save_finished`` are told in every case. ``refusal``: see :meth:`refuse`."""
         ctx, run = save.ctx, save.run
         strategy, storage = ctx.strategy, run.storage
-        attempt = self._attempt(run, ctx)
-        with self._failing_cleanly(ctx, attempt):
-            self._begin(ctx, attempt)
+        pending = pending_checkpoint(storage, ctx.path, run.token)
+        attempt = _Attempt(run, pending, storage.join(pending.write_path, strategy.data_dir), read_counts(storage))
+        error: BaseException | None = None
+        try:
+            self._begin(ctx, attempt, refusal)
             if save.local_unit is not None:  # the local tier's unit of the same staged state, first (never raises)
                 save.local_unit()
             with self.setup.progress(f"save step {ctx.step}", strategy) as progress:
@@ -571,15 +564,21 @@ class SavePipeline:
             failed = None
             if strategy.is_coordinator:
                 try:
-                    attempt.total, attempt.taken = self.committer.commit(run, attempt.pending, ctx, save.user, digests,
+                    attempt.total, attempt.taken = self.committer.commit(run, pending, ctx, save.user, digests,
                                                                          save.hf_module)
                     attempt.committed = True
                 except Exception as exc:
                     failed = exc
-            self._agree(ctx, attempt, failed, "save: committing")
+            strategy.agree(agreed_failure(failed, ctx.step, storage.url, ctx.world_size), "save: committing", ctx.step)
             self.committed_steps.add(ctx.step)
             if (increments := strategy.increments) is not None:
                 increments.committed(storage, ctx.path, strategy.data_dir)
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            error = exc
+            self._failed(ctx, attempt, exc)
+        finally:
+            ctx.run_finished_callbacks()
+            self.setup.plugins.hook.roll_ckpt_save_finished(save=ctx, error=error)
         total_s = time.perf_counter() - save.t0
         stats = SaveStats(step=ctx.step, path=ctx.path, is_async=ctx.is_async, blocked_s=_blocked_s(ctx, total_s),
                           total_s=total_s, bytes=attempt.total, bytes_copied=ctx.bytes_copied,
@@ -595,75 +594,55 @@ class SavePipeline:
     def refuse(self, run: Run, ctx: SaveContext, exc: BaseException) -> NoReturn:
         """This rank's save failed before its write (a refusal, a state dict that cannot be
         built): the other ranks are on their way to the write's first agreement, so meet them
-        there with ``exc``, which every rank then raises."""
-        with self._failing_cleanly(ctx, attempt := self._attempt(run, ctx)):
-            self._agree(ctx, attempt, exc, "save: starting")
+        there with ``exc``, which every rank then raises (nothing staged: nothing written)."""
+        self.write_and_commit(StagedSave(run, {}, ctx, {}, 0.0), refusal=exc)
         raise AssertionError("unreachable: the agreement raises the refusal") from exc
 
-    def _attempt(self, run: Run, ctx: SaveContext) -> "_Attempt":
-        pending = pending_checkpoint(run.storage, ctx.path, run.token)
-        return _Attempt(run, pending, run.storage.join(pending.write_path, ctx.strategy.data_dir),
-                        read_counts(run.storage))
-
-    def _begin(self, ctx: SaveContext, attempt: "_Attempt") -> None:
+    def _begin(self, ctx: SaveContext, attempt: "_Attempt", refusal: BaseException | None) -> None:
         """Coordinator: claim the checkpoint's folder (its owner marker) and make the data
-        folder, before any rank writes; every rank agrees that it worked."""
+        folder, before any rank writes; every rank agrees that it worked (and raises the first
+        rank's failure: this one's ``refusal``, when it has one, before anything is begun)."""
         storage, component = attempt.run.storage, self.setup.component
-        failed: BaseException | None = None
-        try:
-            ctx.run_before_write_callbacks()
-            if ctx.strategy.is_coordinator:
-                self.leftovers.retry()
-                if component:
-                    check_part_free(storage, ctx.path, ctx.step, component)
-                attempt.pending.begin()
-                attempt.begun = True
-                storage.makedirs(attempt.data_path)
-        except Exception as exc:
-            failed = exc
-        self._agree(ctx, attempt, failed, "save: starting")
+        failed = refusal
+        if refusal is None:
+            try:
+                ctx.run_before_write_callbacks()
+                if ctx.strategy.is_coordinator:
+                    self.leftovers.retry()
+                    if component:
+                        check_part_free(storage, ctx.path, ctx.step, component)
+                    attempt.pending.begin()
+                    attempt.begun = True
+                    storage.makedirs(attempt.data_path)
+            except Exception as exc:
+                failed = exc
+        ctx.strategy.agree(agreed_failure(failed, ctx.step, storage.url, ctx.world_size), "save: starting", ctx.step)
 
-    def _agree(self, ctx: SaveContext, attempt: "_Attempt", failed: BaseException | None, phase: str) -> None:
-        """Every rank: raise the failure of any rank (the first), or go on together."""
-        error = agreed_failure(failed, ctx.step, attempt.run.storage.url, ctx.world_size)
-        ctx.strategy.agree(error, phase, ctx.step)
-
-    @contextlib.contextmanager
-    def _failing_cleanly(self, ctx: SaveContext, attempt: "_Attempt") -> Iterator[None]:
-        """A save's failure, wherever it happens: nothing of it left (the coordinator removes
-        what it wrote), the caller's next wave not waited for, the error raised as a roll-ckpt
-        one; the callbacks and ``roll_ckpt_save_finished`` told in every case."""
+    def _failed(self, ctx: SaveContext, attempt: "_Attempt", exc: BaseException) -> NoReturn:
+        """A save's failure, wherever it happened: nothing of it left (the coordinator removes
+        what it wrote), the caller's next wave not waited for, the error raised as a roll-ckpt one."""
         strategy, storage = ctx.strategy, attempt.run.storage
-        error: BaseException | None = None
-        try:
-            yield
-        except BaseException as exc:  # DCP's CheckpointException is a BaseException
-            error = exc
-            if (increments := strategy.increments) is not None:
-                increments.failed()
-            if ctx.gate is not None:
-                ctx.gate.abort(exc)  # the caller may be waiting to stage the next wave
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                raise
-            if not attempt.committed and (attempt.begun or strategy.is_coordinator):
-                self.leftovers.discard(attempt.pending, attempt.begun)
-            if attempt.counts is not None:
-                report_save(f"checkpoint-{ctx.step}", strategy.rank, _since(storage, attempt.counts), failed=True)
-            translated = save_error(exc, ctx.step, storage.url, ctx.world_size)
-            if translated is exc:
-                raise
-            raise translated from exc
-        finally:
-            ctx.run_finished_callbacks()
-            self.setup.plugins.hook.roll_ckpt_save_finished(save=ctx, error=error)
+        if (increments := strategy.increments) is not None:
+            increments.failed()
+        if ctx.gate is not None:
+            ctx.gate.abort(exc)  # the caller may be waiting to stage the next wave
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise exc
+        if not attempt.committed and (attempt.begun or strategy.is_coordinator):
+            self.leftovers.discard(attempt.pending, attempt.begun)
+        if attempt.counts is not None:
+            report_save(f"checkpoint-{ctx.step}", strategy.rank, _since(storage, attempt.counts), failed=True)
+        translated = save_error(exc, ctx.step, storage.url, ctx.world_size)
+        if translated is exc:
+            raise exc
+        raise translated from exc
 
     def close(self) -> None:
         """Drain the save in flight (re-raising its error), then stop the writer thread."""
         try:
             self.wait()
         finally:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
+            self._executor.shutdown(wait=True)
             self.leftovers.retry()
             self._reuse.clear()
 

@@ -67,6 +67,8 @@ def stage_state_dict(sd: Mapping[str, Any], save: SaveContext, policies: Sequenc
     (``save.run_finished_callbacks``)."""
     # a policy that can claim nothing in this save (``active``) is not asked per tensor
     policies = [p for p in policies if not hasattr(p, "active") or p.active(save)]
+    # core's regular copy, last, claims every tensor: it takes what the others leave unasked
+    asked = policies[:-1] if policies and isinstance(policies[-1], RegularCopy) else policies
     torch = sys.modules.get("torch")  # a process that never imported torch holds no tensors (a driver)
     tensor_type: Any = torch.Tensor if torch is not None else ()
     claimed: list[list[tuple[str, Any]]] = [[] for _ in policies]
@@ -79,11 +81,15 @@ def stage_state_dict(sd: Mapping[str, Any], save: SaveContext, policies: Sequenc
                 out[k] = visit(v, f"{name}.{k}" if name else str(k), out, k)
             return out
         if isinstance(value, tensor_type):
-            for i, policy in enumerate(policies):
+            for i, policy in enumerate(asked):
                 if policy.claims(name, value, save):
-                    claimed[i].append((name, value))
-                    places[i].append((container, key))
-                    return None  # filled below, once the policy has staged it
+                    break
+            else:
+                i = len(asked)  # the regular copy's, or, without it, nobody's: the tensor as it is
+            if i < len(policies):
+                claimed[i].append((name, value))
+                places[i].append((container, key))
+                return None  # filled below, once the policy has staged it
         if isinstance(value, Mapping):
             out = {}
             for k, v in value.items():
@@ -94,9 +100,9 @@ def stage_state_dict(sd: Mapping[str, Any], save: SaveContext, policies: Sequenc
             for i, v in enumerate(value):
                 items[i] = visit(v, f"{name}.{i}", items, i)
             return items
-        if isinstance(value, tuple):  # one value to DCP, pickled whole: its tensors too
+        if isinstance(value, (tuple, set, bytearray)):  # a tuple: one value to DCP, pickled whole (its tensors too)
             return _copy_value(value, tensor_type, save.is_async)
-        return _freeze(value)
+        return value  # immutable, or an object DCP pickles as it is (copying it could run its code)
 
     staged = visit(sd, "", None, None)
     for i, policy in enumerate(policies):
@@ -111,16 +117,12 @@ def stage_state_dict(sd: Mapping[str, Any], save: SaveContext, policies: Sequenc
     return staged
 
 
-def _freeze(value: Any) -> Any:
-    """Non-tensor leaves are pickled by DCP when written: copy mutable ones now."""
-    return copy.deepcopy(value) if isinstance(value, (set, bytearray)) else value
-
-
 def _copy_value(value: Any, tensor_type: Any, clone: bool) -> Any:
     """A value DCP pickles whole (a tuple), its containers rebuilt and, for an asynchronous
     save, its tensors cloned: each then has a storage of its own size, which is what
     ``torch.save`` writes (a view into a larger buffer would drag the whole buffer along).
-    Other objects are kept as they are: copying them could run their code."""
+    Non-tensor leaves are pickled by DCP when written: mutable plain ones (sets, bytearrays)
+    are copied now; other objects are kept as they are: copying them could run their code."""
     if isinstance(value, tensor_type):
         return value.detach().clone() if clone else value
     if isinstance(value, Mapping):
@@ -128,7 +130,7 @@ def _copy_value(value: Any, tensor_type: Any, clone: bool) -> Any:
     if isinstance(value, (list, tuple)):
         out = [_copy_value(v, tensor_type, clone) for v in value]
         return out if isinstance(value, list) else tuple(out)
-    return _freeze(value)
+    return copy.deepcopy(value) if isinstance(value, (set, bytearray)) else value
 
 
 # ---- the regular copy ------------------------------------------------------
@@ -169,12 +171,8 @@ class RegularCopy:
         arenas = reuse.get(self.name)
         if arenas is None:
             return None
-        arenas.want()
+        arenas.wanted = True  # (before ready() is queued behind the write in flight)
         return arenas.ready
-
-
-def _nbytes(t: Any) -> int:
-    return t.numel() * t.element_size()
 
 
 class Arenas:
@@ -186,7 +184,9 @@ class Arenas:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._wanted = False
+        self.wanted = False
+        """A save is near: the write in flight must not free the buffers (set in the caller's
+        thread by :meth:`RegularCopy.prepare`; the next save's copy clears it)."""
         self._layout: tuple = ()
         self._arenas: dict[Any, Any] = {}
         self._views: list[Any] = []
@@ -195,41 +195,44 @@ class Arenas:
         self._kept: dict[tuple, tuple] = {}
 
     def stage(self, items: Sequence[tuple[str, Any]], save: SaveContext, policy: str, budget: int) -> list[Any]:
-        from ..runtime.torch_compat import local_tensor
+        from ..runtime.torch_compat import local_tensor, rewrap_dtensor
 
         locals_ = [local_tensor(t) for _, t in items]
-        total = sum(_nbytes(t) for t in locals_)
+        total = sum(t.nbytes for t in locals_)
         if budget and total > budget:
             return WaveGate.start(items, locals_, save, policy, budget, self)
         layout = tuple((name, tuple(t.shape), t.dtype, t.device.type) for (name, _), t in zip(items, locals_))
         with self._lock:
-            self._wanted = False
+            self.wanted = False
             if layout != self._layout:
                 save.bytes_allocated += self._switch(layout)
             # a save nobody announced: fresh pages, in the call
             save.bytes_allocated += self._restore(self._arenas, touch=False)
             self._copy(locals_)
+        # what note_staged records per tensor, for all of them at once: every byte was copied
+        save.staging.update(dict.fromkeys([name for name, _ in items], policy))
+        save.bytes_copied += total
+        # what the write reads: the arena's view, a DTensor's wrapped around it (as the source's
+        # mesh and placements), built once per source tensor and reused while it lasts
         outputs = []
-        for i, ((name, src), local) in enumerate(zip(items, locals_)):
-            outputs.append(self._output(i, src, local))
-            save.note_staged(name, policy, _nbytes(local))
+        for i, ((_, src), local) in enumerate(zip(items, locals_)):
+            cached_src, out = self._outputs[i]
+            if cached_src is not src:
+                out = self._views[i] if local is src else rewrap_dtensor(src, self._views[i])
+                self._outputs[i] = (src, out)
+            outputs.append(out)
         return outputs
-
-    def want(self) -> None:
-        """A save is near: the write in flight must not free the buffers (set in the caller's
-        thread, before :meth:`ready` is queued behind that write)."""
-        self._wanted = True
 
     def ready(self) -> None:
         """The latest layout's memory allocated and every page touched (off the loop)."""
         with self._lock:
-            if self._wanted:
+            if self.wanted:
                 self._restore(self._arenas, touch=True)
 
     def free(self) -> None:
         """Give the memory of every layout's arenas back (a near save keeps it)."""
         with self._lock:
-            if self._wanted:
+            if self.wanted:
                 return
             try:
                 for arenas in [self._arenas] + [kept[0] for kept in self._kept.values()]:
@@ -291,7 +294,17 @@ class Arenas:
 
         by_arena: dict[Any, list[Any]] = {}
         for i, t in enumerate(locals_):
-            by_arena.setdefault((t.dtype, t.device.type), []).append(self._flat(i, t))
+            # t as one flat view, kept across saves while t is the same tensor over the same memory
+            # (a new flat view per tensor per save is an allocation the garbage collector counts:
+            # thousands per save set off collections of the whole heap)
+            cached, ptr = self._flats[i], t.data_ptr()
+            if cached is not None and cached[0] is t and cached[1] == ptr:
+                flat = cached[2]
+            else:
+                flat = t.reshape(-1)
+                # only a view stays current: a copy (t not contiguous) is made again every time
+                self._flats[i] = (t, ptr, flat) if t.is_contiguous() and flat.data_ptr() == ptr else None
+            by_arena.setdefault((t.dtype, t.device.type), []).append(flat)
         for (dtype, device), sources in by_arena.items():
             arena = self._arenas[(dtype, device)]
             if device == "cpu":  # one call for the whole dtype: the copies loop in C++
@@ -303,29 +316,6 @@ class Arenas:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.current_stream().synchronize()
 
-    def _flat(self, i: int, t: Any) -> Any:
-        """``t`` as one flat view, kept across saves while ``t`` is the same tensor over the
-        same memory (a new flat view per tensor per save is an allocation the garbage
-        collector counts: thousands per save set off collections of the whole heap)."""
-        cached = self._flats[i]
-        ptr = t.data_ptr()
-        if cached is not None and cached[0] is t and cached[1] == ptr:
-            return cached[2]
-        flat = t.reshape(-1)
-        # only a view stays current: a copy (t not contiguous) is made again every time
-        self._flats[i] = (t, ptr, flat) if t.is_contiguous() and flat.data_ptr() == ptr else None
-        return flat
-
-    def _output(self, i: int, src: Any, local: Any) -> Any:
-        from ..runtime.torch_compat import rewrap_dtensor
-
-        cached_src, out = self._outputs[i]
-        if cached_src is src:
-            return out
-        view = self._views[i]
-        out = view if local is src else rewrap_dtensor(src, view)
-        self._outputs[i] = (src, out)
-        return out
 
 
 class WaveGate:
@@ -365,7 +355,7 @@ class WaveGate:
         direct: list[bool] = []
         size = half + 1
         for i, t in enumerate(locals_):
-            n = _nbytes(t)
+            n = t.nbytes
             if n > half:  # written from the live tensor while the caller waits
                 waves.append([i])
                 direct.append(True)
@@ -379,7 +369,7 @@ class WaveGate:
             size += n
         copied = [w for w, d in enumerate(direct) if not d]
         half_of = {w: k % 2 for k, w in enumerate(copied)}
-        cap = max([sum(_nbytes(locals_[i]) for i in waves[w]) for w in copied] + [0])
+        cap = max([sum(locals_[i].nbytes for i in waves[w]) for w in copied] + [0])
         buffers = [torch.empty(cap, dtype=torch.uint8) for _ in range(min(2, len(copied)))]
         save.bytes_allocated += cap * len(buffers)  # (made for this save, freed after it)
         views: list[Any] = list(locals_)  # a direct wave's tensors are the live ones
@@ -387,8 +377,8 @@ class WaveGate:
             off = 0
             for i in waves[w]:
                 t = locals_[i]
-                views[i] = buffers[half_of[w]].narrow(0, off, _nbytes(t)).view(t.dtype).view(t.shape)
-                off += _nbytes(t)
+                views[i] = buffers[half_of[w]].narrow(0, off, t.nbytes).view(t.dtype).view(t.shape)
+                off += t.nbytes
         gate = cls(waves, [name for name, _ in items])
         gate.direct, gate.copied = direct, copied
         outputs = [src if view is local else (view if local is src else rewrap_dtensor(src, view))
@@ -398,7 +388,7 @@ class WaveGate:
             for i in waves[w]:
                 if not direct[w]:
                     views[i].copy_(locals_[i].detach())
-                save.note_staged(items[i][0], policy, 0 if direct[w] else _nbytes(locals_[i]))
+                save.note_staged(items[i][0], policy, 0 if direct[w] else locals_[i].nbytes)
             gate.staged[w].set()
 
         gate._fill = fill_wave

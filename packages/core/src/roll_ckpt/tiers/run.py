@@ -14,6 +14,7 @@ import logging
 import uuid
 import warnings
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any, Callable, ContextManager, Mapping
 
 from ..config.schema import Config
@@ -76,8 +77,8 @@ def choose_strategy(config: Config, plugins: Plugins, state: Mapping[str, Any]) 
         record = plugins.strategy(forced)
     else:
         # asked highest priority first, the first that applies wins (of equal ones, the first
-        # registered): the fallbacks below one that applies are never asked
-        ranked = sorted(plugins.strategies().values(), key=lambda r: -r.priority)
+        # registered: a reversed sort keeps their order): the fallbacks below one that applies are never asked
+        ranked = sorted(plugins.strategies().values(), key=attrgetter("priority"), reverse=True)
         record = next((r for r in ranked if r.applies(state)), None)
         if record is None:
             raise RollCkptError("no installed strategy can save this state; `roll-ckpt plugins` lists them")

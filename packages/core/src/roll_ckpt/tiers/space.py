@@ -27,6 +27,7 @@ others at the save's first agreement, before any rank writes (``strategy.agree``
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import pickle
@@ -47,8 +48,6 @@ _FIXED_BYTES = 200
 _MANIFEST_PER_FILE = 110
 _SLACK_PER_FILE = 4096
 """File systems allocate whole blocks: a little room per file on top of the estimate."""
-
-_TENSOR_FRAMING: int | None = None
 
 
 class _CountingSink:
@@ -108,15 +107,14 @@ def _value_size(obj: Any) -> int:
     return n + slot_slack(n)
 
 
+@functools.cache
 def _tensor_framing() -> int:
-    """What ``torch.save`` adds around one tensor's bytes (zip records, pickle, padding)."""
-    global _TENSOR_FRAMING
-    if _TENSOR_FRAMING is None:
-        import torch
+    """What ``torch.save`` adds around one tensor's bytes (zip records, pickle, padding);
+    measured once per process."""
+    import torch
 
-        # One element, so the data record and its alignment padding are counted too.
-        _TENSOR_FRAMING = _saved_size(torch.zeros(1, dtype=torch.float32)) - 4
-    return _TENSOR_FRAMING
+    # One element, so the data record and its alignment padding are counted too.
+    return _saved_size(torch.zeros(1, dtype=torch.float32)) - 4
 
 
 def _is_dtensor(t: Any) -> bool:
@@ -227,37 +225,32 @@ class SpaceGuard:
         self.last_free: int | None = None
 
     def free(self, path: str) -> int | None:
+        """The bytes free at ``path``; ``None`` where the store cannot tell (said once, in the
+        log: saves there are not checked)."""
         try:
-            return self.storage.free_bytes(path)
+            free = self.storage.free_bytes(path)
         except (OSError, NotImplementedError, AttributeError):
-            return None
-
-    def can_tell(self, path: str) -> bool:
-        """Whether the store tells its free space (says once, in the log, when it cannot)."""
-        if self.free(path) is not None:
-            return True
-        if not self._told_unknown:
+            free = None
+        if free is None and not self._told_unknown:
             self._told_unknown = True
             log.info("roll-ckpt: %s cannot tell its free space; saves there are not checked "
                      "for space beforehand", self.storage.url)
-        return False
+        return free
 
-    def check(self, estimate: SpaceEstimate, *, path: str, step: int, keep: int,
+    def check(self, estimate: SpaceEstimate, *, free: int, path: str, step: int, keep: int,
               retention: Callable[[int], list[str]] | None = None,
-              sizes: Callable[[], list[int]] | None = None) -> StorageFullError | None:
-        """``None`` when the checkpoint fits (or the store cannot tell), else the error to raise.
+              own_run: str | None = None) -> StorageFullError | None:
+        """``None`` when the checkpoint fits, else the error to raise. ``free``: what
+        :meth:`free` said of ``path`` just before (the caller asked it first: a store that
+        cannot tell is not estimated for).
 
         ``retention(k)`` keeps the newest ``k`` committed checkpoints and returns what it
-        removed; ``sizes()`` lists the committed checkpoints' sizes, oldest first (for
-        the hint). Neither is called when the checkpoint fits.
+        removed; it is not called when the checkpoint fits. ``own_run``: the saving launch's
+        run folder (the hint counts the checkpoints retention may remove: :func:`committed_sizes`).
         """
         self.last_estimate = estimate
         need = estimate.total + estimate.files * _SLACK_PER_FILE
-        free = self.free(path)
         self.last_free = free
-        if free is None:
-            self.can_tell(path)
-            return None
         if need <= free:
             return None
         if keep and retention is not None:
@@ -269,7 +262,7 @@ class SpaceGuard:
                 self.last_free = free
                 if free is None or need <= free:
                     return None
-        hint = self._hint(need, free, keep, sizes() if sizes is not None else [])
+        hint = self._hint(need, free, keep, committed_sizes(self.storage, self.root, own_run))
         return StorageFullError(
             f"no space left for checkpoint-{step} under {self.where}: it needs about {human_bytes(need)} "
             f"and only {human_bytes(free)} are free, so the save was refused before writing anything; "
