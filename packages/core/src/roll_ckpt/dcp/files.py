@@ -338,14 +338,11 @@ def _own_storage(tensor: Any) -> Any:
 _FRAMES = TensorFrames()
 
 
-def write_tensor(tensor: Any, stream: Any) -> None:
-    """Write ``tensor`` as ``torch.save`` would (CRC-32 off), through the process's kept frames."""
-    _FRAMES.write(tensor, stream)
-
-
-def tensor_frame(dtype: Any, shape: tuple, stride: tuple) -> tuple[bytes, bytes] | None:
-    """The frame ``torch.save`` (CRC-32 off) writes around a plain tensor of this layout, or ``None``."""
-    return _FRAMES.frame(dtype, shape, stride)
+# The process's kept frames, used by the writer and the reader through these two names.
+write_tensor = _FRAMES.write
+"""Write ``tensor`` as ``torch.save`` would (CRC-32 off), through the process's kept frames."""
+tensor_frame = _FRAMES.frame
+"""The frame ``torch.save`` (CRC-32 off) writes around a plain tensor of this layout, or ``None``."""
 
 
 # ---- views of memory -------------------------------------------------------
