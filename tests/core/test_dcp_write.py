@@ -78,3 +78,32 @@ def test_one_process_saves_without_dcp_collectives(tmp_path: Path, monkeypatch: 
     finally:
         monkeypatch.undo()
         dist.destroy_process_group()
+
+
+def test_a_written_file_is_hashed_whole_and_in_chunks_whatever_its_writes(tmp_path: Path) -> None:
+    """The stream a data file is written through (``dcp.files``) gives the manifest the file's
+    size, its checksum and the checksums of its ``CHUNK_SIZE`` pieces, for writes of any size
+    that start and end anywhere within a chunk."""
+    import random
+
+    import xxhash
+
+    from roll_ckpt.dcp.files import StorageFileSystem
+    from roll_ckpt.format.manifest import CHUNK_SIZE
+    from roll_ckpt_fs import LocalStorage
+
+    rng = random.Random(0)
+    fs = StorageFileSystem(LocalStorage(str(tmp_path)))
+    for k, total in enumerate([0, 5, CHUNK_SIZE, 2 * CHUNK_SIZE + 17, 3 * CHUNK_SIZE - 1]):
+        data = rng.randbytes(total)
+        path = str(tmp_path / f"f{k}")
+        with fs.create_stream(path, "wb") as stream:
+            pos = 0
+            while pos < total:
+                n = rng.choice([1, 100, CHUNK_SIZE - 3, CHUNK_SIZE, CHUNK_SIZE + 5, 3 << 20])
+                assert stream.write(data[pos:pos + n]) == len(data[pos:pos + n])
+                pos += n
+                assert stream.tell() == min(pos, total)
+        chunks = tuple(xxhash.xxh3_128_hexdigest(data[i:i + CHUNK_SIZE]) for i in range(0, total, CHUNK_SIZE))
+        assert fs.digests[path] == (total, xxhash.xxh3_128_hexdigest(data), chunks), total
+        assert Path(path).read_bytes() == data

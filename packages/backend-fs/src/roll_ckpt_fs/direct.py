@@ -24,7 +24,7 @@ import fcntl
 import io
 import mmap
 import os
-import threading
+import queue
 from typing import Any
 
 __all__ = ["BUFFER_SIZE", "DirectFile", "open_direct"]
@@ -34,27 +34,13 @@ BUFFER_SIZE = 4 << 20
 _BLOCK = 4096
 _POOL_MAX = 4
 
-_pool: list[mmap.mmap] = []
-_pool_lock = threading.Lock()
-
-
-def _take() -> mmap.mmap:
-    with _pool_lock:
-        if _pool:
-            return _pool.pop()
-    return mmap.mmap(-1, BUFFER_SIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-
-
-def _give(buf: mmap.mmap) -> None:
-    with _pool_lock:
-        if len(_pool) < _POOL_MAX:
-            _pool.append(buf)
-            return
-    buf.close()
+_pool: "queue.LifoQueue[mmap.mmap]" = queue.LifoQueue(_POOL_MAX)
+"""Buffers of closed files, the last one given back taken first (its pages are the warmest)."""
 
 
 def _empty_pool() -> None:
-    _pool.clear()
+    global _pool
+    _pool = queue.LifoQueue(_POOL_MAX)  # a new one: a lock held at the fork stays held in the child
 
 
 if hasattr(os, "register_at_fork"):
@@ -74,7 +60,11 @@ def open_direct(path: str) -> "DirectFile | None":
             return None
         raise
     try:
-        return DirectFile(fd, _take())
+        try:
+            buf = _pool.get_nowait()
+        except queue.Empty:
+            buf = mmap.mmap(-1, BUFFER_SIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        return DirectFile(fd, buf)
     except BaseException:
         os.close(fd)
         raise
@@ -82,7 +72,8 @@ def open_direct(path: str) -> "DirectFile | None":
 
 class DirectFile(io.RawIOBase):
     """A write-only file on ``fd`` (opened with ``O_DIRECT``) whose ``close()`` returns only
-    once the data is on disk."""
+    once the data is on disk. ``flush()`` (``io.RawIOBase``'s) writes nothing out: the buffer
+    goes out when full and at close, where durability is promised."""
 
     def __init__(self, fd: int, buf: mmap.mmap) -> None:
         super().__init__()
@@ -122,9 +113,6 @@ class DirectFile(io.RawIOBase):
         self._written += total
         return total
 
-    def flush(self) -> None:
-        """Nothing: the buffer goes out when full and at close (where durability is promised)."""
-
     def _buffered(self) -> None:
         flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
         fcntl.fcntl(self._fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
@@ -162,5 +150,8 @@ class DirectFile(io.RawIOBase):
                 self._view.release()
                 buf, self._buf = self._buf, None
                 if buf is not None:
-                    _give(buf)
+                    try:
+                        _pool.put_nowait(buf)
+                    except queue.Full:
+                        buf.close()
                 super().close()

@@ -97,14 +97,6 @@ class _DurableFile(io.BufferedWriter):
             super().close()
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 _NO_LINK = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP}
 _SERVER_COPY = ("s3", "s3a")
 
@@ -193,7 +185,7 @@ class LocalStorage:
                 self._create_in_place(path, data)  # a file system without hard links
         finally:
             self.remove(tmp)
-        _fsync_dir(folder)
+        self.sync_dir(folder)
 
     def _create_in_place(self, path: str, data: bytes) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -213,7 +205,7 @@ class LocalStorage:
         if os.path.lexists(dst):
             raise FileExistsError(dst)
         os.rename(src, dst)
-        _fsync_dir(os.path.dirname(dst) or ".")
+        self.sync_dir(os.path.dirname(dst) or ".")
 
     def rename_file(self, src: str, dst: str) -> None:
         os.replace(src, dst)
@@ -232,8 +224,13 @@ class LocalStorage:
         return "copy"
 
     def sync_dir(self, path: str) -> None:
-        if os.path.isdir(path):
-            _fsync_dir(path)
+        if not os.path.isdir(path):
+            return
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def remove(self, path: str) -> None:
         try:

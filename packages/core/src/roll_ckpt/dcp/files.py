@@ -54,6 +54,7 @@ full path (a new ``.metadata``).
 
 from __future__ import annotations
 
+import functools
 import io
 import threading
 import ctypes
@@ -84,11 +85,6 @@ class _HashingStream(io.RawIOBase):
         self._on_close = on_close
         self._on_bytes = on_bytes
 
-    @property
-    def inner(self) -> Any:
-        """The backend's file object written through."""
-        return self._inner
-
     def writable(self) -> bool:
         return True
 
@@ -113,11 +109,8 @@ class _HashingStream(io.RawIOBase):
     def tell(self) -> int:
         return self._hasher.size
 
-    def flush(self) -> None:
-        if not self._inner.closed:
-            self._inner.flush()
-
     def close(self) -> None:
+        # (no flush of its own: the backend's close writes out what it buffered and makes it durable)
         if self.closed:
             return
         try:
@@ -173,17 +166,17 @@ class StorageFileSystem(FileSystemBase):
     def create_stream(self, path: Any, mode: str) -> Generator[io.IOBase, None, None]:
         path = str(path)
         if mode == "wb":
-            stream = _HashingStream(self.storage.open_write(path),
-                                    lambda d: self.record(path, d), self.on_bytes)
+            inner = self.storage.open_write(path)
+            stream = _HashingStream(inner, functools.partial(self.record, path), self.on_bytes)
             try:
                 yield stream  # type: ignore[misc]
             except BaseException as exc:
                 # Kept for the writer: a failure in one of its threads must fail the save.
                 with self._lock:
                     self.errors.append(exc)
-                if isinstance(stream.inner, AbortableWrite):  # an object store: no short object from a failed write
+                if isinstance(inner, AbortableWrite):  # an object store: no short object from a failed write
                     try:
-                        stream.inner.abort()
+                        inner.abort()
                     except Exception:  # the folder is removed by the save's cleanup anyway
                         pass
                 raise
@@ -345,14 +338,11 @@ def _own_storage(tensor: Any) -> Any:
 _FRAMES = TensorFrames()
 
 
-def write_tensor(tensor: Any, stream: Any) -> None:
-    """Write ``tensor`` as ``torch.save`` would (CRC-32 off), through the process's kept frames."""
-    _FRAMES.write(tensor, stream)
-
-
-def tensor_frame(dtype: Any, shape: tuple, stride: tuple) -> tuple[bytes, bytes] | None:
-    """The frame ``torch.save`` (CRC-32 off) writes around a plain tensor of this layout, or ``None``."""
-    return _FRAMES.frame(dtype, shape, stride)
+# The process's kept frames, used by the writer and the reader through these two names.
+write_tensor = _FRAMES.write
+"""Write ``tensor`` as ``torch.save`` would (CRC-32 off), through the process's kept frames."""
+tensor_frame = _FRAMES.frame
+"""The frame ``torch.save`` (CRC-32 off) writes around a plain tensor of this layout, or ``None``."""
 
 
 # ---- views of memory -------------------------------------------------------

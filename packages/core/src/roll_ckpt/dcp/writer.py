@@ -336,7 +336,7 @@ class DigestingWriter(FileSystemWriter):
                     values: dict[MetadataIndex, Any] | None = None) -> list[WriteResult]:
         """Write each ``(name, items)`` of ``files`` (one thread each), recording
         :attr:`written`; the collector is let go meanwhile."""
-        specs = [(self.fs.concat_path(self.path, name), name, items) for name, items in files]
+        specs = [(self.fs.storage.join(self.path, name), name, items) for name, items in files]
         results: list[list[WriteResult]] = [[] for _ in specs]
         layout: list[Written] = [[] for _ in specs]
         errors: list[BaseException] = []
@@ -404,7 +404,7 @@ class DigestingWriter(FileSystemWriter):
 
     def write_metadata(self, data: bytes) -> tuple:
         """Write ``.metadata`` with these bytes; its ``(size, checksum, chunks)``."""
-        path = self.fs.concat_path(self.path, METADATA_NAME)
+        path = self.fs.storage.join(self.path, METADATA_NAME)
         with self.fs.create_stream(path, "wb") as stream:
             stream.write(data)
         return self.fs.digests[path]

@@ -142,8 +142,7 @@ class RenameIntoPlace(PendingCheckpoint):
     def _discard(self) -> None:
         self.storage.remove_tree(self.write_path)
 
-    def abandon(self) -> None:
-        self.storage.remove_tree(self.write_path)
+    abandon = _discard  # the temporary folder is this save's alone, begun or not
 
 
 class ManifestLast(PendingCheckpoint):

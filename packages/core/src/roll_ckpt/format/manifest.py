@@ -145,16 +145,12 @@ def _canonical(body: dict[str, Any]) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
-def _self_checksum(body: dict[str, Any]) -> str:
-    return hash_bytes(_canonical(body))[1]
-
-
 def seal(body: dict[str, Any]) -> bytes:
     """The bytes of ``manifest.json`` for ``body``: with its own checksum, and signed when
     ``ROLL_CKPT_SIGNING_KEY`` is set (any ``manifest_checksum``/``signature`` in ``body``
     is replaced)."""
     body = {k: v for k, v in body.items() if k not in (CHECKSUM_FIELD, "signature")}
-    body[CHECKSUM_FIELD] = _self_checksum(body)
+    body[CHECKSUM_FIELD] = hash_bytes(_canonical(body))[1]
     key = os.environ.get(SIGNING_ENV)
     if key:
         body["signature"] = {
@@ -216,7 +212,8 @@ class Manifest:
         parts = self.extra.get(COMPONENTS_KEY)
         return dict(parts) if isinstance(parts, dict) else {}
 
-    def _body(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, Any]:
+        """The manifest as the JSON values ``manifest.json`` holds (its own checksum aside)."""
         return {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
@@ -231,16 +228,8 @@ class Manifest:
             "extra": self.extra,
         }
 
-    @staticmethod
-    def _canonical(body: dict[str, Any]) -> bytes:
-        return _canonical(body)
-
     def to_bytes(self) -> bytes:
-        return seal(self._body())
-
-    def as_dict(self) -> dict[str, Any]:
-        """The manifest as the JSON values ``manifest.json`` holds (its own checksum aside)."""
-        return self._body()
+        return seal(self.as_dict())
 
     @classmethod
     def from_bytes(cls, data: bytes) -> tuple["Manifest", list[str]]:
@@ -264,7 +253,7 @@ class Manifest:
         damaged = None
         if stored is None:
             damaged = f"has no {CHECKSUM_FIELD} (damaged, or not written by roll-ckpt)"
-        elif stored != _self_checksum(body):
+        elif stored != hash_bytes(_canonical(body))[1]:
             damaged = "checksum mismatch (the manifest changed after it was written)"
         if unsafe:
             raise UnsafeManifestError(unsafe + ([damaged] if damaged else []))
