@@ -37,6 +37,7 @@ the unchecked reads that go through ``dcp.load`` (the HF export).
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import io
 import os
 import pickle
@@ -96,10 +97,9 @@ class SafeReader(FileSystemReader):
         self._checkpoint = checkpoint or self.path
         self._prefix = prefix
         self._verified: dict[str, Verified | StreamedFile] = {}
-        self._early: dict[str, tuple[Verified | None, BaseException | None]] = {}
-        self._early_thread: threading.Thread | None = None
-        self._early_done: dict[str, threading.Event] = {}
-        self._early_threads: list[threading.Thread] = []
+        self._early: dict[str, cf.Future] = {}
+        """The early checks (:meth:`start_checks`), by file: each one's checked file."""
+        self._checker: cf.ThreadPoolExecutor | None = None
         self._failed: dict[str, BaseException] = {}
         self._keeps_files = True
         self._targets: dict[Any, torch.Tensor] = {}
@@ -188,9 +188,12 @@ class SafeReader(FileSystemReader):
         for data in self._verified.values():
             data.close()
         self._verified.clear()
-        for data, _ in self._take_early().values():
-            if data is not None:
-                data.close()
+        if self._checker is not None:  # the checks not begun are dropped; the one running ends
+            self._checker.shutdown(wait=True, cancel_futures=True)
+        for fut in self._early.values():
+            if not fut.cancelled() and fut.exception() is None and fut.result() is not None:
+                fut.result().close()
+        self._early.clear()
         with self._pool_lock:
             pool, self._pool = self._pool, None
         if pool is not None:
@@ -201,41 +204,12 @@ class SafeReader(FileSystemReader):
         load) in the background, so the disk works while the load is being planned.
         :meth:`check_files` waits for the ones it is given; it checks others itself."""
         names = [n for n in names if self._files is not None and n in self._files and not self._streams(n)]
-        if not names or self._early_thread is not None:
+        if not names or self._checker is not None:
             return
         keep = sum(self._expected(n).size for n in names) <= verify_budget()
-        done = {n: threading.Event() for n in names}
-        self._early_done = dict(done)
-
-        def run(mine: list[str]) -> None:
-            for name in mine:
-                try:
-                    self._early[name] = (self._read_verified(name, keep), None)
-                except BaseException as exc:  # raised again by check_files (then on every rank)
-                    self._early[name] = (None, exc)
-                done[name].set()
-
-        streams = max(1, min(CHECK_STREAMS, len(names)))
-        threads = [threading.Thread(target=run, args=(names[i::streams],), name="roll-ckpt-verify", daemon=True)
-                   for i in range(streams)]
-        for t in threads:
-            t.start()
-        self._early_thread = threads[0]
-        self._early_threads = threads
-
-    def _take_early(self, names: Any = None) -> dict[str, tuple[Verified | None, BaseException | None]]:
-        """The early checks of ``names`` (all: ``None``), waiting for the ones still running."""
-        if self._early_thread is None:
-            return {}
-        wanted = list(self._early_done) if names is None else [n for n in names if n in self._early_done]
-        out = {}
-        for name in wanted:
-            self._early_done.pop(name).wait()
-            out[name] = self._early.pop(name)
-        if not self._early_done:
-            for t in self._early_threads:
-                t.join()
-        return out
+        # (an error is kept in its future: check_files raises it, then the job on every rank)
+        self._checker = cf.ThreadPoolExecutor(CHECK_STREAMS, thread_name_prefix="roll-ckpt-verify")
+        self._early = {name: self._checker.submit(self._read_verified, name, keep) for name in names}
 
     def _resolve_targets(self, plan: Any, planner: Any) -> None:
         """Look up every tensor item's target now (no data is read or written). A whole local
@@ -263,11 +237,12 @@ class SafeReader(FileSystemReader):
         them open for the load; raises the first damage found. Files loaded streamed are
         checked piece by piece as they load instead."""
         names = [n for n in names if not self._streams(n)]
-        for name, (data, error) in self._take_early(names).items():
-            if data is not None:
-                self._verified.setdefault(name, data)
-            elif error is not None:
+        for name in names:  # the early checks of these: waited for
+            early = self._early.pop(name, None)
+            if early is not None and (error := early.exception()) is not None:
                 self._failed.setdefault(name, error)
+            elif early is not None and early.result() is not None:
+                self._verified.setdefault(name, early.result())
         todo = [n for n in names if n not in self._verified]
         for name in todo:
             if name in self._failed:
