@@ -262,12 +262,34 @@ class SafeReader(FileSystemReader):
         ``planner``. With ``files``, every file the plan reads is checked first, unless the
         job checked them all (``checked``): a load of this process alone checks them here,
         looking the targets up while its early checks read the disk."""
+        import dataclasses
+
+        from torch.distributed.checkpoint.planner import LoadItemType
+
         if self._files is not None:
             self._resolve_targets(plan, planner)
             if not self.checked:
                 self.check_files(sorted({self.storage_data[i.storage_index].relative_path for i in plan.items}))
                 self.checked = True
-        self.read_data(plan, planner)
+        try:
+            # Values (the only pickles: per-process state) before tensors, in one load: a value
+            # weights_only refuses stops it before any live tensor is touched.
+            values = [i for i in plan.items if i.type == LoadItemType.BYTE_IO]
+            tensors = [i for i in plan.items if i.type != LoadItemType.BYTE_IO]
+            for items in (values, tensors):
+                if items:
+                    self._read_data(dataclasses.replace(plan, items=items), planner)
+        except pickle.UnpicklingError as exc:  # weights_only refused a value or a tensor: it would run code
+            item = getattr(exc, "read_item", None)
+            if item is not None:
+                files = [self.storage_data[item.storage_index].relative_path]
+                what = f"the value of '{item.dest_index.fqn}'"
+            else:
+                files = sorted({self.storage_data[i.storage_index].relative_path for i in plan.items})
+                what = "a tensor"
+            raise UnsafeCheckpointError(self._checkpoint, [
+                (self._prefix + name, f"refused to unpickle {what}: {pickle_reason(exc)}") for name in files
+            ]) from None
 
     # ------------------------------------------------------------ DCP's StorageReader
 
@@ -307,44 +329,23 @@ class SafeReader(FileSystemReader):
         return data
 
     def read_data(self, plan: Any, planner: Any) -> Any:
-        import dataclasses
-
-        from torch.distributed.checkpoint.planner import LoadItemType
+        """DCP's hook, for the reads that go through ``dcp.load`` (the HF export): :meth:`load`."""
         from torch.futures import Future
 
-        try:
-            # Values (the only pickles: per-process state) before tensors, in one load: a value
-            # weights_only refuses stops it before any live tensor is touched.
-            values = [i for i in plan.items if i.type == LoadItemType.BYTE_IO]
-            tensors = [i for i in plan.items if i.type != LoadItemType.BYTE_IO]
-            for items in (values, tensors):
-                if items:
-                    self._read_data(dataclasses.replace(plan, items=items), planner).wait()
-            fut: Future = Future()
-            fut.set_result(None)
-            return fut
-        except pickle.UnpicklingError as exc:  # weights_only refused a value or a tensor: it would run code
-            item = getattr(exc, "read_item", None)
-            if item is not None:
-                files = [self.storage_data[item.storage_index].relative_path]
-                what = f"the value of '{item.dest_index.fqn}'"
-            else:
-                files = sorted({self.storage_data[i.storage_index].relative_path for i in plan.items})
-                what = "a tensor"
-            raise UnsafeCheckpointError(self._checkpoint, [
-                (self._prefix + name, f"refused to unpickle {what}: {pickle_reason(exc)}") for name in files
-            ]) from None
+        self.load(plan, planner)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
 
-    def _read_data(self, plan: Any, planner: Any) -> Any:
+    def _read_data(self, plan: Any, planner: Any) -> None:
         if self._files is None:
-            fut = super().read_data(plan, planner)
+            super().read_data(plan, planner).wait()
             if self._on_bytes is not None:
                 self._on_bytes(sum(self.storage_data[i.storage_index].length for i in plan.items))
-            return fut
+            return
         import dataclasses
 
         from torch.distributed.checkpoint.planner import LoadItemType
-        from torch.futures import Future
 
         # the checked files stay open until release(): a load may take two passes
         per_file: dict[str, list[Any]] = {}
@@ -374,16 +375,11 @@ class SafeReader(FileSystemReader):
             else:
                 tensors.append((data, reqs))
         if len(tensors) > 1:  # one thread per file: the preads release the GIL
-            from concurrent.futures import ThreadPoolExecutor
-
-            with ThreadPoolExecutor(min(len(tensors), _LOAD_THREADS), thread_name_prefix="roll-ckpt-load") as pool:
+            with cf.ThreadPoolExecutor(min(len(tensors), _LOAD_THREADS), thread_name_prefix="roll-ckpt-load") as pool:
                 for done in [pool.submit(self._load_items, data, reqs, planner) for data, reqs in tensors]:
                     done.result()
         elif tensors:
             self._load_items(*tensors[0], planner)
-        fut: Future = Future()
-        fut.set_result(None)
-        return fut
 
     def _load_items(self, data: Verified | StreamedFile, reqs: list[Any], planner: Any) -> None:
         """Load ``reqs`` of one checked file, in file order, into their targets."""
