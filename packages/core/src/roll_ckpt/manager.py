@@ -170,13 +170,14 @@ class CheckpointManager:
         this process leaves it alone while it may)."""
         return not self._closed
 
-    def _announce(self, path: str, manifest: Any, component: str | None = None) -> None:
+    def _announce(self, path: str, manifest: Any, component: str | None = None, data: bytes | None = None) -> None:
         """``roll_ckpt_on_commit`` for a checkpoint, a step or a part just committed here
-        (the checkpoint this launch resumed from need not be held any longer)."""
+        (the checkpoint this launch resumed from need not be held any longer). ``data``: the
+        bytes of ``manifest.json`` as committed, when the caller has them (not serialised again)."""
         self._holds.release()
         self._setup.plugins.hook.roll_ckpt_on_commit(info=CommitInfo(
-            path=path, step=manifest.step, url=self._storage.url, manifest=json.loads(manifest.to_bytes()),
-            component=component))
+            path=path, step=manifest.step, url=self._storage.url,
+            manifest=json.loads(manifest.to_bytes() if data is None else data), component=component))
 
     # ------------------------------------------------------------------ saving
 

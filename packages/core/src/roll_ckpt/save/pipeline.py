@@ -249,7 +249,8 @@ class Committer:
         self.hf = hf
         """The Hugging Face files each checkpoint carries, or ``None``."""
         self.announce = announce
-        """``announce(path, manifest, component=None)``: ``roll_ckpt_on_commit`` for what was committed."""
+        """``announce(path, manifest, component=None, data=None)``: ``roll_ckpt_on_commit`` for what
+        was committed (``data``: the manifest's bytes as committed, when known)."""
         self.hooks = list(after_commit)
         """Run in order as ``hook(run, path, step)`` for each checkpoint (or step) committed here."""
         self.resumed_from: str | None = None
@@ -286,8 +287,9 @@ class Committer:
             self._versions = (setup.plugins.generation, plugin_versions(tuple(setup.plugins.distributions())))
         manifest = Manifest(step=ctx.step, files=files, created=utc_now(), world_size=strategy.world_size,
                             component=setup.component, plugins=self._versions[1], extra=extra)
-        pending.commit(manifest.to_bytes())
-        self.announce(ctx.path, manifest, setup.component)
+        data = manifest.to_bytes()
+        pending.commit(data)
+        self.announce(ctx.path, manifest, setup.component, data=data)  # (the bytes committed: not serialised again)
         step_path = layout.parent(ctx.path) if setup.component else ctx.path
         if not setup.component or self.commit_step(run, step_path, ctx.step):  # the checkpoint, or the step's last part
             for hook in self.hooks:
