@@ -59,12 +59,13 @@ import io
 import threading
 import ctypes
 import struct
+import xxhash
 from contextlib import contextmanager
 from typing import Any, Callable, Generator
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 
 from ..contracts import AbortableWrite, Storage
-from ..format.manifest import FileHasher, Hasher
+from ..format.manifest import CHUNK_SIZE
 from ..runtime.torch_compat import save_tensor_without_crc, serializes_plainly
 
 __all__ = ['StorageFileSystem', 'TensorFrames', 'write_tensor', 'tensor_frame', 'writable_view', 'exact_alias', 'slot_capacity', 'slot_slack', 'padded_value']
@@ -72,16 +73,18 @@ __all__ = ['StorageFileSystem', 'TensorFrames', 'write_tensor', 'tensor_frame', 
 
 # ---- DCP's file system on a storage, hashing what it writes ----------------
 
-_WRITE_PIECE = 8 << 20
-
-
 class _HashingStream(io.RawIOBase):
-    """Write-through stream that counts and hashes; ``tell`` is what DCP records as offsets."""
+    """Write-through stream that counts and hashes: the file's checksum and those of its
+    :data:`~roll_ckpt.format.manifest.CHUNK_SIZE` pieces; ``tell`` is what DCP records as
+    offsets."""
 
     def __init__(self, inner: Any, on_close: Callable[[tuple[int, str, tuple[str, ...]]], None],
                  on_bytes: Callable[[int], None] | None) -> None:
         self._inner = inner
-        self._hasher = FileHasher()
+        self._file = xxhash.xxh3_128()
+        self._chunk = xxhash.xxh3_128()
+        self._chunks: list[str] = []
+        self._size = 0
         self._on_close = on_close
         self._on_bytes = on_bytes
 
@@ -89,17 +92,22 @@ class _HashingStream(io.RawIOBase):
         return True
 
     def write(self, b: Any) -> int:
-        # In pieces of a chunk's size: each piece is one write call and one hash call
-        # (both release the GIL), so the loop's thread gets the GIL back fewer times.
-        # Measured on a 108 MiB state: 8 MiB pieces cost 12% less CPU than 1 MiB pieces.
+        # In pieces that end at the chunks' ends: each piece is one write call and one hash
+        # call per checksum (both release the GIL), so the loop's thread gets the GIL back
+        # fewer times. Measured on a 108 MiB state: 8 MiB pieces cost 12% less CPU than 1 MiB pieces.
         mv = memoryview(b).cast("B")
         total = 0
         while total < mv.nbytes:
-            part = mv[total:total + _WRITE_PIECE]
+            part = mv[total:total + CHUNK_SIZE - self._size % CHUNK_SIZE]
             n = self._inner.write(part)
             n = part.nbytes if n is None else n
-            self._hasher.update(part[:n])
+            self._file.update(part[:n])
+            self._chunk.update(part[:n])
+            self._size += n
             total += n
+            if n and self._size % CHUNK_SIZE == 0:
+                self._chunks.append(self._chunk.hexdigest())
+                self._chunk = xxhash.xxh3_128()
             if n < part.nbytes:
                 break
         if self._on_bytes is not None:
@@ -107,7 +115,7 @@ class _HashingStream(io.RawIOBase):
         return total
 
     def tell(self) -> int:
-        return self._hasher.size
+        return self._size
 
     def close(self) -> None:
         # (no flush of its own: the backend's close writes out what it buffered and makes it durable)
@@ -117,27 +125,31 @@ class _HashingStream(io.RawIOBase):
             self._inner.close()  # the backend makes it durable here
         finally:
             super().close()
-        self._on_close(self._hasher.digest())
+        last = [self._chunk.hexdigest()] if self._size % CHUNK_SIZE else []
+        self._on_close((self._size, self._file.hexdigest(), (*self._chunks, *last)))
 
 
 class _DigestSink(io.RawIOBase):
     """Where a file is serialized to learn its checksum without writing it."""
 
     def __init__(self) -> None:
-        self._hasher = Hasher()
+        self._hash = xxhash.xxh3_128()
+        self._size = 0
 
     def writable(self) -> bool:
         return True
 
     def write(self, b: Any) -> int:
-        self._hasher.update(b)
-        return memoryview(b).nbytes
+        n = memoryview(b).nbytes
+        self._hash.update(b)
+        self._size += n
+        return n
 
     def tell(self) -> int:
-        return self._hasher.size
+        return self._size
 
     def digest(self) -> tuple[int, str]:
-        return self._hasher.size, self._hasher.hexdigest()
+        return self._size, self._hash.hexdigest()
 
 
 class StorageFileSystem(FileSystemBase):
