@@ -54,7 +54,6 @@ full path (a new ``.metadata``).
 
 from __future__ import annotations
 
-import functools
 import io
 import threading
 import ctypes
@@ -76,17 +75,16 @@ __all__ = ['StorageFileSystem', 'TensorFrames', 'write_tensor', 'tensor_frame', 
 class _HashingStream(io.RawIOBase):
     """Write-through stream that counts and hashes: the file's checksum and those of its
     :data:`~roll_ckpt.format.manifest.CHUNK_SIZE` pieces; ``tell`` is what DCP records as
-    offsets."""
+    offsets. Once closed, :attr:`digest` is ``(size, checksum, chunk checksums)``."""
 
-    def __init__(self, inner: Any, on_close: Callable[[tuple[int, str, tuple[str, ...]]], None],
-                 on_bytes: Callable[[int], None] | None) -> None:
+    def __init__(self, inner: Any, on_bytes: Callable[[int], None] | None) -> None:
         self._inner = inner
         self._file = xxhash.xxh3_128()
         self._chunk = xxhash.xxh3_128()
         self._chunks: list[str] = []
         self._size = 0
-        self._on_close = on_close
         self._on_bytes = on_bytes
+        self.digest: tuple[int, str, tuple[str, ...]] | None = None
 
     def writable(self) -> bool:
         return True
@@ -126,7 +124,7 @@ class _HashingStream(io.RawIOBase):
         finally:
             super().close()
         last = [self._chunk.hexdigest()] if self._size % CHUNK_SIZE else []
-        self._on_close((self._size, self._file.hexdigest(), (*self._chunks, *last)))
+        self.digest = (self._size, self._file.hexdigest(), (*self._chunks, *last))
 
 
 class _DigestSink(io.RawIOBase):
@@ -160,13 +158,7 @@ class StorageFileSystem(FileSystemBase):
         self.on_bytes = on_bytes
         self.digests: dict[str, tuple[int, str, tuple[str, ...]]] = {}
         """Per file written: ``(size, checksum, chunk checksums)``."""
-        self.errors: list[BaseException] = []
         self._lock = threading.Lock()
-
-    def record(self, path: str, digest: tuple) -> None:
-        """Record a file's digest: one written here, or taken over from another checkpoint."""
-        with self._lock:
-            self.digests[path] = digest
 
     @contextmanager
     def hashing_stream(self) -> Generator[_DigestSink, None, None]:
@@ -179,13 +171,10 @@ class StorageFileSystem(FileSystemBase):
         path = str(path)
         if mode == "wb":
             inner = self.storage.open_write(path)
-            stream = _HashingStream(inner, functools.partial(self.record, path), self.on_bytes)
+            stream = _HashingStream(inner, self.on_bytes)
             try:
                 yield stream  # type: ignore[misc]
-            except BaseException as exc:
-                # Kept for the writer: a failure in one of its threads must fail the save.
-                with self._lock:
-                    self.errors.append(exc)
+            except BaseException:
                 if isinstance(inner, AbortableWrite):  # an object store: no short object from a failed write
                     try:
                         inner.abort()
@@ -194,6 +183,7 @@ class StorageFileSystem(FileSystemBase):
                 raise
             finally:
                 stream.close()
+            self.digests[path] = stream.digest  # type: ignore[assignment]
         elif mode == "rb":
             with self.storage.open_read(path) as f:
                 yield f

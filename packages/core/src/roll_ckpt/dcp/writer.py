@@ -160,7 +160,7 @@ def _write_file(fs: StorageFileSystem, path: str, name: str, items: list[Any], p
             results, written = _serialize(sink, name, items, planner, None, slots, dict(values or {}))
         if sink.digest()[:2] == tuple(previous[:2]) and take.take(name, path):  # type: ignore[union-attr]
             take.taken[name] = (*previous[:3], CHUNK_SIZE, take.base.name)  # type: ignore[union-attr]
-            fs.record(path, take.taken[name])  # type: ignore[union-attr]
+            fs.digests[path] = take.taken[name]  # type: ignore[union-attr]
             return results, written
     with fs.create_stream(path, "wb") as stream:
         return _serialize(stream, name, items, planner, gate, slots, values)
