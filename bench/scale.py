@@ -407,13 +407,10 @@ class _StubWriter:
     gate = None
 
     def __init__(self, mine: dict[str, tuple], written: dict[str, list]) -> None:
-        self.mine, self.written = mine, written
+        self.own_digests, self.written = dict(mine), written
 
     def write_files(self, *args: Any, **kwargs: Any) -> None:
         return None
-
-    def own_digests(self) -> dict[str, tuple]:
-        return dict(self.mine)
 
     def write_metadata(self, data: bytes) -> tuple:
         return writer_digest(data)

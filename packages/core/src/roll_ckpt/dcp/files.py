@@ -153,11 +153,13 @@ class _DigestSink(io.RawIOBase):
 class StorageFileSystem(FileSystemBase):
     """DCP's ``FileSystemBase`` over a roll-ckpt backend."""
 
-    def __init__(self, storage: Storage, on_bytes: Callable[[int], None] | None = None) -> None:
+    def __init__(self, storage: Storage, on_bytes: Callable[[int], None] | None = None, root: str = "") -> None:
         self.storage = storage
         self.on_bytes = on_bytes
+        self.root = root.rstrip("/") + "/" if root else ""
         self.digests: dict[str, tuple[int, str, tuple[str, ...]]] = {}
-        """Per file written: ``(size, checksum, chunk checksums)``."""
+        """Per file written: ``(size, checksum, chunk checksums)``, by its path relative to ``root``
+        (its whole path without a ``root``, or where it lies elsewhere)."""
         self._lock = threading.Lock()
 
     @contextmanager
@@ -183,7 +185,8 @@ class StorageFileSystem(FileSystemBase):
                 raise
             finally:
                 stream.close()
-            self.digests[path] = stream.digest  # type: ignore[assignment]
+            name = path[len(self.root):] if path.startswith(self.root) else path
+            self.digests[name] = stream.digest  # type: ignore[assignment]
         elif mode == "rb":
             with self.storage.open_read(path) as f:
                 yield f
@@ -195,9 +198,10 @@ class StorageFileSystem(FileSystemBase):
 
     def rename(self, path: Any, new_path: Any) -> None:
         self.storage.rename_file(str(path), str(new_path))
+        old, new = (p[len(self.root):] if p.startswith(self.root) else p for p in (str(path), str(new_path)))
         with self._lock:
-            if str(path) in self.digests:
-                self.digests[str(new_path)] = self.digests.pop(str(path))
+            if old in self.digests:
+                self.digests[new] = self.digests.pop(old)
 
     def init_path(self, path: Any, **kwargs: Any) -> str:
         return str(path)
