@@ -331,13 +331,20 @@ def content_fault(entry: FileEntry | None, size: int, digest: str) -> str | None
 
 
 def read_manifest(storage: Storage, path: str) -> Manifest:
-    require_committed(storage, path)
+    """The manifest of the committed checkpoint at ``path``, checked (its own checksum, the
+    paths it lists, its signature). :class:`CheckpointNotFoundError` where ``path`` is no
+    folder, or holds no manifest: the open tells, with no look for the file before it."""
+    if not storage.isdir(path):
+        raise CheckpointNotFoundError(f"no checkpoint at {path}: the folder does not exist")
     try:
         try:
             with storage.open_read(storage.join(path, MANIFEST_NAME)) as f:
                 data = f.read()
         except FileNotFoundError:
-            raise
+            raise CheckpointNotFoundError(
+                f"{path} is not a committed checkpoint (no {MANIFEST_NAME}): it is either not a "
+                "roll-ckpt checkpoint or a save that never finished; resume from another one"
+            ) from None
         except OSError as exc:  # e.g. a link planted in place of the manifest
             raise UnsafeCheckpointError(path, [(MANIFEST_NAME, unsafe_read_fault(exc))]) from None
         manifest, problems = Manifest.from_bytes(data)
@@ -348,16 +355,6 @@ def read_manifest(storage: Storage, path: str) -> Manifest:
     if problems:
         raise UnsafeCheckpointError(path, [(MANIFEST_NAME, p) for p in problems])
     return manifest
-
-
-def require_committed(storage: Storage, path: str) -> None:
-    if not storage.isdir(path):
-        raise CheckpointNotFoundError(f"no checkpoint at {path}: the folder does not exist")
-    if not storage.exists(storage.join(path, MANIFEST_NAME)):
-        raise CheckpointNotFoundError(
-            f"{path} is not a committed checkpoint (no {MANIFEST_NAME}): it is either not a "
-            "roll-ckpt checkpoint or a save that never finished; resume from another one"
-        )
 
 
 def verify(storage: Storage, path: str, *, checksums: bool = True,
