@@ -67,7 +67,7 @@ from ..contracts import AbortableWrite, Storage
 from ..format.manifest import CHUNK_SIZE
 from ..runtime.torch_compat import save_tensor_without_crc, serializes_plainly
 
-__all__ = ['StorageFileSystem', 'TensorFrames', 'write_tensor', 'tensor_frame', 'writable_view', 'exact_alias', 'slot_capacity', 'slot_slack', 'padded_value']
+__all__ = ['StorageFileSystem', 'DigestSink', 'TensorFrames', 'write_tensor', 'tensor_frame', 'writable_view', 'exact_alias', 'slot_capacity', 'slot_slack', 'padded_value']
 
 
 # ---- DCP's file system on a storage, hashing what it writes ----------------
@@ -127,8 +127,9 @@ class _HashingStream(io.RawIOBase):
         self.digest = (self._size, self._file.hexdigest(), (*self._chunks, *last))
 
 
-class _DigestSink(io.RawIOBase):
-    """Where a file is serialized to learn its checksum without writing it."""
+class DigestSink(io.RawIOBase):
+    """Where a file is serialized to learn its checksum without writing it (``digest()``: size
+    and whole checksum)."""
 
     def __init__(self) -> None:
         self._hash = xxhash.xxh3_128()
@@ -161,12 +162,6 @@ class StorageFileSystem(FileSystemBase):
         """Per file written: ``(size, checksum, chunk checksums)``, by its path relative to ``root``
         (its whole path without a ``root``, or where it lies elsewhere)."""
         self._lock = threading.Lock()
-
-    @contextmanager
-    def hashing_stream(self) -> Generator[_DigestSink, None, None]:
-        """A stream that hashes what is written to it and keeps nothing (``digest()``: size
-        and whole checksum)."""
-        yield _DigestSink()
 
     @contextmanager
     def create_stream(self, path: Any, mode: str) -> Generator[io.IOBase, None, None]:

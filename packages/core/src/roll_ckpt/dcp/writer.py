@@ -83,7 +83,7 @@ from dataclasses import dataclass, field
 
 from ..runtime.collector import CollectorPause
 from ..contracts import Storage
-from .files import StorageFileSystem, padded_value, slot_capacity, write_tensor
+from .files import DigestSink, StorageFileSystem, padded_value, slot_capacity, write_tensor
 from ..runtime.torch_compat import create_write_items, dcp_format_version, local_tensor, storage_info, storage_prefix, all_reduce_ints
 from .checked import METADATA_NAME, safe_load_metadata
 from ..format.manifest import CHUNK_SIZE
@@ -156,8 +156,8 @@ def _write_file(fs: StorageFileSystem, path: str, name: str, items: list[Any], p
     bytes hash to the base checkpoint's is taken over from it instead (:mod:`roll_ckpt.dcp.writer`)."""
     previous = take.candidate(name, [i.index.fqn for i in items]) if take is not None else None
     if previous is not None:
-        with fs.hashing_stream() as sink:
-            results, written = _serialize(sink, name, items, planner, None, slots, dict(values or {}))
+        sink = DigestSink()
+        results, written = _serialize(sink, name, items, planner, None, slots, dict(values or {}))
         if sink.digest()[:2] == tuple(previous[:2]) and take.take(name, path):  # type: ignore[union-attr]
             take.taken[name] = (*previous[:3], CHUNK_SIZE, take.base.name)  # type: ignore[union-attr]
             fs.digests[name] = take.taken[name]  # type: ignore[union-attr]
