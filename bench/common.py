@@ -8,7 +8,7 @@ import time
 from typing import Any, Callable, Iterable
 
 __all__ = ["announce", "PeakRSS", "rss_bytes", "drop_cache", "tree_bytes", "tree_files", "median", "io_read_bytes", "state_size",
-           "cpu_all"]
+           "cpu_all", "writer_digest"]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -222,3 +222,25 @@ def announce(manager: Any) -> None:
     if ready is not None:
         ready.result()
 
+
+
+class _Nowhere:
+    """A backend's stream that keeps nothing."""
+
+    def write(self, b: Any) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+def writer_digest(data: Any) -> tuple:
+    """``data``'s ``(size, checksum, chunk checksums)`` as roll-ckpt's writer hashes a file it
+    writes (``roll_ckpt.dcp.files._HashingStream``: the whole file and its 8 MiB pieces),
+    writing nothing."""
+    from roll_ckpt.dcp.files import _HashingStream
+
+    stream = _HashingStream(_Nowhere(), None)
+    stream.write(data)
+    stream.close()
+    return stream.digest  # type: ignore[return-value]

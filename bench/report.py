@@ -273,7 +273,7 @@ def _hash_md(res: dict[str, Any]) -> list[str]:
     h = res.get("hash")
     if not h:
         return []
-    return ["", f"**Hash cost**: `roll_ckpt.format.manifest.FileHasher` (whole file + 8 MiB pieces, xxh3-128) on "
+    return ["", f"**Hash cost**: the hashing of roll-ckpt's writer, `roll_ckpt.dcp.files` (whole file + 8 MiB pieces, xxh3-128) on "
                 f"{h['bytes'] / MB:.0f} MiB: {_ms(h['file_hasher_s'])} ({h['file_hasher_gbps']:.1f} GB/s; "
                 f"one xxh3-128 pass {h['xxh3_gbps']:.1f} GB/s), best of 3, one core."]
 

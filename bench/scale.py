@@ -42,6 +42,7 @@ import sys
 import time
 from typing import Any, Callable, Iterable
 
+from .common import writer_digest
 from .launch import RESULTS, ROOT, child_env, module
 from .scale_limits import OPS_LIMIT, T12_LIMIT, T12_OVERHEAD_LIMIT, T13_LIMIT
 
@@ -296,7 +297,7 @@ class RollCkptFastPath:
     ``source``: ``"roll_ckpt.dcp.writer"`` when the coordinator's part runs the library's
     own ``FixedLayouts.save`` (over a simulated group: its gather hands it the N ranks'
     pickled messages, unpickled on its time, and its writer is a stub that writes nothing
-    and hashes the kept ``.metadata`` with ``roll_ckpt.format.manifest.FileHasher``); ``"modelled"``
+    and hashes the kept ``.metadata`` as the writer hashes a file, :func:`bench.common.writer_digest`); ``"modelled"``
     when that module is missing or its interface differs (``note`` says why) — the same
     messages, unpickled and merged by this class.
     """
@@ -331,16 +332,12 @@ class RollCkptFastPath:
                 self.note = f"FixedLayouts.save over a simulated group failed: {type(exc).__name__}: {exc}"[:300]
         if digests is None:
             def model() -> tuple[dict[str, tuple], bytes]:
-                from roll_ckpt.format.manifest import FileHasher
-
                 out: dict[str, tuple] = {}
                 for raw in messages:
                     status, mine = pickle.loads(raw)
                     out.update(mine)
                 if md_bytes is not None:
-                    h = FileHasher()
-                    h.update(md_bytes)
-                    out[".metadata"] = h.digest()
+                    out[".metadata"] = writer_digest(md_bytes)
                 else:  # the cached .metadata's size only (a cell without the DCP paths)
                     out[".metadata"] = (md_size, _hex(), tuple(_hex() for _ in range(-(-md_size // CHUNK))))
                 return out, dumps([None])
@@ -410,20 +407,13 @@ class _StubWriter:
     gate = None
 
     def __init__(self, mine: dict[str, tuple], written: dict[str, list]) -> None:
-        self.mine, self.written = mine, written
+        self.own_digests, self.written = dict(mine), written
 
     def write_files(self, *args: Any, **kwargs: Any) -> None:
         return None
 
-    def own_digests(self) -> dict[str, tuple]:
-        return dict(self.mine)
-
     def write_metadata(self, data: bytes) -> tuple:
-        from roll_ckpt.format.manifest import FileHasher
-
-        h = FileHasher()
-        h.update(data)
-        return h.digest()
+        return writer_digest(data)
 
 
 def _hex() -> str:

@@ -107,3 +107,8 @@ def test_a_written_file_is_hashed_whole_and_in_chunks_whatever_its_writes(tmp_pa
         chunks = tuple(xxhash.xxh3_128_hexdigest(data[i:i + CHUNK_SIZE]) for i in range(0, total, CHUNK_SIZE))
         assert fs.digests[path] == (total, xxhash.xxh3_128_hexdigest(data), chunks), total
         assert Path(path).read_bytes() == data
+    # a file system with a root (the writer's: its DCP folder) keeps them by name within it
+    rooted = StorageFileSystem(LocalStorage(str(tmp_path)), root=str(tmp_path) + "/")
+    with rooted.create_stream(str(tmp_path / "f5"), "wb") as stream:
+        stream.write(b"abc")
+    assert rooted.digests == {"f5": (3, xxhash.xxh3_128_hexdigest(b"abc"), (xxhash.xxh3_128_hexdigest(b"abc"),))}

@@ -120,11 +120,11 @@ def test_a_change_through_a_numpy_view_is_caught_and_written(tmp_path: Path) -> 
 
 
 def test_a_full_fine_tune_hashes_nothing_first_and_takes_nothing_over(tmp_path: Path, monkeypatch) -> None:
-    from roll_ckpt.dcp.files import StorageFileSystem
+    from roll_ckpt.dcp.files import DigestSink
 
     calls = []
-    original = StorageFileSystem.hashing_stream
-    monkeypatch.setattr(StorageFileSystem, "hashing_stream", lambda self: calls.append(1) or original(self))
+    original = DigestSink.__init__
+    monkeypatch.setattr(DigestSink, "__init__", lambda self: calls.append(1) or original(self))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(BASE, BASE), torch.nn.Linear(BASE, 4))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

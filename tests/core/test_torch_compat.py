@@ -37,6 +37,45 @@ def test_writing_tensors_leaves_no_garbage_in_cycles() -> None:
         gc.enable()
 
 
+_FULL_DISK_CHILD = """
+import errno, gc, torch
+from roll_ckpt.runtime.torch_compat import save_tensor_without_crc
+
+class Full:
+    def __init__(self, room): self.room, self.pos = room, 0
+    def write(self, b):
+        n = memoryview(b).nbytes
+        if self.pos + n > self.room:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.pos += n
+        return n
+
+for room in (100, 1000, 300000):
+    try:
+        save_tensor_without_crc(torch.arange(100000, dtype=torch.float32), Full(room))
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC, exc
+        kept = exc  # the failed frame (and the writer in it) stays alive until here
+    else:
+        raise AssertionError("the write did not fail")
+    del kept
+    gc.collect()
+print("survived")
+"""
+
+
+def test_a_write_that_fails_on_a_full_disk_leaves_no_writer_to_abort_the_process() -> None:
+    """A ``torch.save`` that fails mid-write leaves its ``PyTorchFileWriter`` unfinished in the
+    failed frame; once that frame is freed, the writer's destructor wrote the zip's end into
+    the failed stream and aborted the process ("terminate called ... unexpected pos").
+    ``save_tensor_without_crc`` finishes the writer on failure: the error is raised, and the
+    process lives on (checked in a child: the abort would end the test process)."""
+    from helpers.launch import run_python
+
+    done = run_python(_FULL_DISK_CHILD, timeout=120)
+    assert done.returncode == 0 and "survived" in done.stdout, (done.returncode, done.stderr[-2000:])
+
+
 def test_a_collective_returns_only_once_the_other_holder_let_go_of_its_tensors() -> None:
     """collective() waits while something outside Python (gloo's worker thread, here a view
     a timer thread drops 0.2 s later) still holds a tensor it was given."""

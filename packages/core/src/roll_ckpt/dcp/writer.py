@@ -83,7 +83,7 @@ from dataclasses import dataclass, field
 
 from ..runtime.collector import CollectorPause
 from ..contracts import Storage
-from .files import StorageFileSystem, padded_value, slot_capacity, write_tensor
+from .files import DigestSink, StorageFileSystem, padded_value, slot_capacity, write_tensor
 from ..runtime.torch_compat import create_write_items, dcp_format_version, local_tensor, storage_info, storage_prefix, all_reduce_ints
 from .checked import METADATA_NAME, safe_load_metadata
 from ..format.manifest import CHUNK_SIZE
@@ -156,11 +156,11 @@ def _write_file(fs: StorageFileSystem, path: str, name: str, items: list[Any], p
     bytes hash to the base checkpoint's is taken over from it instead (:mod:`roll_ckpt.dcp.writer`)."""
     previous = take.candidate(name, [i.index.fqn for i in items]) if take is not None else None
     if previous is not None:
-        with fs.hashing_stream() as sink:
-            results, written = _serialize(sink, name, items, planner, None, slots, dict(values or {}))
+        sink = DigestSink()
+        results, written = _serialize(sink, name, items, planner, None, slots, dict(values or {}))
         if sink.digest()[:2] == tuple(previous[:2]) and take.take(name, path):  # type: ignore[union-attr]
             take.taken[name] = (*previous[:3], CHUNK_SIZE, take.base.name)  # type: ignore[union-attr]
-            fs.record(path, take.taken[name])  # type: ignore[union-attr]
+            fs.digests[name] = take.taken[name]  # type: ignore[union-attr]
             return results, written
     with fs.create_stream(path, "wb") as stream:
         return _serialize(stream, name, items, planner, gate, slots, values)
@@ -307,8 +307,10 @@ class DigestingWriter(FileSystemWriter):
         # system-wide os.sync() DCP falls back to for streams without a file descriptor.
         super().__init__(path, single_file_per_rank=True, sync_files=False,
                          thread_count=thread_count, overwrite=True)
-        self.fs = StorageFileSystem(storage, on_bytes)
         self.path = str(path)
+        self.fs = StorageFileSystem(storage, on_bytes, root=self.path)
+        self.own_digests = self.fs.digests
+        """This process's files (relative to the DCP folder) and their digests."""
         self.file_digests: dict[str, tuple] = {}
         self.gate = gate
         """Regular staging in waves (``roll_ckpt.save.staging.WaveGate``), or ``None``."""
@@ -325,11 +327,6 @@ class DigestingWriter(FileSystemWriter):
         """The coordinator's ``.metadata``, as written."""
         """The save's hold on the garbage collector, let go while the data is written (a long
         write would otherwise keep the training loop's garbage uncollected)."""
-
-    def own_digests(self) -> dict[str, tuple]:
-        """This process's files (relative to the DCP folder) and their digests."""
-        root = self.path.rstrip("/") + "/"
-        return {k[len(root):] if k.startswith(root) else k: v for k, v in self.fs.digests.items()}
 
     def write_files(self, files: list[tuple[str, list[Any]]], planner: Any,
                     slots: dict[MetadataIndex, int] | None = None,
@@ -375,7 +372,7 @@ class DigestingWriter(FileSystemWriter):
         if len(flat) != len(plan.items):
             raise RuntimeError(f"the writer returned {len(flat)} results for {len(plan.items)} items")
         # Checksums travel with DCP's own gather of write results.
-        flat.append(WriteResult(index=MetadataIndex(_DIGEST_FQN), size_in_bytes=0, storage_data=self.own_digests()))
+        flat.append(WriteResult(index=MetadataIndex(_DIGEST_FQN), size_in_bytes=0, storage_data=dict(self.own_digests)))
         out: Future = Future()
         out.set_result(flat)
         return out
@@ -407,7 +404,7 @@ class DigestingWriter(FileSystemWriter):
         path = self.fs.storage.join(self.path, METADATA_NAME)
         with self.fs.create_stream(path, "wb") as stream:
             stream.write(data)
-        return self.fs.digests[path]
+        return stream.digest
 
 
 # ---- fixed layouts ---------------------------------------------------------
@@ -563,7 +560,7 @@ class FixedLayouts:
                                     if i.index not in fast.slots])
             writer.write_files(fast.files, fast.planner, fast.slots, fast.values)
             exact = [(n, writer.written.get(n)) for n, _ in fast.files] == layout.files
-            message = ("ok" if exact else _REDO, writer.own_digests() if exact else None)
+            message = ("ok" if exact else _REDO, writer.own_digests if exact else None)
         except Exception as exc:  # every process must hear of it: none may stay in the gather
             message = ("error", portable(exc))
         gathered = self._gather(message, group)
@@ -816,7 +813,7 @@ class Increments:
         committed (:meth:`committed`) or failed (:meth:`failed`). Returns ``digests``."""
         if self.enabled:
             take, self._take = self._take, None
-            self._pending = (storage.url, dict(writer.own_digests()), frozenset(take.taken if take else ()))
+            self._pending = (storage.url, dict(writer.own_digests), frozenset(take.taken if take else ()))
         return digests
 
     def committed(self, storage: Storage, checkpoint_path: str, data_dir: str) -> None:

@@ -136,8 +136,7 @@ class RenameIntoPlace(PendingCheckpoint):
             f.write(manifest)
         for folder in _folders_deepest_first(storage, w):
             storage.sync_dir(folder)
-        storage.rename_dir(w, self.final_path)
-        storage.sync_dir(parent(self.final_path))
+        storage.rename_dir(w, self.final_path)  # durable on return (the Storage protocol): no sync of its own
 
     def _discard(self) -> None:
         self.storage.remove_tree(self.write_path)

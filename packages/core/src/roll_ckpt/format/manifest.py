@@ -30,7 +30,7 @@ from typing import Any, BinaryIO, Callable
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError, UnsafeCheckpointError
 from ..contracts import Storage
 
-__all__ = ['Manifest', 'FileEntry', 'MANIFEST_NAME', 'FORMAT', 'FORMAT_VERSION', 'safe_relpath', 'seal', 'UnsafeManifestError', 'BESIDE_KEY', 'beside', 'ALGORITHM', 'CHUNK_SIZE', 'Hasher', 'FileHasher', 'hash_stream', 'hash_bytes', 'hash_chunk', 'verify', 'read_manifest', 'list_files', 'VerifyReport', 'content_fault']
+__all__ = ['Manifest', 'FileEntry', 'MANIFEST_NAME', 'FORMAT', 'FORMAT_VERSION', 'safe_relpath', 'seal', 'UnsafeManifestError', 'BESIDE_KEY', 'beside', 'ALGORITHM', 'CHUNK_SIZE', 'hash_stream', 'hash_bytes', 'hash_chunk', 'verify', 'read_manifest', 'list_files', 'VerifyReport', 'content_fault']
 
 
 
@@ -44,25 +44,10 @@ _CHUNK = 256 << 10
 cache the read just filled (8 MiB chunks cost about 40% more CPU per byte)."""
 
 
-class Hasher:
-    """Running size and checksum of a byte stream."""
-
-    __slots__ = ("_h", "size")
-
-    def __init__(self) -> None:
-        self._h = xxhash.xxh3_128()
-        self.size = 0
-
-    def update(self, data: bytes | bytearray | memoryview) -> None:
-        self._h.update(data)
-        self.size += memoryview(data).nbytes
-
-    def hexdigest(self) -> str:
-        return self._h.hexdigest()
-
-
 def hash_stream(stream: BinaryIO, on_bytes=None) -> tuple[int, str]:
-    h = Hasher()
+    """The size and checksum of what ``stream`` holds from where it is to its end."""
+    h = xxhash.xxh3_128()
+    size = 0
     buf = bytearray(_CHUNK)
     view = memoryview(buf)
     while True:
@@ -77,46 +62,14 @@ def hash_stream(stream: BinaryIO, on_bytes=None) -> tuple[int, str]:
             if not n:
                 break
             h.update(view[:n])
+        size += n
         if on_bytes is not None:
             on_bytes(n)
-    return h.size, h.hexdigest()
+    return size, h.hexdigest()
 
 
 def hash_bytes(data: bytes) -> tuple[int, str]:
     return len(data), xxhash.xxh3_128_hexdigest(data)
-
-
-class FileHasher:
-    """The whole checksum of a byte stream and the checksums of its :data:`CHUNK_SIZE` pieces."""
-
-    __slots__ = ("_file", "_chunk", "chunks", "size")
-
-    def __init__(self) -> None:
-        self._file = xxhash.xxh3_128()
-        self._chunk = xxhash.xxh3_128()
-        self.chunks: list[str] = []
-        self.size = 0
-
-    def update(self, data: bytes | bytearray | memoryview) -> None:
-        view = memoryview(data).cast("B")
-        self._file.update(view)
-        pos = 0
-        while pos < view.nbytes:
-            room = CHUNK_SIZE - self.size % CHUNK_SIZE
-            piece = view[pos:pos + room]
-            self._chunk.update(piece)
-            pos += piece.nbytes
-            self.size += piece.nbytes
-            if self.size % CHUNK_SIZE == 0:
-                self.chunks.append(self._chunk.hexdigest())
-                self._chunk = xxhash.xxh3_128()
-
-    def digest(self) -> tuple[int, str, tuple[str, ...]]:
-        """``(size, checksum, chunk checksums)``."""
-        chunks = list(self.chunks)
-        if self.size % CHUNK_SIZE:
-            chunks.append(self._chunk.hexdigest())
-        return self.size, self._file.hexdigest(), tuple(chunks)
 
 
 def hash_chunk(data: bytes | bytearray | memoryview) -> str:
@@ -378,13 +331,20 @@ def content_fault(entry: FileEntry | None, size: int, digest: str) -> str | None
 
 
 def read_manifest(storage: Storage, path: str) -> Manifest:
-    require_committed(storage, path)
+    """The manifest of the committed checkpoint at ``path``, checked (its own checksum, the
+    paths it lists, its signature). :class:`CheckpointNotFoundError` where ``path`` is no
+    folder, or holds no manifest: the open tells, with no look for the file before it."""
+    if not storage.isdir(path):
+        raise CheckpointNotFoundError(f"no checkpoint at {path}: the folder does not exist")
     try:
         try:
             with storage.open_read(storage.join(path, MANIFEST_NAME)) as f:
                 data = f.read()
         except FileNotFoundError:
-            raise
+            raise CheckpointNotFoundError(
+                f"{path} is not a committed checkpoint (no {MANIFEST_NAME}): it is either not a "
+                "roll-ckpt checkpoint or a save that never finished; resume from another one"
+            ) from None
         except OSError as exc:  # e.g. a link planted in place of the manifest
             raise UnsafeCheckpointError(path, [(MANIFEST_NAME, unsafe_read_fault(exc))]) from None
         manifest, problems = Manifest.from_bytes(data)
@@ -395,16 +355,6 @@ def read_manifest(storage: Storage, path: str) -> Manifest:
     if problems:
         raise UnsafeCheckpointError(path, [(MANIFEST_NAME, p) for p in problems])
     return manifest
-
-
-def require_committed(storage: Storage, path: str) -> None:
-    if not storage.isdir(path):
-        raise CheckpointNotFoundError(f"no checkpoint at {path}: the folder does not exist")
-    if not storage.exists(storage.join(path, MANIFEST_NAME)):
-        raise CheckpointNotFoundError(
-            f"{path} is not a committed checkpoint (no {MANIFEST_NAME}): it is either not a "
-            "roll-ckpt checkpoint or a save that never finished; resume from another one"
-        )
 
 
 def verify(storage: Storage, path: str, *, checksums: bool = True,

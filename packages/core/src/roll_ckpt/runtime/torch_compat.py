@@ -331,7 +331,18 @@ def save_tensor_without_crc(tensor: torch.Tensor, stream: Any) -> None:
     except (AttributeError, TypeError) as exc:
         raise _missing("torch.serialization._save / PyTorchFileWriter(stream, compute_crc32, alignment)",
                        exc) from None
-    save(tensor, writer, _PICKLE, ser.DEFAULT_PROTOCOL, False)
+    try:
+        save(tensor, writer, _PICKLE, ser.DEFAULT_PROTOCOL, False)
+    except BaseException:
+        # A failed write (a full disk) leaves the writer unfinished: its destructor, whenever the
+        # failed frame is freed, would write the zip's end into the failed stream and abort the
+        # process (c10::Error "unexpected pos"). Finishing it here marks it finished even when
+        # this write fails too, so the destructor does nothing.
+        try:
+            writer.write_end_of_file()
+        except Exception:
+            pass
+        raise
     writer.write_end_of_file()
 
 

@@ -27,11 +27,12 @@ import logging
 import threading
 import time
 import uuid
+import xxhash
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from ..format.commit import pending_checkpoint
-from ..format.manifest import Hasher, MANIFEST_NAME, Manifest
+from ..format.manifest import MANIFEST_NAME, Manifest
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError, RollCkptError
 from ..format.layout import CheckpointRef, scan
 from ..contracts import Storage
@@ -101,7 +102,8 @@ def _join(storage: Storage, base: str, rel: str) -> str:
 
 def _copy_file(src: Storage, src_file: str, dst: Storage, dst_file: str, name: str, size: int,
                checksum: str, src_path: str, on_bytes: OnBytes | None, stop, chunk: int) -> None:
-    h = Hasher()
+    h = xxhash.xxh3_128()
+    copied = 0
     try:
         reader = src.open_read(src_file)
     except FileNotFoundError:
@@ -126,12 +128,13 @@ def _copy_file(src: Storage, src_file: str, dst: Storage, dst_file: str, name: s
                     break
                 h.update(piece)
                 w.write(piece)
+                copied += n
                 if on_bytes is not None:
                     on_bytes(n)
-                if h.size > size:
+                if copied > size:
                     break
-    if h.size != size:
-        raise CheckpointCorruptError(src_path, [(name, f"read {h.size}{'+' if h.size > size else ''} bytes, "
+    if copied != size:
+        raise CheckpointCorruptError(src_path, [(name, f"read {copied}{'+' if copied > size else ''} bytes, "
                                                        f"the manifest says {size} (truncated or altered)")])
     if h.hexdigest() != checksum:
         raise CheckpointCorruptError(src_path, [(name, "checksum mismatch (the content changed after it "
@@ -155,16 +158,18 @@ def _verify_written(dst: Storage, write_path: str, manifest: Manifest, dst_path:
         if present[name] != ent.size:
             faults.append((name, f"{present[name]} bytes at the destination, the manifest says {ent.size}"))
             continue
-        h = Hasher()
+        h = xxhash.xxh3_128()
+        size = 0
         with dst.open_read(_join(dst, write_path, name)) as f:
             while True:
                 data = f.read(chunk)
                 if not data:
                     break
                 h.update(data)
+                size += len(data)
                 if on_bytes is not None:
                     on_bytes(len(data))
-        if h.size != ent.size or h.hexdigest() != ent.checksum:
+        if size != ent.size or h.hexdigest() != ent.checksum:
             faults.append((name, "differs from the manifest when read back from the destination"))
     if faults:
         raise CheckpointCorruptError(dst_path, faults)
