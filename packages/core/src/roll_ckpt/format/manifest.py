@@ -359,15 +359,18 @@ def read_manifest(storage: Storage, path: str) -> Manifest:
 
 def verify(storage: Storage, path: str, *, checksums: bool = True,
            on_bytes: Callable[[int], None] | None = None,
-           defer: Callable[[str], bool] | None = None) -> VerifyReport:
+           defer: Callable[[str], bool] | None = None, manifest: Manifest | None = None) -> VerifyReport:
     """Check every file of the checkpoint at ``path`` against its manifest.
 
     Raises :class:`CheckpointCorruptError` naming every file that is missing, of the
     wrong size, with the wrong checksum, or not listed. Links are refused. Files for
     which ``defer(name)`` is true get every check but the checksum: the caller checks
     that while it reads them (``resume`` does, through :class:`~roll_ckpt.dcp.reader.SafeReader`).
+    ``manifest``: the one :func:`read_manifest` just read from ``path`` (a resume reads it
+    first to find the part it loads); ``None``: read here.
     """
-    manifest = read_manifest(storage, path)
+    if manifest is None:
+        manifest = read_manifest(storage, path)
     present = list_files(storage, path)
     present.pop(MANIFEST_NAME, None)
     faults: list[tuple[str, str]] = []

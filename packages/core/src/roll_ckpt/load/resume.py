@@ -225,13 +225,14 @@ class Resumer:
 
     def _verify_part(self, storage: Storage, path: str, strategy: Strategy) -> tuple[str, Manifest]:
         """Coordinator: the folder to load and its manifest, everything but the data files checked."""
-        part = self._part_to_load(storage, path)
+        part, manifest = self._part_to_load(storage, path)
         # DCP's files are checked while they are read, once for the job (before anything is
         # deserialized): .metadata by the coordinator, each data file by one rank
         # (roll_ckpt.dcp.reader); everything else here.
         data_dir = f"{strategy.data_dir}/"
         with self.setup.progress("verify", strategy) as progress:
-            manifest = verify(storage, part, on_bytes=progress, defer=lambda name: name.startswith(data_dir)).manifest
+            manifest = verify(storage, part, on_bytes=progress, defer=lambda name: name.startswith(data_dir),
+                              manifest=manifest).manifest
         if not any(name.startswith(data_dir) for name in manifest.files):
             raise RollCkptError(
                 f"{part} was written by the '{manifest.extra.get('strategy')}' strategy and holds no "
@@ -325,8 +326,10 @@ class Resumer:
         self.setup.plugins.hook.roll_ckpt_load(path=path, state=state)
         return int(trainer_state["step"])
 
-    def _part_to_load(self, storage: Storage, path: str) -> str:
-        """The folder this manager loads from ``path``: the checkpoint itself, or its component's part."""
+    def _part_to_load(self, storage: Storage, path: str) -> tuple[str, Manifest | None]:
+        """The folder this manager loads from ``path``: the checkpoint itself, with the manifest
+        just read (verified next, not read again), or its component's part (``None``: its own
+        manifest is read when it is verified)."""
         component = self.setup.component
         top = read_manifest(storage, path)
         parts = top.parts
@@ -336,16 +339,16 @@ class Resumer:
                     f"the part of component '{top.component}' of a step"
                 raise RollCkptError(f"{path} is {what}; resume it with CheckpointManager(config, component=...) "
                                     "and checkpoint_config.components")
-            return path
+            return path, top
         if top.component == component:
-            return path  # the part's own folder, named explicitly
+            return path, top  # the part's own folder, named explicitly
         if top.component is not None:
             raise RollCkptError(f"{path} is the part of component '{top.component}', not of '{component}'; "
                                 "resume from the step's folder or from this component's part")
         if not parts:
             raise RollCkptError(f"{path} was saved without components; resume it with a manager created "
                                 "without component=")
-        return open_part(storage, path, top, component)
+        return open_part(storage, path, top, component), None
 
 
 def only_model(state: MutableMapping[str, Any], manifest: Manifest, path: str) -> MutableMapping[str, Any]:
