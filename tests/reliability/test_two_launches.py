@@ -64,7 +64,9 @@ def test_the_checkpoint_a_live_launch_resumed_from_survives_the_other_launchs_re
     resumed_from = first["saved"]["3"]
     assert list(_committed(out).values()) == [3]
     # b and c are two launches of the restarted job, alive at once
-    b = _start(out, "b", sync, 1, "resume", "signal:resumed", "wait:c.saved", "save:4", "signal:saved",
+    # (b goes on only once the test has looked: its own commit of step 4 releases its hold, and
+    # then its retention or c's may remove a's step 3 at once)
+    b = _start(out, "b", sync, 1, "resume", "signal:resumed", "wait:checked", "save:4", "signal:saved",
                "wait:c.done")
     c = None
     try:
@@ -76,6 +78,7 @@ def test_the_checkpoint_a_live_launch_resumed_from_survives_the_other_launchs_re
         assert resumed_from in _committed(out), _committed(out)
         storage = LocalStorage(str(out))
         verify(storage, resumed_from)
+        (sync / "checked").touch()
         rb, rc = _report(b), _report(c)
     finally:
         for p in (b, c):
