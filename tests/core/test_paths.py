@@ -95,7 +95,7 @@ def test_save_and_resume_run_at_most_20_modules(paths: dict[str, Any]) -> None:
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="issue 37 open: the save path runs 167 functions of roll-ckpt, the resume 154 (Python "
+                   reason="issue 37 open: the save path runs 133 functions of roll-ckpt, the resume 127 (Python "
                           f"3.11, torch 2.13); the redesign brings each under {MAX_FUNCTIONS}")
 @pytest.mark.timeout(CHILD_TIMEOUT_S + 30)
 def test_save_and_resume_run_at_most_120_functions(paths: dict[str, Any]) -> None:
