@@ -222,14 +222,16 @@ class ReusingSavePlanner(DefaultSavePlanner):
     def __init__(self, items: dict[tuple, tuple[Any, "_Planned"]]) -> None:
         super().__init__()  # DCP's plan caching is off by default (torch 2.8-2.14; 2.6 has none)
         self.items = items
-        self._values: dict[str, Any] = {}
+        self.values: dict[str, Any] = {}
+        """The flattened state dict's own values, by name (``state_dict`` holds their kept
+        write items instead); the fixed layouts key a save by them."""
 
     def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False) -> None:
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
-        self._values = self.state_dict
-        if len(self.items) > 2 * len(self._values) + 64:  # another structure: start over
+        self.values = self.state_dict
+        if len(self.items) > 2 * len(self.values) + 64:  # another structure: start over
             self.items.clear()
-        self.state_dict = {fqn: self._planned(fqn, obj) for fqn, obj in self._values.items()}
+        self.state_dict = {fqn: self._planned(fqn, obj) for fqn, obj in self.values.items()}
 
     def _planned(self, fqn: str, obj: Any) -> Any:
         key = _items_key(fqn, obj)
@@ -243,7 +245,7 @@ class ReusingSavePlanner(DefaultSavePlanner):
         return found[1]
 
     def lookup_object(self, index: MetadataIndex) -> Any:
-        return find_state_dict_object(self._values, index)
+        return find_state_dict_object(self.values, index)
 
     def create_global_plan(self, all_plans: list[Any]) -> tuple[list[Any], Metadata]:
         """DCP's global plan, with small replicated values in the lowest process's file and
@@ -601,7 +603,7 @@ class FixedLayouts:
 
         self._full_saves += 1
         self.resumed = None
-        keys = layout_keys(planner._values, self.world_size, self.rank, threads)
+        keys = layout_keys(planner.values, self.world_size, self.rank, threads)
         written = writer.written
         by_index = {i.index: i for i in create_default_local_save_plan(planner.state_dict, planner.is_coordinator).items}
         self.layout = RankLayout(
@@ -610,7 +612,7 @@ class FixedLayouts:
             files=[(name, written[name]) for name in written],
             items=[(name, [by_index[index] for index, _, _ in written[name]]) for name in written],
             metadata=writer.metadata_bytes if self.rank == 0 else None,
-            meshes=_meshes(planner._values),
+            meshes=_meshes(planner.values),
         )
 
     def adopt_later(self, md_bytes: bytes, checksum: str) -> None:
@@ -628,7 +630,7 @@ class FixedLayouts:
         assert self.resumed is not None
         (md_bytes, checksum), self.resumed = self.resumed, None
         local = create_default_local_save_plan(planner.state_dict, planner.is_coordinator).items
-        keys = layout_keys(planner._values, self.world_size, self.rank, threads)
+        keys = layout_keys(planner.values, self.world_size, self.rank, threads)
         try:
             md = safe_load_metadata(md_bytes, ".metadata")  # (checked at the resume)
             files = _files_of(md, local, self.rank, self.world_size, threads)
@@ -645,7 +647,7 @@ class FixedLayouts:
             files=files,
             items=[(name, [by_index[index] for index, _, _ in written]) for name, written in files],
             metadata=md_bytes if self.rank == 0 else None,
-            meshes=_meshes(planner._values),
+            meshes=_meshes(planner.values),
         )
 
 
