@@ -450,7 +450,7 @@ def read_dcp(target: dict[str, Any], reader: Any, md: Any) -> None:
     planned from ``md`` alone, and the reader checks and reads them (the module docstring)."""
     planner = SafeLoadPlanner()
     planner.set_up_planner(target, md, True)
-    reader.storage_data = md.storage_data
+    reader.set_up_storage_reader(md, True)  # (DCP's StorageReader call: the items' places in the files)
     reader.load(local_load_plan(planner.state_dict, md), planner)
 
 
