@@ -361,14 +361,12 @@ class Strategy:
     """The record of the newest committed checkpoint that incremental saves take unchanged
     files over from (:class:`roll_ckpt.dcp.writer.Increments`), or ``None``: every save whole."""
 
-    @property
+    @functools.cached_property
     def is_coordinator(self) -> bool:
-        """True on the one process that commits (rank 0 of the checkpoint group, unless set)."""
-        return self.__dict__.get("is_coordinator", self.rank == 0)
-
-    @is_coordinator.setter
-    def is_coordinator(self, value: bool) -> None:  # (a strategy may set it in its __init__)
-        self.__dict__["is_coordinator"] = bool(value)
+        """True on the one process that commits: rank 0 of the checkpoint group, unless the
+        strategy sets it (an attribute, or in its ``__init__``). Read once: a strategy's rank
+        does not change."""
+        return self.rank == 0
 
     def broadcast(self, obj: Any) -> Any:
         """The coordinator's ``obj`` on every process (picklable; exceptions included)."""

@@ -69,7 +69,7 @@ blocks* of it shows in both.
 
 from __future__ import annotations
 
-import threading
+import concurrent.futures as cf
 import torch
 import traceback
 import logging
@@ -336,31 +336,18 @@ class DigestingWriter(FileSystemWriter):
         """Write each ``(name, items)`` of ``files`` (one thread each), recording
         :attr:`written`; the collector is let go meanwhile."""
         specs = [(self.fs.storage.join(self.path, name), name, items) for name, items in files]
-        results: list[list[WriteResult]] = [[] for _ in specs]
-        layout: list[Written] = [[] for _ in specs]
-        errors: list[BaseException] = []
-
-        def run(k: int) -> None:
-            try:
-                results[k], layout[k] = _write_file(self.fs, *specs[k], planner, self.gate, slots, values, self.take)
-            except BaseException as exc:  # raised below, once every thread is done
-                errors.append(exc)
-
-        threads = [threading.Thread(target=run, args=(k,), name="roll-ckpt-write") for k in range(1, len(specs))]
+        extra = (planner, self.gate, slots, values, self.take)
         self.pause.release()
-        try:
-            for t in threads:
-                t.start()
-            if specs:
-                run(0)
-            for t in threads:
-                t.join()
+        try:  # the first file in this thread, each other one in a thread of its own
+            with cf.ThreadPoolExecutor(max(1, len(specs) - 1), thread_name_prefix="roll-ckpt-write") as pool:
+                others = [pool.submit(_write_file, self.fs, *spec, *extra) for spec in specs[1:]]
+                done = [_write_file(self.fs, *specs[0], *extra)] if specs else []
+            # (leaving the pool waited for every thread: an error is raised once all are done)
+            done += [f.result() for f in others]
         finally:
             self.pause.hold()  # the gather of write results and .metadata follow
-        if errors:
-            raise errors[0]
-        self.written = {name: w for (_, name, _), w in zip(specs, layout)}
-        return [r for rs in results for r in rs]
+        self.written = {name: written for (_, name, _), (_, written) in zip(specs, done)}
+        return [r for results, _ in done for r in results]
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         from torch.futures import Future
@@ -787,17 +774,11 @@ class Increments:
         self.enabled = enabled
         self.base: Base | None = None
         self.cold: frozenset[str] = frozenset()
-        """The state's tensors that no optimizer updates (:meth:`note_state`)."""
-        self._cold_of = -1
+        """The state's tensors that no optimizer updates (:func:`cold_names`), set by the
+        strategy each time it builds the state's state dicts."""
         self._pending: tuple[str, dict[str, tuple], frozenset[str]] | None = None
         self._warm: frozenset[str] = frozenset()
         self._take: TakeOver | None = None
-
-    def note_state(self, state: Mapping[str, Any], build: int) -> None:
-        """Find :attr:`cold` for ``state`` once per build of its state dict (``build``: the
-        cache's counter): a hint only, so a later ``requires_grad`` change may wait for one."""
-        if self.enabled and build != self._cold_of:
-            self.cold, self._cold_of = cold_names(state), build
 
     def writer_options(self, storage: Storage, alone: bool, gate: Any) -> dict[str, Any]:
         """The writer's ``cold`` and ``take`` for a save of the job's folder. Off for a folder a

@@ -80,14 +80,15 @@ log = logging.getLogger("roll_ckpt")
 class PendingCheckpoint:
     """A checkpoint being written to :attr:`final_path`; a subclass per commit protocol."""
 
+    in_place: bool
+    """The protocol writes into ``final_path`` itself (else into a temporary sibling)."""
+
     def __init__(self, storage: Storage, final_path: str, token: str) -> None:
         self.storage = storage
         self.final_path = final_path
-        self.marker_path = storage.join(parent(final_path), f"{MARKER_PREFIX}{basename(final_path)}-{token}.json")
-        self.write_path = self._write_path(token)
-
-    def _write_path(self, token: str) -> str:
-        raise NotImplementedError
+        folder, name = parent(final_path), basename(final_path)
+        self.marker_path = storage.join(folder, f"{MARKER_PREFIX}{name}-{token}.json")
+        self.write_path = final_path if self.in_place else storage.join(folder, f"{TMP_PREFIX}{name}-{token}")
 
     def begin(self) -> None:
         """Claim the save (coordinator only): owner marker first, then the folder."""
@@ -97,11 +98,9 @@ class PendingCheckpoint:
                                 "choose another step or delete it with 'roll-ckpt prune'")
         storage.makedirs(parent(self.final_path))
         write_marker(storage, self.marker_path, self.write_path, self.final_path)
-        self._claim()
+        if self.in_place:
+            self._claim_in_place()
         storage.makedirs(self.write_path)
-
-    def _claim(self) -> None:
-        """Protocol-specific checks once the marker is written."""
 
     def commit(self, manifest: bytes) -> None:
         """Publish: after this returns the checkpoint is durable and listed."""
@@ -127,8 +126,7 @@ class PendingCheckpoint:
 class RenameIntoPlace(PendingCheckpoint):
     """Write into a temporary sibling, fsync, rename into place, fsync the parent."""
 
-    def _write_path(self, token: str) -> str:
-        return self.storage.join(parent(self.final_path), f"{TMP_PREFIX}{basename(self.final_path)}-{token}")
+    in_place = False
 
     def _publish(self, manifest: bytes) -> None:
         storage, w = self.storage, self.write_path
@@ -147,10 +145,9 @@ class RenameIntoPlace(PendingCheckpoint):
 class ManifestLast(PendingCheckpoint):
     """Write in place, then the manifest last, create-only."""
 
-    def _write_path(self, token: str) -> str:
-        return self.final_path
+    in_place = True
 
-    def _claim(self) -> None:
+    def _claim_in_place(self) -> None:
         # Written in place: another live writer of the same folder (two replications of one
         # step) would see its files deleted under it; a crashed writer's leftovers would mix
         # with ours and are removed.

@@ -15,10 +15,11 @@ A timeout leaves the group unusable (gloo cannot tell which messages are late): 
 be restarted, as after any lost rank; ``resume('latest')`` then finds the last whole
 checkpoint.
 
-**One rank's failure, raised on every rank** (:func:`first_error`). Wherever a rank can fail
+**One rank's failure, raised on every rank** (``Strategy.agree``; DCP's strategies:
+:meth:`roll_ckpt.plugin.DCPStrategy.agree`). Wherever a rank can fail
 on its own before a collective the others enter (its state dict, its staging, the
 coordinator's space check, begin or commit, a rank's checks or load on resume), the ranks
-agree on the outcome instead: each hands its error (or ``None``) to :func:`first_error`, and
+agree on the outcome instead: each hands its error (or ``None``) to ``strategy.agree``, and
 all of them get the error of the lowest rank that failed. No rank is left waiting for one
 that gave up, so no rank waits out ``checkpoint_config.collective_timeout_s`` for a failure
 another rank already knows; the timeout stays for a rank that is truly hung.
@@ -46,10 +47,9 @@ from datetime import timedelta
 from typing import Any, Callable, Iterator, TypeVar
 
 from ..contracts import Strategy
-from ..errors import (CollectiveTimeoutError, RollCkptError, StorageError, StorageFullError, carried, disk_full,
-                      portable)
+from ..errors import CollectiveTimeoutError, RollCkptError, StorageError, StorageFullError, carried, disk_full
 
-__all__ = ["checkpoint_group", "bounded", "lost_peer", "first_error", "from_rank", "decide", "storage_error"]
+__all__ = ["checkpoint_group", "bounded", "lost_peer", "from_rank", "decide", "storage_error"]
 
 _SIGNS = ("timed out", "timeout", "connection closed by peer", "connection reset by peer", "broken pipe")
 _GONE = ("connection closed by peer", "connection reset by peer", "broken pipe")
@@ -119,25 +119,6 @@ def from_rank(error: BaseException, rank: int, phase: str) -> RollCkptError:
     if error.origin_rank is None:
         error.origin_rank = rank
     return error
-
-
-def first_error(dist: Any, group: Any, rank: int, world_size: int, error: BaseException | None,
-                phase: str) -> BaseException | None:
-    """The error of the lowest rank of ``group`` that has one, on every rank; ``None`` when
-    none has. ``dist`` is ``torch.distributed`` (``None`` or a world of one: ``error`` itself)."""
-    if dist is None or world_size == 1:
-        return error
-    if error is not None:
-        error = from_rank(portable(error), rank, phase)
-    from .torch_compat import all_reduce_ints  # (torch: not at import, which a CLI and a driver make)
-
-    first = all_reduce_ints(dist, [rank if error is not None else world_size], dist.ReduceOp.MIN, group)[0]
-    if first == world_size:
-        return None
-    box = [error if rank == first else None]
-    src = dist.get_global_rank(group, first) if group is not None else first
-    dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
 
 
 T = TypeVar("T")

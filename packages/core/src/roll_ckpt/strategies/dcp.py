@@ -50,17 +50,17 @@ from typing import Any, Callable, Mapping, MutableMapping
 
 import torch
 
-from ..runtime.distributed import bounded, checkpoint_group, first_error
+from ..runtime.distributed import bounded, checkpoint_group, from_rank
 from ..runtime.collector import CollectorPause
 from ..contracts import SpaceEstimate, Storage, Strategy
-from ..errors import RollCkptError
+from ..errors import RollCkptError, portable
 from ..format.global_state import GlobalState
 from ..format.layout import basename, parent, parse_step
 from ..runtime.rng import capture_rng, restore_rng
 from ..dcp.checked import METADATA_NAME
 from ..dcp.reader import assigned_files, job_metadata, read_dcp, placeholders, top_keys
-from ..dcp.writer import FixedLayouts, Increments
-from ..runtime.torch_compat import collective, dcp_save, loaded_in_place, local_tensor, module_tensor_ids
+from ..dcp.writer import FixedLayouts, Increments, cold_names
+from ..runtime.torch_compat import all_reduce_ints, collective, dcp_save, loaded_in_place, local_tensor, module_tensor_ids
 
 __all__ = ["DCPStrategy", "PER_RANK", "RNG_KEY"]
 
@@ -93,6 +93,7 @@ class DCPStrategy(Strategy):
         self._names_before: dict[str, list[list[str]]] = {}  # (load_targets, for hand_over)
         self.rank = self._dist.get_rank() if self._dist else 0
         self.world_size = self._dist.get_world_size() if self._dist else 1
+        self.is_coordinator = self.rank == 0
         self.collective_timeout_s = float(config.checkpoint_config.collective_timeout_s)
         """How long a collective of a save, commit or resume waits for the other ranks (:mod:`roll_ckpt.runtime.distributed`)."""
         self.process_group: Any = None
@@ -111,15 +112,8 @@ class DCPStrategy(Strategy):
         bytes and checksum (the layout to repeat, where it fits). A resume records it only; the
         save makes of it what it uses (:meth:`_start_saving`)."""
 
-    @property
-    def is_coordinator(self) -> bool:
-        return self.rank == 0
-
     # ------------------------------------------------------------ collectives
-
-    def bounded(self, phase: str, step: int | None = None, after: str = "") -> Any:
-        """A context in which a peer that never answers raises ``CollectiveTimeoutError``."""
-        return bounded(self.rank, phase, step, self.collective_timeout_s, after)
+    # (each bounded: a peer that never answers raises CollectiveTimeoutError, roll_ckpt.runtime.distributed)
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank (used once per manager, never per save)."""
@@ -130,13 +124,27 @@ class DCPStrategy(Strategy):
         return box[0]
 
     def agree(self, error: BaseException | None, phase: str, step: int | None = None) -> None:
-        """Raise on every process the error of the lowest rank that has one; return when none
-        has (:mod:`roll_ckpt.runtime.distributed`). Every process calls it at the same point."""
-        with self.bounded(phase, step):
-            found = first_error(self._dist, self.process_group, self.rank, self.world_size, error, phase)
-        if found is None:
+        """Raise on every process the error of the lowest rank that has one, as the roll-ckpt
+        error that names that rank; return when none has (:mod:`roll_ckpt.runtime.distributed`).
+        Every process calls it at the same point: one all-reduce of an integer (the lowest
+        failing rank), then, only when one failed, a broadcast of its error."""
+        dist, group = self._dist, self.process_group
+        if dist is None or self.world_size == 1:
+            if error is not None:
+                raise error
             return
-        if found is error or found.__cause__ is error:  # this rank's own: its traceback and cause
+        if error is not None:
+            error = from_rank(portable(error), self.rank, phase)
+        with bounded(self.rank, phase, step, self.collective_timeout_s):
+            first = all_reduce_ints(dist, [self.rank if error is not None else self.world_size],
+                                    dist.ReduceOp.MIN, group)[0]
+            if first == self.world_size:
+                return
+            box = [error if self.rank == first else None]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(group, first) if group is not None else first,
+                                       group=group)
+        found = box[0]
+        if found is error:  # this rank's own: its traceback and cause
             raise found
         raise found from None
 
@@ -152,7 +160,7 @@ class DCPStrategy(Strategy):
         if self._control is None:
             self._control = checkpoint_group(self._dist, self.collective_timeout_s)
         t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-        with self.bounded("maybe_save: the preemption check", step):
+        with bounded(self.rank, "maybe_save: the preemption check", step, self.collective_timeout_s):
             collective(self._dist.all_reduce, (t,), t, op=self._dist.ReduceOp.MAX, group=self._control)
         return bool(t.item())
 
@@ -173,7 +181,12 @@ class DCPStrategy(Strategy):
                                     f"and not '{PER_RANK}'")
         if self.layouts is None or self.resumed_from is not None:
             self._start_saving()
+        builds = self._state_dicts.builds
         out: dict[str, Any] = self._state_dicts.get(state, build)
+        if self._state_dicts.builds != builds and self.increments.enabled:
+            # what to hash first: found once per build of the state dicts (a hint only, so a
+            # later requires_grad change may wait for the next build)
+            self.increments.cold = cold_names(state)
         mine: dict[str, Any] = {RNG_KEY: capture_rng()}
         for key, obj in state.items():
             if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
@@ -185,7 +198,6 @@ class DCPStrategy(Strategy):
             else:
                 mine[key] = _box(obj)
         out[PER_RANK] = {str(self.rank): mine}
-        self.increments.note_state(state, self._state_dicts.builds)
         return out
 
     def _start_saving(self) -> None:
@@ -224,8 +236,8 @@ class DCPStrategy(Strategy):
         pause = CollectorPause(self.config.checkpoint_config.pause_gc)
         options = {"thread_count": threads, "on_bytes": on_bytes, "gate": gate, "pause": pause}
         step = getattr(save, "step", None)
-        with warnings.catch_warnings(), pause, self.bounded(
-                "save: writing", step, after=f"Nothing of checkpoint-{step} was committed; earlier ones are intact."):
+        with warnings.catch_warnings(), pause, bounded(self.rank, "save: writing", step, self.collective_timeout_s,
+                                                        f"Nothing of checkpoint-{step} was committed; earlier ones are intact."):
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             # (the increments' options anew for each writer: what one takes over is its own)
             writer = DigestingWriter(storage, dcp_path, **options, **self.increments.writer_options(storage, alone, gate))
@@ -307,7 +319,8 @@ class DCPStrategy(Strategy):
         step = parse_step(basename(parent(dcp_path)))
         # The collector is held off as during a save (planning and state dicts allocate per tensor);
         # the reader and its metadata go before it is back on (or its first collection walks them).
-        with CollectorPause(self.config.checkpoint_config.pause_gc), self.bounded("resume: loading", step):
+        with CollectorPause(self.config.checkpoint_config.pause_gc), \
+                bounded(self.rank, "resume: loading", step, self.collective_timeout_s):
             try:
                 if alone:  # a folder this process wrote alone: its own files, checked as DCP plans the load
                     if files:

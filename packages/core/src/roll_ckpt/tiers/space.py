@@ -146,53 +146,9 @@ def estimate_checkpoint_bytes(sd: Mapping[str, Any], *, world_size: int = 1,
     """
     import torch
 
-    framing = _tensor_framing()
-    acc = [0, 0, 0]  # total, tensor bytes, items
-
-    tensor_type = torch.Tensor
-
-    def leaf(value: Any, name_len: int, copies: int) -> None:
-        if type(value) is not tensor_type and _is_dtensor(value):
-            pieces = _shards(value)
-            nbytes = value.numel() * value.element_size()  # global: all shards together
-            acc[1] += nbytes
-            acc[0] += nbytes + pieces * (framing + _METADATA_PER_ITEM + name_len)
-            acc[2] += pieces
-            return
-        if isinstance(value, tensor_type):
-            nbytes = value.numel() * value.element_size()
-            acc[1] += nbytes * copies
-            size = nbytes + framing
-        else:
-            size = _value_size(value)
-        acc[0] += copies * (size + _METADATA_PER_ITEM + name_len)
-        acc[2] += copies
-
-    def terminal_list(values: list) -> bool:
-        # DCP's flattening (torch.distributed.checkpoint._traverse): a list is one value
-        # unless it holds a tensor or a container that is not one value itself.
-        for v in values:
-            if type(v) in _PLAIN:
-                continue
-            if isinstance(v, tensor_type) or isinstance(v, Mapping):
-                return False
-            if isinstance(v, list) and not terminal_list(v):
-                return False
-        return True
-
-    def walk(node: Any, name_len: int, copies: int) -> None:
-        if type(node) is dict or (not isinstance(node, tensor_type) and isinstance(node, Mapping)):
-            sep = 1 if name_len else 0
-            for k, v in node.items():
-                walk(v, name_len + sep + (len(k) if type(k) is str else len(str(k))), copies)
-        elif isinstance(node, list) and not terminal_list(node):
-            for i, v in enumerate(node):
-                walk(v, name_len + len(str(i)) + 1, copies)
-        else:
-            leaf(node, name_len, copies)
-
+    acc, framing = [0, 0, 0], _tensor_framing()  # total, tensor bytes, items; what torch.save adds per tensor
     for key, value in sd.items():
-        walk(value, len(str(key)), world_size if key == per_rank_key else 1)
+        _walk(value, len(str(key)), world_size if key == per_rank_key else 1, acc, torch.Tensor, framing)
     total, tensor_bytes, items = acc
     if base is not None:
         total, tensor_bytes, items = total + base.total, tensor_bytes + base.tensor_bytes, items + base.items
@@ -200,6 +156,48 @@ def estimate_checkpoint_bytes(sd: Mapping[str, Any], *, world_size: int = 1,
     user_bytes = len(json.dumps(dict(user or {}), indent=1, sort_keys=True)) if user else 0
     total += _FIXED_BYTES + user_bytes + files * _MANIFEST_PER_FILE
     return SpaceEstimate(total=total, tensor_bytes=tensor_bytes, items=items, files=files)
+
+
+def _walk(node: Any, name_len: int, copies: int, acc: list[int], tensor_type: type, framing: int) -> None:
+    """Add what ``node`` (named with ``name_len`` characters, saved ``copies`` times) writes to
+    ``acc`` (total, tensor bytes, items), walking its containers as DCP flattens them."""
+    if type(node) is dict or (not isinstance(node, tensor_type) and isinstance(node, Mapping)):
+        sep = 1 if name_len else 0
+        for k, v in node.items():
+            _walk(v, name_len + sep + (len(k) if type(k) is str else len(str(k))), copies, acc, tensor_type, framing)
+        return
+    if isinstance(node, list) and not _terminal_list(node, tensor_type):
+        for i, v in enumerate(node):
+            _walk(v, name_len + len(str(i)) + 1, copies, acc, tensor_type, framing)
+        return
+    if type(node) is not tensor_type and _is_dtensor(node):
+        pieces = _shards(node)
+        nbytes = node.numel() * node.element_size()  # global: all shards together
+        acc[0] += nbytes + pieces * (framing + _METADATA_PER_ITEM + name_len)
+        acc[1] += nbytes
+        acc[2] += pieces
+        return
+    if isinstance(node, tensor_type):
+        nbytes = node.numel() * node.element_size()
+        acc[1] += nbytes * copies
+        size = nbytes + framing
+    else:
+        size = _value_size(node)
+    acc[0] += copies * (size + _METADATA_PER_ITEM + name_len)
+    acc[2] += copies
+
+
+def _terminal_list(values: list, tensor_type: type) -> bool:
+    """DCP's flattening (``torch.distributed.checkpoint._traverse``): a list is one value
+    unless it holds a tensor or a container that is not one value itself."""
+    for v in values:
+        if type(v) in _PLAIN:
+            continue
+        if isinstance(v, tensor_type) or isinstance(v, Mapping):
+            return False
+        if isinstance(v, list) and not _terminal_list(v, tensor_type):
+            return False
+    return True
 
 
 def estimate_items(sd: Mapping[str, Any], *, world_size: int = 1) -> SpaceEstimate:
