@@ -161,15 +161,17 @@ def test_manifest_path_escaping_the_checkpoint(saved: Path, ckpt_config) -> None
 
 @pytest.mark.parametrize("entry", ["listed", "unlisted", "size", "checksum"])
 def test_both_readers_of_metadata_judge_it_alike(saved: Path, entry: str) -> None:
-    """``.metadata`` is read by the job's coordinator (``dcp.reader.job_metadata``) or by
-    DCP's reader (``SafeReader.read_metadata``): the same bytes and manifest entry give the
-    same verdict (``format.manifest.content_fault``, the one comparison)."""
+    """``.metadata`` is read by the job's coordinator (``SafeReader.metadata_bytes``, handed to
+    every process by ``decide``) or by DCP's reader (``SafeReader.read_metadata``): the same
+    bytes and manifest entry give the same verdict (``format.manifest.content_fault``, the one
+    comparison)."""
     import dataclasses
     import types
 
     from roll_ckpt.format.manifest import read_manifest
-    from roll_ckpt.dcp.reader import job_metadata
+    from roll_ckpt.dcp.checked import safe_load_metadata
     from roll_ckpt.dcp.reader import SafeReader
+    from roll_ckpt.runtime.distributed import decide
     from roll_ckpt_fs import LocalStorage
 
     storage = LocalStorage(str(saved.parent))
@@ -185,8 +187,12 @@ def test_both_readers_of_metadata_judge_it_alike(saved: Path, entry: str) -> Non
                                         collective_timeout_s=60.0)
     dcp = str(saved / "dcp")
     verdicts = []
-    for read in (lambda: job_metadata(coordinator, storage, dcp, files, str(saved))[0],
-                 lambda: SafeReader(storage, dcp, files=files, checkpoint=str(saved)).read_metadata()):
+    def reader() -> SafeReader:
+        return SafeReader(storage, dcp, files=files, checkpoint=str(saved))
+
+    # the job's path (DCPStrategy._load_job), then DCP's
+    for read in (lambda: safe_load_metadata(decide(coordinator, reader().metadata_bytes, where=dcp), dcp),
+                 lambda: reader().read_metadata()):
         try:
             verdicts.append(type(read()).__name__)
         except CheckpointCorruptError as exc:

@@ -44,14 +44,14 @@ def _target(phase: str) -> tuple[Any, str]:
     from roll_ckpt.format.commit import PendingCheckpoint
     from roll_ckpt.dcp.reader import SafeReader
     import roll_ckpt.save.pipeline as pipeline_module
-    from roll_ckpt.save.pipeline import SavePipeline
+    from roll_ckpt.tiers.space import SpaceGuard
     from roll_ckpt.dcp.writer import DigestingWriter
     import roll_ckpt.strategies.dcp as strategy_module
     from roll_ckpt.strategies.dcp import DCPStrategy
 
     return {
         "state_dict": (DCPStrategy, "state_dict"),
-        "space": (SavePipeline, "_check_space"),
+        "space": (SpaceGuard, "check"),
         "stage": (pipeline_module, "stage_state_dict"),  # staging, as the pipeline calls it
         "begin": (PendingCheckpoint, "begin"),
         "write": (DigestingWriter, "write_files"),

@@ -85,6 +85,7 @@ def layout_resume(out: str, step: str, kind: str) -> None:
     """Resume ``checkpoint-<step>`` into a ``kind`` model, count what the resume read, save once more."""
     import roll_ckpt.dcp.checked as unpickle
     import roll_ckpt.dcp.reader as dcp_reader
+    import roll_ckpt.strategies.dcp as dcp_strategy
     from roll_ckpt_fs.storage import LocalStorage
 
     opened: list[str] = []
@@ -102,14 +103,15 @@ def layout_resume(out: str, step: str, kind: str) -> None:
         return real_load(data, where)
 
     LocalStorage.open_read = open_read
-    dcp_reader.safe_load_metadata = safe_load
+    # (the job's load unpickles in the strategy, a load of one process's own folder in the reader)
+    dcp_reader.safe_load_metadata = dcp_strategy.safe_load_metadata = safe_load
     model, opt, sched = _model(kind, seed=123)
     m = manager(out, checkpoint_config={"output_dir": out, "timestamp_subdir": False},
                 resume_from_checkpoint=os.path.join(out, f"checkpoint-{step}"))
     state = {"model": model, "optimizer": opt, "scheduler": sched}
     got = m.resume(state)
     LocalStorage.open_read = real_open
-    dcp_reader.safe_load_metadata = real_load
+    dcp_reader.safe_load_metadata = dcp_strategy.safe_load_metadata = real_load
     kept = m.strategy.resumed_from[3] is not None  # for the first save to adopt where it holds
     loaded = {"params": full(model), "optim": optim_full(model, opt)}
     data = [torch.randn(8, 16)]

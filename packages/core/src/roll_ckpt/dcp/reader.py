@@ -57,10 +57,9 @@ from ..runtime.torch_compat import local_load_plan, local_tensor, set_element, t
 from .checked import (CHECK_STREAMS, MAX_PIECE, METADATA_NAME, SafeLoadPlanner, StreamedFile, Verified, load_tensor,
                       piece_pool, pickle_reason, read_hashed, safe_load_metadata, verify_budget)
 from ..format.manifest import content_fault
-from ..runtime.distributed import decide
 from ..format.layout import writer_rank
 
-__all__ = ['SafeReader', 'read_dcp', 'job_metadata', 'assigned_files', 'writer_rank', 'top_keys', 'placeholders']
+__all__ = ['SafeReader', 'read_dcp', 'assigned_files', 'writer_rank', 'top_keys', 'placeholders']
 
 
 # ---- the reader ------------------------------------------------------------
@@ -107,7 +106,10 @@ class SafeReader(FileSystemReader):
         self.checked = False
         """Every file a load reads was checked: by the process it is assigned to, the job
         agreeing on it (:mod:`roll_ckpt.dcp.reader`), or by this reader's :meth:`load`."""
-        self._stream = stream
+        self._streamed = frozenset(name for name, entry in (self._files or {}).items()
+                                   if entry.chunks and entry.chunk_size <= MAX_PIECE) if stream else frozenset()
+        """The files loaded in one pass, each piece checked just before use (``stream``: those
+        whose manifest entry has piece checksums)."""
         self._pool: Any = None
         self._pool_lock = threading.Lock()
 
@@ -128,14 +130,6 @@ class SafeReader(FileSystemReader):
             if self._pool is None:
                 self._pool = piece_pool()
             return self._pool
-
-    def _streams(self, name: str) -> bool:
-        """Whether ``name`` is loaded in one pass, each piece checked just before use
-        (``stream``; files whose manifest entry has piece checksums)."""
-        if not self._stream or self._files is None:
-            return False
-        entry = self._files.get(name)
-        return entry is not None and bool(entry.chunks) and entry.chunk_size <= MAX_PIECE
 
     def _open_streamed(self, name: str) -> StreamedFile:
         entry = self._expected(name)
@@ -203,7 +197,7 @@ class SafeReader(FileSystemReader):
         """Start reading and checking ``names`` (the files this process will most likely
         load) in the background, so the disk works while the load is being planned.
         :meth:`check_files` waits for the ones it is given; it checks others itself."""
-        names = [n for n in names if self._files is not None and n in self._files and not self._streams(n)]
+        names = [n for n in names if self._files is not None and n in self._files and n not in self._streamed]
         if not names or self._checker is not None:
             return
         keep = sum(self._expected(n).size for n in names) <= verify_budget()
@@ -236,7 +230,7 @@ class SafeReader(FileSystemReader):
         """Check every file in ``names`` not checked yet (or take its early check), keeping
         them open for the load; raises the first damage found. Files loaded streamed are
         checked piece by piece as they load instead."""
-        names = [n for n in names if not self._streams(n)]
+        names = [n for n in names if n not in self._streamed]
         for name in names:  # the early checks of these: waited for
             early = self._early.pop(name, None)
             if early is not None and (error := early.exception()) is not None:
@@ -298,18 +292,24 @@ class SafeReader(FileSystemReader):
         from torch.distributed.checkpoint.metadata import StorageMeta
 
         if self._metadata is None:
-            path = self._storage.join(self.path, METADATA_NAME)
-            with self._storage.open_read(path) as f:
-                data = f.read()
-            if self._files is not None:
-                self._check(METADATA_NAME, *hash_bytes(data))
+            data = self.metadata_bytes()
             with CollectorPause():
-                self._metadata = safe_load_metadata(data, path)
+                self._metadata = safe_load_metadata(data, self._storage.join(self.path, METADATA_NAME))
         md = self._metadata
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id
         return md
+
+    def metadata_bytes(self) -> bytes:
+        """The bytes of ``.metadata``, checked against the manifest's entry (given ``files``):
+        read by :meth:`read_metadata`, and, in a job's load, by the coordinator alone, which
+        hands them to every process (``DCPStrategy.load``)."""
+        with self._storage.open_read(self._storage.join(self.path, METADATA_NAME)) as f:
+            data = f.read()
+        if self._files is not None:
+            self._check(METADATA_NAME, *hash_bytes(data))
+        return data
 
     def _checked_file(self, name: str) -> Verified | None:
         """A file checked for this load but not kept open by this process (another process
@@ -357,7 +357,7 @@ class SafeReader(FileSystemReader):
         direct = []
         for name, reqs in per_file.items():
             data = self._verified.get(name)
-            if data is None and self._streams(name):
+            if data is None and name in self._streamed:
                 data = self._open_streamed(name)
             if data is None and self._expected(name).size and self._keeps_files:
                 data = self._checked_file(name)
@@ -422,25 +422,6 @@ class SafeReader(FileSystemReader):
 def assigned_files(files: Mapping[str, Any], rank: int, world_size: int) -> list[str]:
     """The data files process ``rank`` checks for the job."""
     return sorted(n for n in files if (w := writer_rank(n)) is not None and w % world_size == rank)
-
-
-def job_metadata(strategy: Any, storage: Any, dcp_path: str, files: Mapping[str, Any] | None,
-                 checkpoint: str, pause_gc: bool = True) -> tuple[Any, bytes]:
-    """``.metadata`` of ``dcp_path``, read and checked by the coordinator alone, unpickled
-    by every process; returns it with its bytes."""
-    path = storage.join(dcp_path, METADATA_NAME)
-
-    def read() -> bytes:
-        with storage.open_read(path) as f:
-            data = f.read()
-        if files is not None:
-            if (fault := content_fault(files.get(METADATA_NAME), *hash_bytes(data))) is not None:
-                raise CheckpointCorruptError(checkpoint, [(f"dcp/{METADATA_NAME}", fault)])
-        return data
-
-    data = decide(strategy, read, where=f"cannot read {path}", phase="resume: reading .metadata")
-    with CollectorPause(pause_gc):
-        return safe_load_metadata(data, path), data
 
 
 def read_dcp(target: dict[str, Any], reader: Any, md: Any) -> None:

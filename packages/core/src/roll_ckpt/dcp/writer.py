@@ -505,15 +505,6 @@ class FixedLayouts:
 
     # ------------------------------------------------------------ collectives
 
-    def agree(self, fast: FastPlan | None, group: Any) -> bool:
-        """True on every process when every process can repeat the same layout (one
-        all-reduce of three integers)."""
-        if self.layout is None:  # then on every process: no collective (see record, adopt, forget)
-            return False
-        gen = self.layout.generation
-        failed, top, bottom = self._max([0 if fast is not None else 1, gen, -gen], group)
-        return failed == 0 and top == -bottom
-
     def _max(self, values: list[int], group: Any) -> list[int]:
         if self._dist is None or self.world_size == 1:
             return values
@@ -537,11 +528,20 @@ class FixedLayouts:
 
     # ------------------------------------------------------------ the save
 
-    def save(self, fast: FastPlan, writer: DigestingWriter, group: Any) -> dict[str, tuple] | None:
+    def save(self, fast: FastPlan | None, writer: DigestingWriter, group: Any) -> dict[str, tuple] | None:
         """Write the files at the layout's offsets; the coordinator's file digests (``{}`` on
-        the others), or ``None`` when the save must be written again by the full path."""
+        the others), or ``None`` when the save takes the full path: some process cannot
+        repeat the layout (``fast`` is ``None`` there, or its layout is another), which every
+        process learns from one all-reduce of three integers before anything is written; or
+        one wrote something else than the layout (the save is written again)."""
         layout = self.layout
-        assert layout is not None
+        if layout is None:  # then on every process: no collective (see record, adopt, forget)
+            return None
+        failed, top, bottom = self._max([0 if fast is not None else 1, layout.generation, -layout.generation], group)
+        if failed or top != -bottom:
+            self.forget()
+            return None
+        assert fast is not None
         message: tuple
         try:
             if writer.gate is not None:
@@ -776,41 +776,35 @@ class Increments:
         self.cold: frozenset[str] = frozenset()
         """The state's tensors that no optimizer updates (:func:`cold_names`), set by the
         strategy each time it builds the state's state dicts."""
-        self._pending: tuple[str, dict[str, tuple], frozenset[str]] | None = None
+        self._writer: DigestingWriter | None = None
+        """The writer of the save in flight, until it is committed or failed."""
         self._warm: frozenset[str] = frozenset()
-        self._take: TakeOver | None = None
 
-    def writer_options(self, storage: Storage, alone: bool, gate: Any) -> dict[str, Any]:
-        """The writer's ``cold`` and ``take`` for a save of the job's folder. Off for a folder a
-        process writes alone (the fast tier's unit, on another storage) and for regular staging
-        in waves, whose halves are reused once written (a file hashed first could not be)."""
+    def writer(self, storage: Storage, dcp_path: str, alone: bool, **options: Any) -> DigestingWriter:
+        """The writer of a save into ``dcp_path`` (``options``: :class:`DigestingWriter`'s), given
+        this record's ``cold`` and ``take``; the files it writes become the next save's base once
+        the save is committed (:meth:`committed`; the last writer made counts). Without either
+        for a folder a process writes alone (the fast tier's unit, on another storage) and for
+        regular staging in waves, whose halves are reused once written (a file hashed first
+        could not be)."""
         if not self.enabled or alone:
-            return {}
+            return DigestingWriter(storage, dcp_path, **options)
         base = self.base
-        usable = base is not None and gate is None and base.url == storage.url
-        self._take = TakeOver(storage, base, self.cold, self._warm) if usable else None  # type: ignore[arg-type]
-        return {"cold": self.cold, "take": self._take}
-
-    def wrote(self, storage: Storage, writer: Any, digests: dict[str, tuple]) -> dict[str, tuple]:
-        """The save's files are written (``writer``: this process's); kept until the save is
-        committed (:meth:`committed`) or failed (:meth:`failed`). Returns ``digests``."""
-        if self.enabled:
-            take, self._take = self._take, None
-            self._pending = (storage.url, dict(writer.own_digests), frozenset(take.taken if take else ()))
-        return digests
+        usable = base is not None and options.get("gate") is None and base.url == storage.url
+        take = TakeOver(storage, base, self.cold, self._warm) if usable else None  # type: ignore[arg-type]
+        self._writer = DigestingWriter(storage, dcp_path, cold=self.cold, take=take, **options)
+        return self._writer
 
     def committed(self, storage: Storage, checkpoint_path: str, data_dir: str) -> None:
-        """The save is committed at ``checkpoint_path``: it is the next save's base."""
-        if self._pending is None:
+        """The save is committed at ``checkpoint_path``: what its writer wrote is the next save's base."""
+        writer, self._writer = self._writer, None
+        if writer is None:
             return
-        url, files, taken = self._pending
-        self._pending = None
-        self.base = Base(url, storage.join(checkpoint_path, data_dir), files)
-        self._warm = taken
+        self.base = Base(storage.url, storage.join(checkpoint_path, data_dir), dict(writer.own_digests))
+        self._warm = frozenset(writer.take.taken if writer.take else ())
 
     def failed(self) -> None:
-        self._pending = None
-        self._take = None
+        self._writer = None
 
     def seed(self, storage: Storage, dcp_path: str, files: Mapping[str, Any]) -> None:
         """A checkpoint this job resumed from, with its manifest's entries for ``dcp_path``."""

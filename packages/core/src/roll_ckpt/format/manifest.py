@@ -359,13 +359,14 @@ def read_manifest(storage: Storage, path: str) -> Manifest:
 
 def verify(storage: Storage, path: str, *, checksums: bool = True,
            on_bytes: Callable[[int], None] | None = None,
-           defer: Callable[[str], bool] | None = None, manifest: Manifest | None = None) -> VerifyReport:
+           defer: str = "", manifest: Manifest | None = None) -> VerifyReport:
     """Check every file of the checkpoint at ``path`` against its manifest.
 
     Raises :class:`CheckpointCorruptError` naming every file that is missing, of the
-    wrong size, with the wrong checksum, or not listed. Links are refused. Files for
-    which ``defer(name)`` is true get every check but the checksum: the caller checks
-    that while it reads them (``resume`` does, through :class:`~roll_ckpt.dcp.reader.SafeReader`).
+    wrong size, with the wrong checksum, or not listed. Links are refused. Files whose
+    name starts with ``defer`` (a folder, ``"dcp/"``) get every check but the checksum: the
+    caller checks that while it reads them (``resume`` does, through
+    :class:`~roll_ckpt.dcp.reader.SafeReader`).
     ``manifest``: the one :func:`read_manifest` just read from ``path`` (a resume reads it
     first to find the part it loads); ``None``: read here.
     """
@@ -387,7 +388,7 @@ def verify(storage: Storage, path: str, *, checksums: bool = True,
             faults.append((name, f"size {present[name]} bytes, the manifest says {ent.size} (truncated or altered)"))
             continue
         total += ent.size
-        if checksums and not (defer is not None and defer(name)):
+        if checksums and not (defer and name.startswith(defer)):
             try:
                 with storage.open_read(storage.join(path, name)) as f:
                     size, digest = hash_stream(f, on_bytes)

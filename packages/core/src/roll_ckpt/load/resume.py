@@ -223,41 +223,39 @@ class Resumer:
                                              functools.partial(self.setup.progress, strategy=strategy))
         return 0
 
-    def _verify_part(self, storage: Storage, path: str, strategy: Strategy) -> tuple[str, Manifest]:
-        """Coordinator: the folder to load and its manifest, everything but the data files checked."""
+    def _check(self, run: Run, strategy: Strategy, storage: Storage, path: str) -> tuple[Any, Manifest | None, bytes]:
+        """Coordinator: what ``path`` is, and everything of it but the data files checked:
+        ``(folder to load, its manifest, trainer_state.json's bytes)``, or, for another
+        framework's checkpoint, ``((folder, component), None, b"")``."""
+        foreign = self._foreign_part(storage, path)
+        if foreign is not None:
+            return foreign, None, b""
+        if storage is run.storage:  # another launch's retention must leave it alone meanwhile
+            self.holds.hold(run, path)
         part, manifest = self._part_to_load(storage, path)
         # DCP's files are checked while they are read, once for the job (before anything is
         # deserialized): .metadata by the coordinator, each data file by one rank
         # (roll_ckpt.dcp.reader); everything else here.
         data_dir = f"{strategy.data_dir}/"
         with self.setup.progress("verify", strategy) as progress:
-            manifest = verify(storage, part, on_bytes=progress, defer=lambda name: name.startswith(data_dir),
-                              manifest=manifest).manifest
+            manifest = verify(storage, part, on_bytes=progress, defer=data_dir, manifest=manifest).manifest
         if not any(name.startswith(data_dir) for name in manifest.files):
             raise RollCkptError(
                 f"{part} was written by the '{manifest.extra.get('strategy')}' strategy and holds no "
                 f"'{data_dir}' folder, which the '{strategy.name}' strategy chosen for this state "
                 "loads; resume it with the same kind of state it was saved from")
-        return part, manifest
+        with storage.open_read(storage.join(part, TRAINER_STATE)) as f:
+            return part, manifest, f.read()
 
     def _resume_from(self, run: Run, strategy: Strategy, state: MutableMapping[str, Any], storage: Storage,
                      path: str) -> int:
         """Verify the checkpoint at ``path`` (of ``storage``), load it into ``state``; return its step."""
-        def check() -> tuple[Any, Manifest | None, bytes]:
-            foreign = self._foreign_part(storage, path)
-            if foreign is not None:
-                return foreign, None, b""
-            if storage is run.storage:  # another launch's retention must leave it alone meanwhile
-                self.holds.hold(run, path)
-            part, manifest = self._verify_part(storage, path, strategy)
-            with storage.open_read(storage.join(part, TRAINER_STATE)) as f:
-                return part, manifest, f.read()
-
         # The coordinator alone tells what the folder is, reads the manifest and the trainer
         # state, in one decision (the manifest grows with the job: read by every rank, its
         # bytes would grow with the square of it).
-        part, manifest, trainer_bytes = decide(strategy, check, where=f"cannot resume from {path}",
-                                               phase="resume: verifying", step=layout.parse_step(layout.basename(path)))
+        part, manifest, trainer_bytes = decide(strategy, functools.partial(self._check, run, strategy, storage, path),
+                                               where=f"cannot resume from {path}", phase="resume: verifying",
+                                               step=layout.parse_step(layout.basename(path)))
         if manifest is None:  # another framework's checkpoint: (its folder, component)
             return self._resume_foreign(strategy, state, storage, *part)
         data_dir = strategy.data_dir

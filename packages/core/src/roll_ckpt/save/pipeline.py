@@ -6,7 +6,7 @@ failed save raises (one module: a save read in one sitting).
     SavePipeline.save            caller's thread
         strategy.state_dict          the live state dict (without the HF module's weights
                                      when only the HF files are kept)
-        _check_space                 coordinator: does it fit?
+        SpaceGuard.check             coordinator: does it fit?
         stage_state_dict             each tensor captured by its staging policy
         refuse                       a rank that failed so far meets the others at their
                                      first agreement, which raises its error everywhere
@@ -60,6 +60,7 @@ from ..runtime.background import lower_priority
 from ..runtime.collector import CollectorPause
 from ..runtime.units import human_bytes
 from ..tiers.retention import Retention
+from ..tiers.space import SpaceGuard
 from ..tiers.run import Run, Setup
 from .staging import stage_state_dict
 
@@ -172,10 +173,8 @@ def save_error(exc: BaseException, step: int, url: str, world_size: int) -> Roll
     return error
 
 
-def agreed_failure(exc: BaseException | None, step: int, url: str, world_size: int) -> RollCkptError | None:
+def agreed_failure(exc: BaseException, step: int, url: str, world_size: int) -> RollCkptError:
     """What this rank hands to an agreement of the save: its failure as the error every rank raises."""
-    if exc is None:
-        return None
     error = save_error(exc, step, url, world_size)
     if error is not exc and error.__cause__ is None:
         error.__cause__ = exc  # (on this rank; the others get the message)
@@ -421,19 +420,16 @@ class SavePipeline:
 
     def prepare(self) -> cf.Future | None:
         """A save is near: the staging policies make their buffers ready in the writer thread,
-        after the write in flight (which then keeps them instead of freeing them)."""
+        after the write in flight (which then keeps them instead of freeing them). Each
+        policy's work is a job of the writer thread, which runs them in order: the last one's
+        future is done once all are (an earlier one's error stays in its own future, as a
+        failed preparation only means the save allocates its buffers in the call)."""
         config = self.setup.config
         if not self.is_async or config.strategy_config.keep_staging_buffers:
             return None
         work = [w for p in self._policies if hasattr(p, "prepare") and (w := p.prepare(self._reuse)) is not None]
-        if not work:
-            return None  # nothing staged yet: the first save lays its buffers out in the call
-
-        def ready() -> None:
-            for w in work:
-                w()
-
-        return self._executor.submit(ready)
+        # (no work: nothing staged yet; the first save lays its buffers out in the call)
+        return [self._executor.submit(w) for w in work][-1] if work else None
 
     @functools.cached_property
     def _policies(self) -> list[Any]:
@@ -489,9 +485,14 @@ class SavePipeline:
             self.setup.plugins.hook.roll_ckpt_save(save=ctx)
             with CollectorPause(config.checkpoint_config.pause_gc):  # (the loop waits for this part)
                 sd = strategy.state_dict(model_only(state, self.hf) if sc.save_only_model else state)
-                refusal = self._check_space(run, sd, ctx, user) if strategy.is_coordinator else None
-                if refusal is not None:  # refused before anything is staged or written
-                    raise refusal
+                if strategy.is_coordinator:  # does it fit? (refused before anything is staged or written)
+                    if self.space is None:
+                        self.space = SpaceGuard(run.storage, run.root, config.checkpoint_config.output_dir)
+                    refusal = self.space.check(functools.partial(strategy.estimate, sd, user), path=run.folder or run.root,
+                                               step=step, keep=self.retention.keep, own_run=run.folder,
+                                               retention=functools.partial(self.retention.apply, run, ctx.path))
+                    if refusal is not None:
+                        raise refusal
                 staged = stage_state_dict(sd, ctx, self._policies)
         except Exception as exc:  # the other ranks go on to the write's first agreement: meet them there
             self.refuse(run, ctx, exc)
@@ -531,27 +532,13 @@ class SavePipeline:
             self.last_save = stats
         return stats
 
-    def _check_space(self, run: Run, sd: dict[str, Any], ctx: SaveContext,
-                     user: dict[str, Any]) -> BaseException | None:
-        """The coordinator's check that ``checkpoint-<step>`` fits; the refusal to raise, or ``None``."""
-        from ..tiers.space import SpaceGuard
-
-        if self.space is None:
-            self.space = SpaceGuard(run.storage, run.root, self.setup.config.checkpoint_config.output_dir)
-        folder = run.folder or run.root
-        free = self.space.free(folder)
-        if free is None:
-            return None  # an object store: nothing to check, nothing to estimate
-        estimate = ctx.strategy.estimate(sd, user)
-        return self.space.check(estimate, free=free, path=folder, step=ctx.step, keep=self.retention.keep,
-                                retention=functools.partial(self.retention.apply, run, ctx.path), own_run=run.folder)
-
     def write_and_commit(self, save: StagedSave, refusal: BaseException | None = None) -> SaveStats:
         """Write the staged state and commit it (the coordinator), every rank agreeing twice:
         before the write (a rank's refusal, or the coordinator's failed begin, ends every
         rank's save there) and after the commit (no rank reports a step the coordinator did
         not commit). A failure anywhere is :meth:`_failed`'s; the callbacks and
-        ``roll_ckpt_save_finished`` are told in every case. ``refusal``: see :meth:`refuse`."""
+        ``roll_ckpt_save_finished`` are told in every case. ``refusal``: this rank's failure
+        before the write, as every rank raises it (:meth:`refuse`)."""
         ctx, run = save.ctx, save.run
         strategy, storage = ctx.strategy, run.storage
         pending = pending_checkpoint(storage, ctx.path, run.token)
@@ -570,8 +557,8 @@ class SavePipeline:
                                                                          save.hf_module)
                     attempt.committed = True
                 except Exception as exc:
-                    failed = exc
-            strategy.agree(agreed_failure(failed, ctx.step, storage.url, ctx.world_size), "save: committing", ctx.step)
+                    failed = agreed_failure(exc, ctx.step, storage.url, ctx.world_size)
+            strategy.agree(failed, "save: committing", ctx.step)
             self.committed_steps.add(ctx.step)
             if (increments := strategy.increments) is not None:
                 increments.committed(storage, ctx.path, strategy.data_dir)
@@ -597,7 +584,8 @@ class SavePipeline:
         """This rank's save failed before its write (a refusal, a state dict that cannot be
         built): the other ranks are on their way to the write's first agreement, so meet them
         there with ``exc``, which every rank then raises (nothing staged: nothing written)."""
-        self.write_and_commit(StagedSave(run, {}, ctx, {}, 0.0), refusal=exc)
+        self.write_and_commit(StagedSave(run, {}, ctx, {}, 0.0),
+                              refusal=agreed_failure(exc, ctx.step, run.storage.url, ctx.world_size))
         raise AssertionError("unreachable: the agreement raises the refusal") from exc
 
     def _begin(self, ctx: SaveContext, attempt: "_Attempt", refusal: BaseException | None) -> None:
@@ -617,8 +605,8 @@ class SavePipeline:
                     attempt.begun = True
                     storage.makedirs(attempt.data_path)
             except Exception as exc:
-                failed = exc
-        ctx.strategy.agree(agreed_failure(failed, ctx.step, storage.url, ctx.world_size), "save: starting", ctx.step)
+                failed = agreed_failure(exc, ctx.step, storage.url, ctx.world_size)
+        ctx.strategy.agree(failed, "save: starting", ctx.step)
 
     def _failed(self, ctx: SaveContext, attempt: "_Attempt", exc: BaseException) -> NoReturn:
         """A save's failure, wherever it happened: nothing of it left (the coordinator removes

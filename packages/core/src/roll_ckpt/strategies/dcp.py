@@ -50,15 +50,15 @@ from typing import Any, Callable, Mapping, MutableMapping
 
 import torch
 
-from ..runtime.distributed import bounded, checkpoint_group, from_rank
+from ..runtime.distributed import bounded, checkpoint_group, decide, from_rank
 from ..runtime.collector import CollectorPause
 from ..contracts import SpaceEstimate, Storage, Strategy
 from ..errors import RollCkptError, portable
 from ..format.global_state import GlobalState
 from ..format.layout import basename, parent, parse_step
 from ..runtime.rng import capture_rng, restore_rng
-from ..dcp.checked import METADATA_NAME
-from ..dcp.reader import assigned_files, job_metadata, read_dcp, placeholders, top_keys
+from ..dcp.checked import METADATA_NAME, safe_load_metadata
+from ..dcp.reader import assigned_files, read_dcp, placeholders, top_keys
 from ..dcp.writer import FixedLayouts, Increments, cold_names
 from ..runtime.torch_compat import all_reduce_ints, collective, dcp_save, loaded_in_place, local_tensor, module_tensor_ids
 
@@ -225,7 +225,7 @@ class DCPStrategy(Strategy):
         (the fast recovery tier's unit): its metadata lists only this process's chunks, and
         replicated values are written in full, so it loads without any other process's files.
         """
-        from ..dcp.writer import DigestingWriter, ReusingSavePlanner
+        from ..dcp.writer import ReusingSavePlanner
 
         if self.layouts is None or self.resumed_from is not None:  # (a write without state_dict: tests, tools)
             self._start_saving()
@@ -239,14 +239,14 @@ class DCPStrategy(Strategy):
         with warnings.catch_warnings(), pause, bounded(self.rank, "save: writing", step, self.collective_timeout_s,
                                                         f"Nothing of checkpoint-{step} was committed; earlier ones are intact."):
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            # (the increments' options anew for each writer: what one takes over is its own)
-            writer = DigestingWriter(storage, dcp_path, **options, **self.increments.writer_options(storage, alone, gate))
+            # (each writer from the increments anew: what one takes over is its own)
+            writer = self.increments.writer(storage, dcp_path, alone, **options)
             if not alone:  # a save of the last full save's structure: a fixed-size message per process
                 digests = self._write_fixed(sd, writer, threads, gate)
                 if digests is not None:
-                    return self.increments.wrote(storage, writer, digests)
+                    return digests
                 tried = writer
-                writer = DigestingWriter(storage, dcp_path, **options, **self.increments.writer_options(storage, False, gate))
+                writer = self.increments.writer(storage, dcp_path, False, **options)
                 for name in tried.take.taken if tried.take else ():  # a link is never written through
                     storage.remove(storage.join(dcp_path, name))
             planner = ReusingSavePlanner(self._write_items.setdefault(alone, {}))
@@ -255,7 +255,7 @@ class DCPStrategy(Strategy):
                 self.layouts.record(planner, writer, threads)
                 for name in set(tried.written) - set(writer.written):  # a layout written, then redone
                     storage.remove(storage.join(dcp_path, name))
-        return writer.file_digests if alone else self.increments.wrote(storage, writer, writer.file_digests)
+        return writer.file_digests
 
     def _write_fixed(self, sd: dict[str, Any], writer: Any, threads: int, gate: Any) -> dict[str, tuple] | None:
         """The save at the last full save's offsets (:mod:`roll_ckpt.dcp.writer`): the
@@ -275,10 +275,6 @@ class DCPStrategy(Strategy):
             fast = layouts.prepare(sd, threads, gate, self.is_coordinator)
         except Exception:  # a state this rank cannot lay out as before: DCP's full path, on every rank
             fast = None
-        if not layouts.agree(fast, self.process_group):
-            layouts.forget()
-            return None
-        assert fast is not None
         return layouts.save(fast, writer, self.process_group)
 
     def estimate(self, sd: dict[str, Any], user: Mapping[str, Any] | None = None) -> SpaceEstimate:
@@ -331,17 +327,19 @@ class DCPStrategy(Strategy):
                     read_dcp(target, reader, md)
                     self.hand_over(state, target, src)
                     return
-                self._load_job(state, reader, storage, dcp_path, files, checkpoint or dcp_path, step)
+                self._load_job(state, reader, storage, dcp_path, files, step)
             finally:
                 reader.release()  # the checked files, kept open across the loads below
                 del reader
 
     def _load_job(self, state: MutableMapping[str, Any], reader: Any, storage: Storage, dcp_path: str,
-                  files: Mapping[str, Any] | None, checkpoint: str, step: int | None) -> None:
+                  files: Mapping[str, Any] | None, step: int | None) -> None:
         """A folder of the job (the pieces: dcp/reader.py, "the job's load"): ``.metadata`` read once, each file checked by
         one process before any process reads it; an error anywhere is raised everywhere."""
-        md, md_bytes = job_metadata(self, storage, dcp_path, files, checkpoint,
-                                    self.config.checkpoint_config.pause_gc)
+        # .metadata read and checked by the coordinator alone, unpickled by every process
+        path = storage.join(dcp_path, METADATA_NAME)
+        md_bytes = decide(self, reader.metadata_bytes, where=f"cannot read {path}", phase="resume: reading .metadata")
+        md = safe_load_metadata(md_bytes, path)
         error: BaseException | None = None
         try:
             mine = assigned_files(files, self.rank, self.world_size) if files else []
@@ -390,7 +388,13 @@ class DCPStrategy(Strategy):
             fit_target(target[key], key, md)
         self._names_before = {key: group_names(target[key]) for key in owners}  # (before the load replaces them)
         top, ranks = top_keys(md, PER_RANK)
-        src = self._source_rank(ranks)
+        src = str(self.rank)  # whose per-process values (RNG, scheduler, data position) this process takes
+        if src not in ranks:
+            if "0" not in ranks:
+                raise RollCkptError("the checkpoint holds no per-process state (RNG, scheduler...)")
+            warnings.warn(f"roll-ckpt: the checkpoint was saved by fewer processes; rank {src} "
+                          "takes rank 0's per-process state (RNG, scheduler, data position)", stacklevel=3)
+            src = "0"
         target[PER_RANK] = {src: placeholders(md, (PER_RANK, src))}
         missing = [k for k in target if k != PER_RANK and k not in top]
         if missing:
@@ -446,16 +450,6 @@ class DCPStrategy(Strategy):
         if alone or self._dist is None or self.world_size == 1:
             return {"process_group": None, "no_dist": True}
         return {"process_group": self.process_group, "no_dist": False}
-
-    def _source_rank(self, ranks: set[str]) -> str:
-        mine = str(self.rank)
-        if mine in ranks:
-            return mine
-        if "0" in ranks:
-            warnings.warn(f"roll-ckpt: the checkpoint was saved by fewer processes; rank {mine} "
-                          "takes rank 0's per-process state (RNG, scheduler, data position)", stacklevel=4)
-            return "0"
-        raise RollCkptError("the checkpoint holds no per-process state (RNG, scheduler...)")
 
     def close(self) -> None:
         self._state_dicts.clear()

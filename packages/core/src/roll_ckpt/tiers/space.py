@@ -235,18 +235,21 @@ class SpaceGuard:
                      "for space beforehand", self.storage.url)
         return free
 
-    def check(self, estimate: SpaceEstimate, *, free: int, path: str, step: int, keep: int,
+    def check(self, estimate: Callable[[], SpaceEstimate], *, path: str, step: int, keep: int,
               retention: Callable[[int], list[str]] | None = None,
               own_run: str | None = None) -> StorageFullError | None:
-        """``None`` when the checkpoint fits, else the error to raise. ``free``: what
-        :meth:`free` said of ``path`` just before (the caller asked it first: a store that
-        cannot tell is not estimated for).
+        """``None`` when checkpoint-``step``, written under ``path``, fits; else the error to
+        raise. ``estimate()`` sizes it; it is not called where the store cannot tell its free
+        space (:meth:`free`: nothing to compare with).
 
         ``retention(k)`` keeps the newest ``k`` committed checkpoints and returns what it
         removed; it is not called when the checkpoint fits. ``own_run``: the saving launch's
         run folder (the hint counts the checkpoints retention may remove: :func:`committed_sizes`).
         """
-        self.last_estimate = estimate
+        free = self.free(path)
+        if free is None:
+            return None
+        estimate = self.last_estimate = estimate()
         need = estimate.total + estimate.files * _SLACK_PER_FILE
         self.last_free = free
         if need <= free:
