@@ -11,9 +11,10 @@ read from storage for a 161 MB file) and gathers and scatters load plans through
 coordinator, which roll-ckpt used only to tell every process which files were checked.
 Instead:
 
-1. the coordinator reads ``.metadata`` once, checks it against the manifest and
-   broadcasts its bytes; every process unpickles them (restricted unpickler, collector
-   held off): :func:`job_metadata`;
+1. the coordinator reads ``.metadata`` once and checks it against the manifest
+   (:meth:`SafeReader.metadata_bytes`, the same reading as DCP's ``read_metadata``) and
+   broadcasts its bytes (``decide``); every process unpickles them (restricted
+   unpickler, collector held off);
 2. each data file is checked by one process, the one of its writer's rank modulo the
    world size (at the same world size: the process that wrote it, which reads it next),
    and the job agrees that every check passed (one all-reduce: ``strategy.agree``)
