@@ -50,6 +50,8 @@ class HubLayout:
     transformers before 4.53, whose index has none)."""
     model: Any = field(default=None, repr=False)
     """The meta model whose rules convert (``None``: the identity)."""
+    module_sizes: dict[str, tuple[tuple[int, ...], Any]] = field(default_factory=dict, repr=False)
+    """Module key -> (shape, dtype) of the module's own tensors (:meth:`module_shape`)."""
 
     @property
     def converted(self) -> bool:
@@ -106,9 +108,7 @@ class HubLayout:
         return part
 
     def module_shape(self, key: str) -> tuple[tuple[int, ...], Any]:
-        return self._module[key]
-
-    _module: dict[str, tuple[tuple[int, ...], Any]] = field(default_factory=dict, repr=False)
+        return self.module_sizes[key]
 
 
 @dataclass(frozen=True)
@@ -181,9 +181,7 @@ def identity_layout(sizes: Mapping[str, tuple[tuple[int, ...], Any]], max_shard_
     meta = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in sizes.items()}
     plan = split_torch_state_dict_into_shards(meta, filename_pattern="model{suffix}.safetensors",
                                               max_shard_size=max_shard_size)
-    layout = HubLayout(None, {k: [k] for k in sizes}, dict(sizes), plan)
-    layout._module = dict(sizes)
-    return layout
+    return HubLayout(None, {k: [k] for k in sizes}, dict(sizes), plan, module_sizes=dict(sizes))
 
 
 def hub_layout(model: Any, sizes: Mapping[str, tuple[tuple[int, ...], Any]], max_shard_size: int) -> HubLayout:
@@ -245,6 +243,4 @@ def hub_layout(model: Any, sizes: Mapping[str, tuple[tuple[int, ...], Any]], max
         get_storage_id=lambda ref: storage[ref.name][0] if ref.name in storage else None,
         filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size)
     total = int(model.num_parameters()) if index_has_total_parameters() else None
-    layout = HubLayout(arch, outputs, hub, plan, total, model)
-    layout._module = dict(sizes)
-    return layout
+    return HubLayout(arch, outputs, hub, plan, total, model, module_sizes=dict(sizes))

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from ..format.commit import pending_checkpoint
-from ..format.manifest import MANIFEST_NAME, Manifest
+from ..format.manifest import MANIFEST_NAME, Manifest, hash_stream
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError, RollCkptError
 from ..format.layout import CheckpointRef, scan
 from ..contracts import Storage
@@ -142,7 +142,7 @@ def _copy_file(src: Storage, src_file: str, dst: Storage, dst_file: str, name: s
 
 
 def _verify_written(dst: Storage, write_path: str, manifest: Manifest, dst_path: str,
-                    on_bytes: OnBytes | None, stop, chunk: int) -> None:
+                    on_bytes: OnBytes | None, stop) -> None:
     """The copy, read back from the destination, against the manifest (before the commit)."""
     present = list_files(dst, write_path)
     present.pop(MANIFEST_NAME, None)
@@ -158,18 +158,9 @@ def _verify_written(dst: Storage, write_path: str, manifest: Manifest, dst_path:
         if present[name] != ent.size:
             faults.append((name, f"{present[name]} bytes at the destination, the manifest says {ent.size}"))
             continue
-        h = xxhash.xxh3_128()
-        size = 0
         with dst.open_read(_join(dst, write_path, name)) as f:
-            while True:
-                data = f.read(chunk)
-                if not data:
-                    break
-                h.update(data)
-                size += len(data)
-                if on_bytes is not None:
-                    on_bytes(len(data))
-        if size != ent.size or h.hexdigest() != ent.checksum:
+            size, digest = hash_stream(f, on_bytes)
+        if size != ent.size or digest != ent.checksum:
             faults.append((name, "differs from the manifest when read back from the destination"))
     if faults:
         raise CheckpointCorruptError(dst_path, faults)
@@ -221,7 +212,7 @@ def copy_checkpoint(src: Storage, src_path: str, dst: Storage, dst_path: str,
         for name, ent in sorted(manifest.files.items()):
             _copy_file(src, _join(src, src_path, name), dst, _join(dst, pending.write_path, name), name,
                        ent.size, ent.checksum, src_path, progress, stop, chunk)
-        _verify_written(dst, pending.write_path, manifest, dst_path, verify_progress, stop, chunk)
+        _verify_written(dst, pending.write_path, manifest, dst_path, verify_progress, stop)
         if _stopped(stop):
             raise CopyInterrupted(f"copy to {dst_path} stopped")
         try:

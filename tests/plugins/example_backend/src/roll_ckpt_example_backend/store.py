@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import shutil
 from typing import BinaryIO
 
@@ -44,8 +45,20 @@ class DirStore:
         return open(path, "wb")
 
     def write_create(self, path: str, data: bytes) -> None:
-        with open(path, "xb") as f:
+        # Whole or not at all, as the protocol promises: the bytes go to a temporary file one
+        # folder up (within the root; clean_stale removes a ".tmp-" one left by a crash), then
+        # linked into place, which fails when the name exists. No reader sees a part of it,
+        # and no stray file appears inside a checkpoint.
+        folder = os.path.dirname(path)
+        above = os.path.dirname(folder)
+        tmp_dir = above if os.path.commonpath([above, self.root]) == self.root else folder
+        tmp = os.path.join(tmp_dir, f".tmp-{os.path.basename(path)}-{os.getpid()}-{threading.get_ident()}")
+        with open(tmp, "xb") as f:
             f.write(data)
+        try:
+            os.link(tmp, path)
+        finally:
+            os.remove(tmp)
 
     def rename_dir(self, src: str, dst: str) -> None:
         raise NotImplementedError
