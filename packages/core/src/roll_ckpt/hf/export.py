@@ -598,20 +598,21 @@ CONFIG_FILES = ("config.json", "generation_config.json", "tokenizer.json", "toke
 class HFPart:
     """Writes the Hugging Face files of one checkpoint, on the coordinator."""
 
-    def __init__(self, config: HFWeightsConfig) -> None:
+    def __init__(self, config: HFWeightsConfig, *, component: str | None = None, only_model: bool = False) -> None:
         self.config = config
+        self.component, self.only_model = component, only_model  # (the manifest's step_root, save_only_model)
         self.extras: list[Any] = []
         """Objects with ``save_pretrained(dir)`` (tokenizer, processor) the job handed over."""
         self._extra_files: dict[str, bytes] | None = None
         self._layout: tuple[Any, Any] | None = None
 
     @staticmethod
-    def of(cc: Any, strategy_config: Any) -> "HFPart | None":
-        if cc.hf_weights is not None:
-            return HFPart(cc.hf_weights)
-        if strategy_config.save_only_model:
-            return HFPart(HFWeightsConfig())
-        return None
+    def of(cc: Any, strategy_config: Any, component: str | None = None) -> "HFPart | None":
+        """A manager's (``hf_weights``, or ``save_only_model``'s defaults), or ``None``."""
+        only_model = bool(strategy_config.save_only_model)
+        if cc.hf_weights is None and not only_model:
+            return None
+        return HFPart(cc.hf_weights or HFWeightsConfig(), component=component, only_model=only_model)
 
     def forget_files(self) -> None:
         """The handed-over objects changed: make their files again at the next write."""
@@ -619,18 +620,18 @@ class HFPart:
 
     # ------------------------------------------------------------------ in the writer thread
 
-    def manifest_part(self, storage: Any, write_path: str, module: Any, dcp_dir: str, *, component: str | None,
-                      only_model: bool) -> tuple[dict[str, FileEntry], dict[str, Any]]:
-        """The checkpoint's Hugging Face part, for its manifest: the files written into
-        ``write_path`` (none when the state holds no module under the key) and the manifest's
-        ``extra`` keys (``hf``; ``save_only_model``; a part's files the step lists at its root)."""
+    def manifest_part(self, storage: Any, write_path: str, save: Any, state: Mapping[str, Any]) -> tuple[dict, dict]:
+        """The commit's ``ManifestPart`` (:mod:`roll_ckpt.save.pipeline`): the HF files written into
+        ``write_path`` from the strategy's files there (none without a module under the key in
+        ``state``), and the manifest's ``extra`` keys (``hf``, ``save_only_model``, ``step_root``)."""
         from ..format.components import STEP_ROOT_KEY
 
-        extra: dict[str, Any] = {"save_only_model": self.config.key} if only_model else {}
+        extra: dict[str, Any] = {"save_only_model": self.config.key} if self.only_model else {}
+        module = state.get(self.config.key)
         if module is None:
             return {}, extra
-        files, extra["hf"] = self.write(storage, write_path, module, dcp_dir)
-        if component and self.config.step_root and files:  # at checkpoint-<step>/ too
+        files, extra["hf"] = self.write(storage, write_path, module, storage.join(write_path, save.strategy.data_dir))
+        if self.component and self.config.step_root and files:  # at checkpoint-<step>/ too
             extra[STEP_ROOT_KEY] = sorted(files)
         return files, extra
 

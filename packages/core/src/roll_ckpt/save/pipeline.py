@@ -64,8 +64,8 @@ from ..tiers.space import SpaceGuard
 from ..tiers.run import Run, Setup
 from .staging import stage_state_dict
 
-__all__ = ["SavePipeline", "StagedSave", "SaveStats", "Committer", "WarnMode", "save_error", "agreed_failure",
-           "check_step", "read_counts", "report_save", "check_objects"]
+__all__ = ["SavePipeline", "StagedSave", "SaveStats", "Committer", "ManifestPart", "WarnMode", "save_error",
+           "agreed_failure", "check_step", "read_counts", "report_save", "check_objects"]
 
 log = logging.getLogger("roll_ckpt")
 
@@ -238,15 +238,22 @@ def plugin_versions(distributions: tuple[str, ...]) -> dict[str, str]:
     return out
 
 
-class Committer:
-    """The coordinator's commit, then its hooks: core's own (retention, replication: given by the
-    manager) run in order for each checkpoint (or step of components) committed here."""
+ManifestPart = Callable[[Storage, str, SaveContext, Mapping[str, Any]], tuple[dict[str, FileEntry], dict[str, Any]]]
+"""What a checkpoint carries beside the strategy's files, written before its manifest:
+``part(storage, write_path, save, state) -> (files, extra)``: the files it wrote into the
+folder being committed (their manifest entries) and the manifest's ``extra`` keys."""
 
-    def __init__(self, setup: Setup, hf: HFPart | None, announce: Callable[..., None],
+
+class Committer:
+    """The coordinator's commit, with core's own hooks around it: the manifest's parts (the
+    Hugging Face files), then, for each checkpoint (or step of components) committed here,
+    the commit hooks (retention, replication), in the order the manager gave them."""
+
+    def __init__(self, setup: Setup, announce: Callable[..., None], *, parts: Sequence[ManifestPart] = (),
                  after_commit: Sequence[Callable[[Run, str, int], None]] = ()) -> None:
         self.setup = setup
-        self.hf = hf
-        """The Hugging Face files each checkpoint carries, or ``None``."""
+        self.parts = list(parts)
+        """Run in order before the manifest is written (:data:`ManifestPart`)."""
         self.announce = announce
         """``announce(path, manifest, component=None, data=None)``: ``roll_ckpt_on_commit`` for what
         was committed (``data``: the manifest's bytes as committed, when known)."""
@@ -259,18 +266,17 @@ class Committer:
         only when those change: each lookup scans ``sys.path``, about 1 ms of the writer's GIL)."""
 
     def commit(self, run: Run, pending: PendingCheckpoint, ctx: SaveContext, user: dict[str, Any],
-               digests: dict[str, tuple], module: Any = None) -> tuple[int, int]:
-        """Coordinator: the HF files, trainer state, manifest, commit; then the step and the hooks."""
+               digests: dict[str, tuple], state: Mapping[str, Any]) -> tuple[int, int]:
+        """Coordinator: the manifest's parts, trainer state, manifest, commit; then the step and
+        the hooks. ``state``: what was saved (the parts read the live objects they need)."""
         setup = self.setup
         storage, strategy = run.storage, ctx.strategy
         files = {f"{strategy.data_dir}/{name}": FileEntry(*digest) for name, digest in digests.items()}
         extra: dict[str, Any] = {"strategy": strategy.name}
-        if self.hf is not None:  # from the dcp/ files just written: in the manifest, so before it
-            hf_files, hf_extra = self.hf.manifest_part(
-                storage, pending.write_path, module, storage.join(pending.write_path, strategy.data_dir),
-                component=setup.component, only_model=setup.config.strategy_config.save_only_model)
-            files.update(hf_files)
-            extra.update(hf_extra)
+        for part in self.parts:  # in the manifest, so before it
+            part_files, part_extra = part(storage, pending.write_path, ctx, state)
+            files.update(part_files)
+            extra.update(part_extra)
         cc = setup.config.checkpoint_config
         if setup.component:  # every part this manager knows of: the step waits for them all
             extra[EXPECTS_KEY] = list(cc.components or ())
@@ -364,9 +370,10 @@ class SavePipeline:
                                                initargs=(config.checkpoint_config.background_nice,))
         self._inflight: cf.Future[SaveStats] | None = None
         self.leftovers = Leftovers()
-        self.hf = HFPart.of(config.checkpoint_config, config.strategy_config)
+        self.hf = HFPart.of(config.checkpoint_config, config.strategy_config, setup.component)
         """The Hugging Face files each checkpoint carries (``hf_weights``, ``save_only_model``), or ``None``."""
-        self.committer = Committer(setup, self.hf, announce, after_commit)
+        self.committer = Committer(setup, announce, parts=[self.hf.manifest_part] if self.hf is not None else [],
+                                   after_commit=after_commit)
 
     def save(self, run_of: Callable[[], Run], strategy: Strategy, step: int, state: Mapping[str, Any], *,
              final: bool, metadata: Mapping[str, Any] | None, local: bool = False) -> str | None:
@@ -488,20 +495,19 @@ class SavePipeline:
                 if strategy.is_coordinator:  # does it fit? (refused before anything is staged or written)
                     if self.space is None:
                         self.space = SpaceGuard(run.storage, run.root, config.checkpoint_config.output_dir)
-                    refusal = self.space.check(functools.partial(strategy.estimate, sd, user), path=run.folder or run.root,
-                                               step=step, keep=self.retention.keep, own_run=run.folder,
+                    refusal = self.space.check(functools.partial(strategy.estimate, sd, user),
+                                               path=run.folder or run.root, step=step, keep=self.retention.keep,
+                                               own_run=run.folder,
                                                retention=functools.partial(self.retention.apply, run, ctx.path))
                     if refusal is not None:
                         raise refusal
                 staged = stage_state_dict(sd, ctx, self._policies)
         except Exception as exc:  # the other ranks go on to the write's first agreement: meet them there
             self.refuse(run, ctx, exc)
-        save = StagedSave(run, staged, ctx, user, t0)
+        save = StagedSave(run, staged, ctx, user, t0, state=dict(state))
         if local and ctx.gate is None:  # (staged in waves, the state is written once: persistently)
             trainer_state = self.committer.trainer_state(ctx, user)
             save.local_unit = functools.partial(self.local.save, staged, step, trainer_state, save=ctx)
-        if self.hf is not None:
-            save.hf_module = state.get(self.hf.config.key)
         self._launch(ctx, t0, functools.partial(self.write_and_commit, save))
         return final_path
 
@@ -554,7 +560,7 @@ class SavePipeline:
             if strategy.is_coordinator:
                 try:
                     attempt.total, attempt.taken = self.committer.commit(run, pending, ctx, save.user, digests,
-                                                                         save.hf_module)
+                                                                         save.state)
                     attempt.committed = True
                 except Exception as exc:
                     failed = agreed_failure(exc, ctx.step, storage.url, ctx.world_size)
@@ -651,8 +657,9 @@ class StagedSave:
     """When the save began (``time.perf_counter``)."""
     local_unit: Callable[[], None] | None = None
     """Writes the fast recovery tier's unit of the same staged state (before the persistent write)."""
-    hf_module: Any = None
-    """The module whose Hugging Face files the commit writes (``hf_weights``), or ``None``."""
+    state: Mapping[str, Any] = field(default_factory=dict)
+    """What was saved, as the caller gave it (its keys, the live objects): the manifest's parts
+    read what they need of it (the Hugging Face files: the module's config)."""
 
 
 @dataclass
