@@ -60,7 +60,8 @@ from ..runtime.rng import capture_rng, restore_rng
 from ..dcp.checked import METADATA_NAME, safe_load_metadata
 from ..dcp.reader import assigned_files, read_dcp, placeholders, top_keys
 from ..dcp.writer import FixedLayouts, Increments, cold_names
-from ..runtime.torch_compat import all_reduce_ints, collective, dcp_save, loaded_in_place, local_tensor, module_tensor_ids
+from ..runtime.torch_compat import (all_reduce_ints, collective, dcp_save, loaded_in_place, local_tensor,
+                                   module_tensor_ids)
 
 __all__ = ["DCPStrategy", "PER_RANK", "RNG_KEY"]
 
@@ -236,8 +237,8 @@ class DCPStrategy(Strategy):
         pause = CollectorPause(self.config.checkpoint_config.pause_gc)
         options = {"thread_count": threads, "on_bytes": on_bytes, "gate": gate, "pause": pause}
         step = getattr(save, "step", None)
-        with warnings.catch_warnings(), pause, bounded(self.rank, "save: writing", step, self.collective_timeout_s,
-                                                        f"Nothing of checkpoint-{step} was committed; earlier ones are intact."):
+        after = f"Nothing of checkpoint-{step} was committed; earlier ones are intact."
+        with warnings.catch_warnings(), pause, bounded(self.rank, "save: writing", step, self.collective_timeout_s, after):
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             # (each writer from the increments anew: what one takes over is its own)
             writer = self.increments.writer(storage, dcp_path, alone, **options)
