@@ -144,6 +144,20 @@ def test_save_and_load_do_not_import_each_other() -> None:
     assert not crossing, crossing
 
 
+ROLL_ADAPTATION = {"roll_ckpt.config.roll_defaults", "roll_ckpt.config.roll_keys"}
+"""ROLL's config adaptation: how a ROLL pipeline config is recognized, ROLL's defaults, its keys
+mapped onto roll-ckpt's and its worker sections (issue 37: outside the save/load core)."""
+
+
+def test_only_the_config_reads_rolls_config_adaptation() -> None:
+    """ROLL's config adaptation is the config's own business: only the schema that validates a
+    config and the report that shows where each value came from read it. The saver, the
+    resumer, the DCP I/O, the strategies, the tiers and the manager get a ``Config``."""
+    graph = _core_graph()
+    readers = {m for m, deps in graph.items() if deps & ROLL_ADAPTATION and m not in ROLL_ADAPTATION}
+    assert readers == {"roll_ckpt.config.schema", "roll_ckpt.config.report"}, readers
+
+
 def test_contracts_import_no_implementation() -> None:
     deps = _imports("roll_ckpt.contracts", CORE_MODULES["roll_ckpt.contracts"])
     assert not {d for d in deps if d.startswith(("roll_ckpt", "torch"))}, deps
