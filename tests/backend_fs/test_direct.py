@@ -76,10 +76,10 @@ def test_einval_part_way_goes_on_with_buffered_writes(tmp_path: Path, monkeypatc
 def test_a_file_system_without_o_direct_gets_buffered_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     real = os.open
 
-    def refuse(path: Any, flags: int, *a: Any) -> int:  # as tmpfs before Linux 6.6 and some FUSE mounts do
+    def refuse(path: Any, flags: int, *a: Any, **kw: Any) -> int:  # as tmpfs before Linux 6.6 and some FUSE mounts do
         if flags & os.O_DIRECT:
             raise OSError(errno.EINVAL, "Invalid argument")
-        return real(path, flags, *a)
+        return real(path, flags, *a, **kw)  # (dir_fd: Python 3.13's rmtree of tmp_path opens with it)
 
     monkeypatch.setattr(os, "open", refuse)
     f = LocalStorage(str(tmp_path)).open_write(str(tmp_path / "f"))

@@ -126,7 +126,11 @@ class CheckpointManager:
     def storage(self) -> Storage:
         """Where checkpoints are written (``checkpoint_config.type`` at ``output_dir``).
 
-        Assignable (e.g. to wrap it with instrumentation): the saves after it write through it."""
+        Assignable (e.g. to wrap it with instrumentation): the saves after it write through it.
+        A wrapper keeps the backend's optional capabilities (``network_counts``, ``take_over``,
+        ``list_prefix``: :data:`roll_ckpt.plugin.STORAGE_CAPABILITIES`) only by defining each as a
+        method of its own: they are found with ``isinstance``, which does not call a wrapper's
+        ``__getattr__`` from Python 3.12 on."""
         return self._storage
 
     @storage.setter
