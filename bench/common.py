@@ -225,7 +225,10 @@ def announce(manager: Any) -> None:
 
 
 class _Nowhere:
-    """A backend's stream that keeps nothing."""
+    """A backend that keeps nothing: its one stream takes the writes and drops them."""
+
+    def open_write(self, path: str) -> "_Nowhere":
+        return self
 
     def write(self, b: Any) -> None:
         return None
@@ -236,11 +239,11 @@ class _Nowhere:
 
 def writer_digest(data: Any) -> tuple:
     """``data``'s ``(size, checksum, chunk checksums)`` as roll-ckpt's writer hashes a file it
-    writes (``roll_ckpt.dcp.files._HashingStream``: the whole file and its 8 MiB pieces),
-    writing nothing."""
-    from roll_ckpt.dcp.files import _HashingStream
+    writes (``roll_ckpt.dcp.files.StorageFileSystem.create_stream``: the whole file and its
+    8 MiB pieces), writing nothing."""
+    from roll_ckpt.dcp.files import StorageFileSystem
 
-    stream = _HashingStream(_Nowhere(), None)
-    stream.write(data)
-    stream.close()
-    return stream.digest  # type: ignore[return-value]
+    fs = StorageFileSystem(_Nowhere())  # type: ignore[arg-type]
+    with fs.create_stream("f", "wb") as stream:
+        stream.write(data)
+    return fs.digests["f"]
