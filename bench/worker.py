@@ -334,19 +334,19 @@ class RCSave(Case):
 
     def run(self):
         g = self.g
-        strategy = g.m.strategy
+        io = g.m.io
         if self.threads is not None:
-            strategy.writer_threads = lambda nbytes=0: self.threads
+            io.writer_threads = lambda nbytes=0: self.threads
         _HASH_S[0] = 0.0
         try:
             t0 = time.perf_counter()
             self.written = g.m.save(g.next_step(), g.state, final=True)
             dt = time.perf_counter() - t0
         finally:
-            strategy.__dict__.pop("writer_threads", None)
+            io.__dict__.pop("writer_threads", None)
         st = g.m.stats.last
         return dt, dt, {"copied": st.bytes_copied, "hash_s": _HASH_S[0],
-                        "threads": strategy.writer_threads(g.state_bytes) if self.threads is None else self.threads}
+                        "threads": io.writer_threads(g.state_bytes) if self.threads is None else self.threads}
 
 
 class RCSaveT1(RCSave):

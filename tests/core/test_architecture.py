@@ -202,13 +202,14 @@ def test_the_plugin_api_names_what_it_exports() -> None:
     assert not missing, f"roll_ckpt.plugin.__all__ names what it does not have: {missing}"
 
 
-ROLES = {"roll_ckpt.save.pipeline": 750, "roll_ckpt.save.staging": 500, "roll_ckpt.strategies.dcp": 650, "roll_ckpt.dcp.writer": 850,
+ROLES = {"roll_ckpt.save.pipeline": 750, "roll_ckpt.save.staging": 500, "roll_ckpt.strategies.dcp": 700, "roll_ckpt.dcp.writer": 850,
          "roll_ckpt.dcp.reader": 600, "roll_ckpt.dcp.checked": 600, "roll_ckpt.format.commit": 550, "roll_ckpt.format.manifest": 500,
          "roll_ckpt.format.layout": 500, "roll_ckpt.hf.export": 760}
 """Modules that hold one role whole, by design, and their own cap (issue 37: a path a reader
 follows in a few files, as torch_checkpointing's): the saver (staging's launch, the write, the
 commit, failures and stats, what the network did to a save), staging (the copy policies), the ``dcp`` strategy
-(state dicts and their cache, optimizers' state, the write, the load and hand-over), DCP's writer
+and its I/O (state dicts and their cache, optimizers' state, the load's targets and hand-over; ``DCPIO``:
+the write, the load, what saves keep across saves), DCP's writer
 (planner, writer, fixed layouts, increments), DCP's reader (the checked read, the job's load,
 the targets), what a load reads, checked (files whole or piece by piece, ``.metadata``'s
 restricted unpickler), the commit protocol (pending folder, rename, owners and holds), the manifest

@@ -261,7 +261,7 @@ def test_the_cached_state_dict_survives_storage_resized_in_place_and_not_a_swap(
     p = next(state["model"].parameters())
     m.save(1, state)
     m.wait()
-    builds = m.strategy._state_dicts.builds
+    builds = m.strategy.state_dicts.builds
     nbytes = p.untyped_storage().nbytes()
     with torch.no_grad():
         keep = p.detach().clone()
@@ -277,12 +277,12 @@ def test_the_cached_state_dict_survives_storage_resized_in_place_and_not_a_swap(
         assert p.data_ptr() != address and taken
     m.save(2, state)
     m.wait()
-    assert m.strategy._state_dicts.builds == builds
+    assert m.strategy.state_dicts.builds == builds
     with torch.no_grad():
         p.data = torch.randn_like(p)
     m.save(3, state)
     m.wait()
-    assert m.strategy._state_dicts.builds == builds + 1
+    assert m.strategy.state_dicts.builds == builds + 1
     m.close()
 
 

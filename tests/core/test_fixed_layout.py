@@ -44,7 +44,7 @@ def _metadata(out: Path, step: int) -> bytes:
 
 
 def _fast(m: CheckpointManager) -> int:
-    return m.strategy.layouts.fast_saves
+    return m.io.layouts.fast_saves
 
 
 def test_a_padded_value_is_a_zip_torch_loads() -> None:
@@ -72,8 +72,9 @@ def test_saves_of_one_structure_repeat_the_metadata(tmp_path: Path, async_save: 
     for step in range(1, 5):
         _step(state, step)
         m.save(step, state)
-    m.close()
+    m.wait()
     assert _fast(m) == 3  # every save after the first
+    m.close()
     assert len({_metadata(tmp_path, s) for s in range(1, 5)}) == 1
     # plain DCP reads a checkpoint written that way, values and all
     sd = {"model": {k: torch.empty_like(v) for k, v in state["model"].state_dict().items()},
@@ -96,7 +97,7 @@ def test_a_resumed_job_starts_from_its_checkpoint_layout_and_resumes_exactly(tmp
     again = _state(seed=1)
     m2 = _manager(tmp_path, resume_from_checkpoint=True)
     assert m2.resume(again) == 2
-    assert m2.strategy.resumed_from[3] is not None  # checkpoint-2's .metadata, for the next save to adopt
+    assert m2.io.resumed_from[3] is not None  # checkpoint-2's .metadata, for the next save to adopt
     _step(again, 3)  # the RNG restored too: the same step
     for a, b in zip(state["model"].parameters(), again["model"].parameters()):
         assert torch.equal(a, b)

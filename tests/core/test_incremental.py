@@ -222,6 +222,6 @@ def test_saves_of_a_frozen_base_repeat_the_layout_and_take_the_base_over(tmp_pat
             m.save(s, {"model": model, "optimizer": opt})
             if s > 1:
                 assert m.stats.last.bytes_taken_over >= frozen_bytes(model)
-        assert m.strategy.layouts.fast_saves == 2
+        assert m.io.layouts.fast_saves == 2
     metadata = [(tmp_path / f"checkpoint-{s}" / "dcp" / ".metadata").read_bytes() for s in (1, 2, 3)]
     assert metadata[0] == metadata[1] == metadata[2]

@@ -21,7 +21,7 @@ PACKAGE_API = {"__version__", "CheckpointManager", "SaveStats", "Preempted", "lo
                "CheckpointNotFoundError", "CheckpointCorruptError"}
 MANAGER_CALLS = {"from_config", "bind", "resume", "maybe_save", "save", "prepare_save", "wait", "commit_step",
                  "hf_files", "request_preemption", "close"}
-MANAGER_VALUES = {"config", "storage", "strategy", "run_dir", "preempted", "preemption_requested"}
+MANAGER_VALUES = {"config", "storage", "strategy", "io", "run_dir", "preempted", "preemption_requested"}
 MANAGER_VIEWS = {"stats", "resumed", "backup", "local"}
 
 
@@ -102,7 +102,7 @@ def test_a_strategy_of_the_old_protocol_still_saves_and_resumes_with_a_warning(t
     the defaults it lacks; the deprecated ``StrategyDefaults`` / ``strategy_member`` still resolve."""
     import roll_ckpt.plugin as api
     from roll_ckpt import DriverState
-    from roll_ckpt.format.driver_state import JSONStrategy, holds_driver_state
+    from roll_ckpt.format.driver_state import JSONIO, JSONStrategy, holds_driver_state
     from roll_ckpt.plugin import StrategyRecord, hookimpl
     from roll_ckpt.plugins import Plugins
 
@@ -110,7 +110,7 @@ def test_a_strategy_of_the_old_protocol_still_saves_and_resumes_with_a_warning(t
         name, data_dir, rank, world_size, is_coordinator = "old", "state", 0, 1, True
 
         def __init__(self, config):
-            self._inner = JSONStrategy(config)
+            self._inner = JSONIO(JSONStrategy(config))  # (the old JSONStrategy's write and load are its I/O's now)
 
         def broadcast(self, obj):
             return obj
@@ -119,7 +119,7 @@ def test_a_strategy_of_the_old_protocol_still_saves_and_resumes_with_a_warning(t
             return flag
 
         def state_dict(self, state):
-            return self._inner.state_dict(state)
+            return self._inner.strategy.state_dict(state)
 
         def estimate(self, sd, user=None):
             return self._inner.estimate(sd, user)
@@ -146,7 +146,7 @@ def test_a_strategy_of_the_old_protocol_still_saves_and_resumes_with_a_warning(t
     with CheckpointManager(cfg, plugins=plugins, quiet=True) as m:
         with pytest.warns(RollCkptDeprecationWarning, match="strategy 'old' .*does not subclass"):
             m.save(3, {"driver": DriverState({"step": 3})})
-        assert isinstance(m.strategy, OldStrategy) and m.strategy.increments is None
+        assert isinstance(m.strategy, OldStrategy) and m.io.increments is None  # its writes go through OwnIO
         assert m.strategy.collective_timeout_s == 0.0
     with CheckpointManager(cfg, plugins=plugins, quiet=True) as m, pytest.warns(RollCkptDeprecationWarning):
         state = {"driver": DriverState({"step": 0})}
@@ -206,3 +206,74 @@ def test_moved_names_are_read_only_but_the_backup_storage_and_say_where_to_go(tm
             m.save(-1, tiny_state())
         with pytest.raises(RollCkptError, match="the strategy is chosen from the state"):
             m.strategy  # the bad step was refused before a strategy was chosen
+
+
+def test_a_strategy_that_writes_its_own_files_works_through_its_io_with_a_warning(tmp_path: Path) -> None:
+    """A ``Strategy`` subclass of the contract before ``StrategyIO`` (its own ``write``/``load``/
+    ``estimate``, no ``io_class``) saves and resumes through an I/O that forwards to it, with a
+    deprecation warning; one with an ``io_class`` that also defines ``load`` is refused, as
+    core would not call it; one with neither is refused with what to set."""
+    from roll_ckpt import DriverState, RollCkptError
+    from roll_ckpt.format.driver_state import JSONIO, JSONStrategy, holds_driver_state
+    from roll_ckpt.plugin import Strategy, StrategyRecord, hookimpl
+    from roll_ckpt.plugins import Plugins
+    from roll_ckpt.tiers.run import OwnIO
+
+    calls = []
+
+    class Writes(Strategy):  # the old contract: the strategy does its own I/O
+        name, data_dir = "writes", "state"
+
+        def __init__(self, config):
+            self._io = JSONIO(JSONStrategy(config))
+
+        def state_dict(self, state):
+            return self._io.strategy.state_dict(state)
+
+        def estimate(self, sd, user=None):
+            return self._io.estimate(sd, user)
+
+        def write(self, sd, storage, path, on_bytes=None, **kw):
+            calls.append("write")
+            return self._io.write(sd, storage, path, on_bytes, **kw)
+
+        def load(self, state, storage, path, on_bytes=None, **kw):
+            calls.append("load")
+            return self._io.load(state, storage, path, on_bytes, **kw)
+
+    class Overrides(JSONStrategy):  # has an io_class, and a load core would not call
+        name = "overrides"
+
+        def load(self, *args, **kwargs):
+            raise AssertionError("never called")
+
+    class Neither(Strategy):
+        name, data_dir = "neither", "state"
+
+    made = {"writes": Writes, "overrides": Overrides, "neither": Neither}
+
+    class Plugin:
+        @hookimpl
+        def roll_ckpt_strategies(self):
+            return [StrategyRecord(name=n, factory=lambda config, plugins, c=c: c(config) if c is not Neither else c(),
+                                   applies=holds_driver_state, priority=-1) for n, c in made.items()]
+
+    plugins = Plugins()
+    plugins.register(Plugin(), name="mine", distribution="roll-ckpt-mine")
+
+    def manager(name):
+        cfg = load_config({"resume_from_checkpoint": "latest", "checkpoint_config": {"output_dir": str(tmp_path / name)},
+                           "strategy_config": {"strategy_name": name}}, plugins=plugins)
+        return CheckpointManager(cfg, plugins=plugins, quiet=True)
+
+    with manager("writes") as m, pytest.warns(RollCkptDeprecationWarning, match="writes and loads its files itself"):
+        m.save(3, {"driver": DriverState({"step": 3})})
+        assert isinstance(m.io, OwnIO)
+    with manager("writes") as m, pytest.warns(RollCkptDeprecationWarning):
+        state = {"driver": DriverState({"step": 0})}
+        assert m.resume(state) == 3 and dict(state["driver"]) == {"step": 3}
+    assert calls == ["write", "load"]
+    for name, match in (("overrides", r"defines load\(\), which roll-ckpt no longer calls"),
+                        ("neither", "has no io_class")):
+        with manager(name) as m, pytest.raises(RollCkptError, match=match):
+            m.save(1, {"driver": DriverState({"step": 1})})

@@ -112,7 +112,7 @@ def run(out: str, phase: str, faulty: int, step: int, me: int) -> dict[str, Any]
                 m.resume(state)
                 for s in range(1, step + 1):
                     active[0] = s == step
-                    result["fixed_layout"] = getattr(getattr(m.strategy, "layouts", None), "layout", None) is not None
+                    result["fixed_layout"] = getattr(m.io.layouts, "layout", None) is not None  # (no layouts before the first write)
                     t0 = time.monotonic()
                     m.save(s, state)
         except Exception as exc:

@@ -61,7 +61,7 @@ def layout_save(out: str) -> None:
         train_step(model, opt, sched, data)
         m.save(step, state)
         m.wait()
-        fast.append(m.strategy.layouts.fast_saves)
+        fast.append(m.io.layouts.fast_saves)
     expected = {3: {"params": full(model), "optim": optim_full(model, opt)}}
     step = 3
     for kind in ("dim1", "hsdp"):  # each a change of placement or mesh, same values
@@ -72,7 +72,7 @@ def layout_save(out: str) -> None:
             train_step(other, other_opt, other_sched, data)
             m.save(step, state)
             m.wait()
-            fast.append(m.strategy.layouts.fast_saves)
+            fast.append(m.io.layouts.fast_saves)
         model, opt = other, other_opt
     expected[step] = {"params": full(model), "optim": optim_full(model, opt)}
     m.close()
@@ -112,7 +112,7 @@ def layout_resume(out: str, step: str, kind: str) -> None:
     got = m.resume(state)
     LocalStorage.open_read = real_open
     dcp_reader.safe_load_metadata = dcp_strategy.safe_load_metadata = real_load
-    kept = m.strategy.resumed_from[3] is not None  # for the first save to adopt where it holds
+    kept = m.io.resumed_from[3] is not None  # for the first save to adopt where it holds
     loaded = {"params": full(model), "optim": optim_full(model, opt)}
     data = [torch.randn(8, 16)]
     fast = []
@@ -120,7 +120,7 @@ def layout_resume(out: str, step: str, kind: str) -> None:
         train_step(model, opt, sched, data)
         m.save(int(step) + 100 * dist.get_world_size() + extra, state)
         m.wait()
-        fast.append(m.strategy.layouts.fast_saves)
+        fast.append(m.io.layouts.fast_saves)
     m.close()
     if dist.get_rank() == 0:
         torch.save(loaded, os.path.join(out, f"loaded-{step}-{dist.get_world_size()}.pt"))

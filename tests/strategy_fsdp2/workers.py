@@ -250,7 +250,7 @@ def collectives(out: str) -> None:
     m.bind(state)
     m.save(1, state)  # (the manager's first save also agrees on its run folder)
     m.wait()
-    m.strategy.layouts.forget()  # as after a change of structure: DCP's full path
+    m.io.layouts.forget()  # as after a change of structure: DCP's full path
     first = count_collectives(lambda: (m.save(2, state), m.wait()))
     m.strategy.offload_states(state, optimizer=True)
     ours = count_collectives(lambda: (m.save(3, state), m.wait()))
@@ -258,7 +258,7 @@ def collectives(out: str) -> None:
     sd = m.strategy.state_dict(state)
     group = m.strategy.process_group
     plain = count_collectives(lambda: dcp.save(sd, checkpoint_id=os.path.join(out, "plain"), process_group=group))
-    fast = m.strategy.layouts.fast_saves
+    fast = m.io.layouts.fast_saves
     m.close()
     result(out, "collectives", {"first": first, "ours": ours, "plain": plain, "fast": fast})
 

@@ -2,8 +2,8 @@
 
 * :class:`Storage` (with :class:`Entry`) — what a backend does; ``roll_ckpt.testing``
   holds the conformance suite every backend passes.
-* :class:`Strategy` — how a training state becomes a checkpoint and back (``dcp``,
-  ``json``, ``fsdp2``...).
+* :class:`Strategy` — how a training state becomes state dicts and takes loaded values back
+  (``dcp``, ``json``, ``fsdp2``...); :class:`StrategyIO` — what writes and reads its files.
 * :class:`StagingPolicy` — how a save captures one kind of tensor (a named class with its
   own ``stage``/``release``); the first policy that claims a tensor captures it, core's
   regular copy last.
@@ -27,7 +27,7 @@ from typing import Any, BinaryIO, Callable, Mapping, MutableMapping, Protocol, S
 
 __all__ = [
     "Entry", "NetworkCounts", "Storage", "TakesOver", "ListsByPrefix", "CountsNetwork", "AbortableWrite",
-    "STORAGE_CAPABILITIES", "capabilities", "Strategy", "StagingPolicy", "StagingGate", "SaveContext", "CommitInfo", "SpaceEstimate",
+    "STORAGE_CAPABILITIES", "capabilities", "Strategy", "StrategyIO", "StagingPolicy", "StagingGate", "SaveContext", "CommitInfo", "SpaceEstimate",
     "BackendRecord", "StrategyRecord", "StagingPolicyRecord", "ConfigKeyRecord", "CommandRecord",
     "ForeignCheckpoint", "FormatRecord",
 ]
@@ -333,19 +333,25 @@ class CommitInfo:
 
 
 class Strategy:
-    """Turns a training state into the files of a checkpoint and back: the base class every
-    strategy subclasses (as fsspec's ``AbstractFileSystem``: the defaults make the optional
-    members optional, and core calls every member directly).
+    """Turns a training state into state dicts and takes loaded values back: the base class
+    every strategy subclasses (as fsspec's ``AbstractFileSystem``: the defaults make the
+    optional members optional, and core calls every member directly).
 
     Built by a :class:`StrategyRecord`'s factory once per manager, from the state of the
-    first ``resume``/``save``. Every process of the job holds one; the manager calls these
-    methods, in this order for a save: :meth:`state_dict`, (:meth:`estimate` on the
-    coordinator), staging (core, through the staging policies), :meth:`write`.
+    first ``resume``/``save``, with its :class:`StrategyIO` (``io_class(strategy)``), which the
+    manager owns: the strategy says *what* is saved and where loaded values go; the I/O writes
+    and reads every file. A save calls :meth:`state_dict`, then (core) staging, then the I/O's
+    ``write``; a resume calls the I/O's ``load``, which asks :meth:`load_targets` for the state
+    dict to read into and gives the values read to :meth:`hand_over`.
 
-    A subclass sets ``name``, ``rank``, ``world_size`` and ``data_dir`` and defines
-    :meth:`state_dict`, :meth:`estimate`, :meth:`write` and :meth:`load`; the defaults of the
-    others are right for a job of one process (a strategy that runs on several defines
+    A subclass sets ``name``, ``rank``, ``world_size``, ``data_dir`` and ``io_class`` and
+    defines :meth:`state_dict`, :meth:`load_targets` and :meth:`hand_over`; the defaults of
+    the others are right for a job of one process (a strategy that runs on several defines
     :meth:`broadcast`, :meth:`agree` and :meth:`any_true`; :class:`roll_ckpt.plugin.DCPStrategy` does).
+
+    A strategy written before :class:`StrategyIO` (its own ``write``/``load``/``estimate``,
+    no ``io_class``) keeps working until 1.0, with a ``RollCkptDeprecationWarning``: core then
+    calls those methods through an I/O that forwards to them.
     """
 
     name: str
@@ -353,13 +359,13 @@ class Strategy:
     rank: int = 0
     world_size: int = 1
     data_dir: str
-    """The checkpoint's folder this strategy writes its files into (``dcp``, ``state``); set by every subclass."""
+    """The checkpoint's folder this strategy's I/O writes its files into (``dcp``, ``state``); set by every subclass."""
     collective_timeout_s: float = 0.0
     """How long the strategy's collectives wait for the other ranks; ``0``: their process
     group's own timeout (messages say so)."""
-    increments: Any = None
-    """The record of the newest committed checkpoint that incremental saves take unchanged
-    files over from (:class:`roll_ckpt.dcp.writer.Increments`), or ``None``: every save whole."""
+    io_class: "type[StrategyIO] | None" = None
+    """The :class:`StrategyIO` that writes and reads this strategy's files (``None``: a
+    strategy of the old contract, which writes and loads them itself)."""
 
     @functools.cached_property
     def is_coordinator(self) -> bool:
@@ -390,6 +396,40 @@ class Strategy:
         """The live, nested state dict of ``state``: nothing copied yet."""
         raise NotImplementedError(f"{type(self).__name__}.state_dict")
 
+    def load_targets(self, state: Mapping[str, Any], saved: Any, path: str) -> tuple[dict[str, Any], str]:
+        """A load's first step: the state dict the I/O reads into (its tensors the live ones
+        where they can be loaded in place), made to fit ``saved`` (what the I/O read of the
+        folder ``path`` before any data: DCP's metadata, the parsed JSON), and the rank whose
+        per-process values this process takes."""
+        raise NotImplementedError(f"{type(self).__name__}.load_targets")
+
+    def hand_over(self, state: MutableMapping[str, Any], target: dict[str, Any], src: str) -> None:
+        """A load's last step: give the values the I/O read into ``target`` (and ``src``,
+        from :meth:`load_targets`) to the modules, optimizers and objects of ``state``."""
+        raise NotImplementedError(f"{type(self).__name__}.hand_over")
+
+    def close(self) -> None:
+        """Release what the strategy holds (process groups stay: they belong to the job)."""
+
+
+class StrategyIO:
+    """Writes a strategy's folder of a checkpoint and reads it back: the only code that
+    touches the checkpoint's data files. One per manager, made with its strategy
+    (``strategy.io_class(strategy)``); what it keeps across saves (a repeated layout, the base
+    of incremental saves, the checkpoint last loaded) is its own.
+
+    :class:`roll_ckpt.plugin.DCPIO` writes DCP folders; core's ``json`` strategy has one of
+    its own, which never imports torch. A subclass defines :meth:`estimate`, :meth:`write` and
+    :meth:`load`.
+    """
+
+    increments: Any = None
+    """The record of the newest committed checkpoint that incremental saves take unchanged
+    files over from (:class:`roll_ckpt.dcp.writer.Increments`), or ``None``: every save whole."""
+
+    def __init__(self, strategy: Strategy) -> None:
+        self.strategy = strategy
+
     def estimate(self, sd: dict[str, Any], user: Mapping[str, Any] | None = None) -> SpaceEstimate:
         """The size of a checkpoint of ``sd`` (every process's files together)."""
         raise NotImplementedError(f"{type(self).__name__}.estimate")
@@ -408,8 +448,10 @@ class Strategy:
              on_bytes: Callable[[int], None] | None = None, *,
              files: Mapping[str, Any] | None = None, checkpoint: str | None = None,
              stream: bool = False, alone: bool = False) -> None:
-        """Load the folder ``path`` into ``state`` in place, checking each file against
-        ``files`` (the manifest's entries, relative to ``path``) before any of it is used.
+        """Load the folder ``path`` into ``state`` in place (the strategy's
+        :meth:`~Strategy.load_targets`, the read, its :meth:`~Strategy.hand_over`), checking
+        each file against ``files`` (the manifest's entries, relative to ``path``) before any
+        of it is used.
 
         By default nothing of ``state`` changes unless every file checks out. ``stream``
         (``checkpoint_config.verify_before_load: false``) allows one pass instead: each
@@ -420,7 +462,7 @@ class Strategy:
         raise NotImplementedError(f"{type(self).__name__}.load")
 
     def close(self) -> None:
-        """Release what the strategy holds (process groups stay: they belong to the job)."""
+        """Release what the I/O keeps across saves."""
 
 
 @runtime_checkable

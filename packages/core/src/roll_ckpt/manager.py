@@ -23,7 +23,7 @@ from .tiers.backup import BackupLink
 from .format.components import check_component
 from .format.commit import release_folder
 from .config.schema import Config, load_config
-from .contracts import CommitInfo, Storage, Strategy
+from .contracts import CommitInfo, Storage, Strategy, StrategyIO
 from .errors import RollCkptError
 from .tiers.retention import Retention
 from .tiers.run import LaunchHold, Run, Setup, choose_strategy, claim_run, open_storage
@@ -81,6 +81,8 @@ class CheckpointManager:
         self._setup = Setup(config, component, plugins, quiet)
         self._storage = open_storage(plugins, cc.type, cc.output_dir, cc.storage_options)
         self._strategy: Strategy | None = None
+        self._io: StrategyIO | None = None
+        """What writes and reads the strategy's files (made with it, :func:`~roll_ckpt.tiers.run.choose_strategy`)."""
         self._token = ""
         self._run: Run | None = None
         """This launch's run, once its folder is claimed (:meth:`_claimed_run`)."""
@@ -149,11 +151,18 @@ class CheckpointManager:
                                 "or save(step, state) first")
         return self._strategy
 
+    @property
+    def io(self) -> StrategyIO:
+        """What writes and reads the strategy's files (a :class:`~roll_ckpt.contracts.StrategyIO`:
+        ``DCPIO`` for DCP), made with the strategy and owned by this manager."""
+        self.strategy  # (the same error before the first resume/save)
+        return self._io
+
     def bind(self, state: Mapping[str, Any]) -> Strategy:
         """Choose the strategy for ``state`` (done by the first resume/save): every process
         of the job calls it, and they agree on this launch's token."""
         if self._strategy is None:
-            self._strategy, self._token = choose_strategy(self.config, self._setup.plugins, state)
+            self._strategy, self._io, self._token = choose_strategy(self.config, self._setup.plugins, state)
         return self._strategy
 
     @property
@@ -211,10 +220,12 @@ class CheckpointManager:
         persistent, local_due = due(step)
         path = None
         if persistent:
-            path = self._saves.save(self._claimed_run, self.bind(state), step, state, final=False, metadata=None,
+            self.bind(state)
+            path = self._saves.save(self._claimed_run, self._io, step, state, final=False, metadata=None,
                                     local=local_due)
         elif local_due:
-            self._saves.save_local(self.bind(state), step, state)
+            self.bind(state)
+            self._saves.save_local(self._io, step, state)
         if any(due(step + 1)):  # the next call saves: its staging buffers made ready meanwhile, off the loop
             self._saves.prepare()
         return path
@@ -248,8 +259,9 @@ class CheckpointManager:
                 self._saves.wait()  # the save in flight first; its failure must not cost this one
             except RollCkptError as exc:
                 log.error("roll-ckpt: the save in flight failed: %s; saving step %d anyway", exc, step)
+            self.bind(state)
             path = run_without_interruption(self._watch, lambda: self._saves.save(
-                self._claimed_run, self.bind(state), step, state, final=True,
+                self._claimed_run, self._io, step, state, final=True,
                 metadata={"preempted": self._watch.describe()}))
             self._watch.committed = True  # the signals held so far are passed on below, not by close()
         except BaseException as exc:  # close() passes the signal on: the error must not vanish with the process
@@ -276,7 +288,8 @@ class CheckpointManager:
         """
         self._check_open()
         check_step(step)  # before the strategy is chosen (a collective on first use)
-        return self._saves.save(self._claimed_run, self.bind(state), step, state, final=final, metadata=metadata)
+        self.bind(state)
+        return self._saves.save(self._claimed_run, self._io, step, state, final=final, metadata=metadata)
 
     def commit_step(self, step: int, parts: Iterable[str], files: Iterable[str] = ()) -> bool:
         """Commit step ``step`` once ``parts`` are all committed, for a job whose steps something
@@ -321,11 +334,11 @@ class CheckpointManager:
         (verified the same way; a warning names the damaged file).
         """
         self._check_open()
-        strategy = self.bind(state)
+        self.bind(state)
         # with components the run folder is claimed first: a run_name an earlier launch used is
         # refused before anything loads, and the launch's choice is recorded there
         run = self._claimed_run() if self._setup.component else Run(self._storage, self._token)
-        step = self._resumer.resume(run, strategy, state, target)
+        step = self._resumer.resume(run, self._io, state, target)
         self._saves.committer.resumed_from = self._resumer.path  # (trainer_state.json names it)
         if self._local is not None:
             self._local.started(step)
@@ -382,6 +395,7 @@ class CheckpointManager:
                 try:
                     if self._strategy is not None:
                         self._strategy.close()
+                        self._io.close()
                     self._release()
                 finally:
                     backup_error = self._backup.close() if self._backup is not None else None

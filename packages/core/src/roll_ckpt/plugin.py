@@ -13,8 +13,10 @@ should a third party's: every other module of ``roll_ckpt`` is private and may c
   :class:`ListsByPrefix`, :class:`CountsNetwork`; a write's :class:`AbortableWrite`), and
   :class:`NetworkCounts`. ``roll_ckpt.testing.BackendConformance`` is the suite a backend passes.
 * **Strategies**: :class:`Strategy`, the base class every strategy subclasses (its defaults
-  make the optional members optional), :class:`SpaceEstimate`, and :class:`DCPStrategy`, the
-  base class a strategy on DCP subclasses (imported on first use: it imports torch).
+  make the optional members optional), :class:`StrategyIO`, the base class of what writes and
+  reads a strategy's files, :class:`SpaceEstimate`, and :class:`DCPStrategy` with its
+  :class:`DCPIO`, the base a strategy on DCP subclasses and the I/O it keeps (imported on
+  first use: they import torch).
 * **Staging**: :class:`StagingPolicy`, :class:`SaveContext` and :class:`StagingGate`.
 * **State values**: :class:`GlobalState`, an object whose state dict is the job's (a
   framework's wrapper of its sharded model parts or optimizers): saved as a module's is, as
@@ -60,7 +62,7 @@ from .contracts import (STORAGE_CAPABILITIES, AbortableWrite, BackendRecord, Com
                         ConfigKeyRecord, CountsNetwork, Entry, ForeignCheckpoint, FormatRecord, ListsByPrefix,
                         NetworkCounts, SaveContext,
                         SpaceEstimate, StagingGate, StagingPolicy, StagingPolicyRecord, Storage, Strategy,
-                        StrategyRecord, TakesOver, capabilities)
+                        StrategyIO, StrategyRecord, TakesOver, capabilities)
 from .errors import (BackupError, CheckpointCorruptError, CheckpointNotFoundError, CollectiveTimeoutError,
                      ConfigError, PartlyLoadedError, PluginError, RollCkptError, SaveError, StorageError,
                      StorageFullError, TorchCompatError, UnknownPluginError, UnsafeCheckpointError)
@@ -76,7 +78,7 @@ if TYPE_CHECKING:  # for type checkers and the API reference; at run time _LAZY 
     from .dcp.files import exact_alias
     from .runtime.torch_compat import (collective, fsdp2_options, local_chunk, local_tensor, rewrap_dtensor,
                                        set_local_tensor)
-    from .strategies.dcp import DCPStrategy
+    from .strategies.dcp import DCPIO, DCPStrategy
     from .tiers.run import open_storage
     from .dcp.reader import placeholders as dcp_placeholders
     from .load.dcp_folder import dcp_folder_problems, load_dcp, read_dcp_metadata, write_dcp
@@ -91,7 +93,7 @@ __all__ = [
     "Storage", "Entry", "NetworkCounts", "TakesOver", "ListsByPrefix", "CountsNetwork", "AbortableWrite",
     "STORAGE_CAPABILITIES", "capabilities",
     # strategies
-    "Strategy", "SpaceEstimate", "DCPStrategy",
+    "Strategy", "StrategyIO", "SpaceEstimate", "DCPStrategy", "DCPIO",
     # staging
     "StagingPolicy", "SaveContext", "StagingGate",
     # state values
@@ -114,6 +116,7 @@ __all__ = [
 _LAZY = {
     "safetensors_problems": "roll_ckpt.format.hf_files",
     "DCPStrategy": "roll_ckpt.strategies.dcp",
+    "DCPIO": "roll_ckpt.strategies.dcp",
     "local_tensor": "roll_ckpt.runtime.torch_compat",
     "set_local_tensor": "roll_ckpt.runtime.torch_compat",
     "rewrap_dtensor": "roll_ckpt.runtime.torch_compat",
@@ -169,5 +172,5 @@ def _strategy_member(strategy: Any, name: str) -> Any:
     try:
         return getattr(strategy, name)
     except AttributeError:
-        default = getattr(Strategy, name)
+        default = getattr(Strategy, name, None) or getattr(_StrategyDefaults, name)  # (increments: the I/O's now)
         return default.__get__(strategy) if callable(default) else default

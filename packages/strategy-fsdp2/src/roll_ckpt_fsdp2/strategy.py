@@ -27,8 +27,8 @@ class FSDP2Strategy(DCPStrategy):
 
     def __init__(self, config: Any, plugins: Any = None) -> None:
         super().__init__(config, plugins)  # (its gloo group, bounded by checkpoint_config.collective_timeout_s)
-        if self._dist is not None and self.process_group is None:  # one rank of its own
-            self.process_group = self._dist.new_group(backend="gloo")
+        if self.dist is not None and self.process_group is None:  # one rank of its own
+            self.process_group = self.dist.new_group(backend="gloo")
         self.store = OffloadStore(config.options.get("offload_backend", "local"), self.collective_timeout_s)
 
     # ------------------------------------------------------------ offload cycle
@@ -46,6 +46,6 @@ class FSDP2Strategy(DCPStrategy):
 
     # ------------------------------------------------------------ loading
 
-    def load(self, state: Any, storage: Any, dcp_path: str, on_bytes: Any = None, **kwargs: Any) -> None:
-        self.store.load()  # loading writes into the live tensors: they must hold memory
-        super().load(state, storage, dcp_path, on_bytes, **kwargs)
+    def load_targets(self, state: Mapping[str, Any], md: Any, dcp_path: str) -> tuple[dict[str, Any], str]:
+        self.store.load()  # the targets are the live tensors, which the load writes into: they must hold memory
+        return super().load_targets(state, md, dcp_path)

@@ -4,7 +4,7 @@ loaded from the checked files: :mod:`roll_ckpt.dcp.checked`).
 
 **The job's load.** The pieces of a load coordinated by the job, not by DCP's global plan: ``.metadata`` read
 once, every file checked once, each process planning its own reads (the sequence is
-``DCPStrategy.load``'s).
+``DCPIO.load``'s).
 
 DCP's load has every process read and unpickle ``.metadata`` (at 1,024 processes, 165 GB
 read from storage for a 161 MB file) and gathers and scatters load plans through the
@@ -178,7 +178,7 @@ class SafeReader(FileSystemReader):
         return Verified(view=view)
 
     def release(self) -> None:
-        """Close the checked files (open across one ``DCPStrategy.load``'s loads); drop the metadata."""
+        """Close the checked files (open across one ``DCPIO.load``'s loads); drop the metadata."""
         self._metadata = None
         for data in self._verified.values():
             data.close()
@@ -305,7 +305,7 @@ class SafeReader(FileSystemReader):
     def metadata_bytes(self) -> bytes:
         """The bytes of ``.metadata``, checked against the manifest's entry (given ``files``):
         read by :meth:`read_metadata`, and, in a job's load, by the coordinator alone, which
-        hands them to every process (``DCPStrategy.load``)."""
+        hands them to every process (``DCPIO.load``)."""
         with self._storage.open_read(self._storage.join(self.path, METADATA_NAME)) as f:
             data = f.read()
         if self._files is not None:

@@ -25,12 +25,12 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping, MutableMapping
 
-from ..contracts import SpaceEstimate, Storage, Strategy
+from ..contracts import SpaceEstimate, Storage, Strategy, StrategyIO
 from .manifest import hash_bytes
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError, RollCkptError
 from ..runtime.rng import plain_rng_state, restore_plain_rng_state
 
-__all__ = ["DriverState", "JSONStrategy", "STATE_FILE", "STATE_FORMAT"]
+__all__ = ["DriverState", "JSONStrategy", "JSONIO", "STATE_FILE", "STATE_FORMAT"]
 
 STATE_FILE = "state.json"
 STATE_FORMAT = "roll-ckpt-driver-state"
@@ -94,7 +94,8 @@ def holds_driver_state(state: Mapping[str, Any]) -> bool:
 
 
 class JSONStrategy(Strategy):
-    """One process, driver states only: ``state/state.json``, written and read without pickle.
+    """One process, driver states only: ``state/state.json``, written and read without pickle
+    by :class:`JSONIO`.
 
     A :class:`roll_ckpt.contracts.Strategy` that never imports torch (one process: the base
     class's ``broadcast``, ``agree`` and ``any_true``).
@@ -122,6 +123,23 @@ class JSONStrategy(Strategy):
         data = json.dumps({"format": STATE_FORMAT, "version": 1, "state": body}, allow_nan=True).encode()
         return {STATE_FILE: data}
 
+    def load_targets(self, state: Mapping[str, Any], saved: Any, path: str) -> tuple[dict[str, Any], str]:
+        """The saved values of ``state``'s keys (``saved``: the file's ``state`` object)."""
+        missing = sorted(set(state) - set(saved))
+        if missing:
+            raise CheckpointNotFoundError(f"{path} has no driver state for {', '.join(map(repr, missing))} "
+                                          f"(it holds {', '.join(map(repr, sorted(saved))) or 'nothing'})")
+        return {key: saved[key] for key in state}, "0"
+
+    def hand_over(self, state: MutableMapping[str, Any], target: dict[str, Any], src: str) -> None:
+        for key, value in state.items():
+            value.load_state_dict(target[key])
+
+
+class JSONIO(StrategyIO):
+    """The :class:`~roll_ckpt.contracts.StrategyIO` of :class:`JSONStrategy`: one small JSON
+    file, checked whole before use (whatever ``stream`` says)."""
+
     def estimate(self, sd: dict[str, Any], user: Mapping[str, Any] | None = None) -> SpaceEstimate:
         """Exact but for the manifest and trainer_state.json (a few KiB, counted generously)."""
         overhead = 16 << 10
@@ -130,7 +148,7 @@ class JSONStrategy(Strategy):
         return SpaceEstimate(total=len(sd[STATE_FILE]) + overhead, tensor_bytes=0, items=1, files=3)
 
     def write(self, sd: dict[str, Any], storage: Storage, path: str,
-              on_bytes: Any = None, *, save: Any = None) -> dict[str, tuple]:
+              on_bytes: Any = None, *, save: Any = None, alone: bool = False) -> dict[str, tuple]:
         data = sd[STATE_FILE]
         storage.makedirs(path)
         with storage.open_write(storage.join(path, STATE_FILE)) as f:
@@ -140,10 +158,10 @@ class JSONStrategy(Strategy):
         return {STATE_FILE: hash_bytes(data)}
 
     def load(self, state: MutableMapping[str, Any], storage: Storage, path: str, on_bytes: Any = None, *,
-             files: Mapping[str, Any] | None = None, checkpoint: str | None = None, stream: bool = False) -> None:
-        # One small JSON file: checked whole before use, whatever ``stream`` says.
+             files: Mapping[str, Any] | None = None, checkpoint: str | None = None, stream: bool = False,
+             alone: bool = False) -> None:
         where = checkpoint or path
-        name = f"{self.data_dir}/{STATE_FILE}"
+        name = f"{self.strategy.data_dir}/{STATE_FILE}"
         try:
             with storage.open_read(storage.join(path, STATE_FILE)) as f:
                 data = f.read()
@@ -160,15 +178,10 @@ class JSONStrategy(Strategy):
         saved = body.get("state") if isinstance(body, dict) and body.get("format") == STATE_FORMAT else None
         if not isinstance(saved, dict):
             raise CheckpointCorruptError(where, [(name, "not a roll-ckpt driver state")])
-        missing = sorted(set(state) - set(saved))
-        if missing:
-            raise CheckpointNotFoundError(f"{where} has no driver state for {', '.join(map(repr, missing))} "
-                                          f"(it holds {', '.join(map(repr, sorted(saved))) or 'nothing'})")
-        for key, value in state.items():
-            value.load_state_dict(saved[key])
+        target, src = self.strategy.load_targets(state, saved, where)
+        self.strategy.hand_over(state, target, src)
         if on_bytes is not None:
             on_bytes(len(data))
 
-    def close(self) -> None:
-        pass
 
+JSONStrategy.io_class = JSONIO  # (set here: the strategy's class comes first in this module, its I/O second)

@@ -25,7 +25,7 @@ from typing import Any, Callable, MutableMapping
 from ..format import layout
 from ..runtime.distributed import decide
 from ..format.components import complete_pending, open_part, read_resume_record
-from ..contracts import Storage, Strategy
+from ..contracts import Storage, Strategy, StrategyIO
 from ..errors import CheckpointNotFoundError, RollCkptError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..format.manifest import read_manifest, verify
@@ -169,15 +169,15 @@ class Resumer:
 
     # ------------------------------------------------------------------ loading
 
-    def resume(self, run: Run, strategy: Strategy, state: MutableMapping[str, Any], target: str | None) -> int:
+    def resume(self, run: Run, io: StrategyIO, state: MutableMapping[str, Any], target: str | None) -> int:
         """Restore ``state``; its step (0: a fresh start). ``run``: this launch's (with components,
         its folder claimed first: a ``run_name`` an earlier launch used is refused before anything loads)."""
-        config = self.setup.config
+        config, strategy = self.setup.config, io.strategy
         candidates = self.agreed_candidates(run, strategy, target)
         if self.local is not None and (config.resume_target if target is None else target) == "latest":
             newest = max((layout.parse_step(layout.basename(p)) or 0 for _, p, _ in candidates), default=-1)
             stream = not config.checkpoint_config.verify_before_load
-            found = self.local.resume(state, strategy, newest, stream=stream)
+            found = self.local.resume(state, io, newest, stream=stream)
             if found is not None:
                 step, self.trainer_state, self.path = found
                 log.info("roll-ckpt: resumed step %d from the local tier (%s; the newest persistent step is %s)",
@@ -190,7 +190,7 @@ class Resumer:
         first_error: RollCkptError | None = None
         for i, (storage, path, from_backup) in enumerate(candidates):
             try:
-                step = self._resume_from(run, strategy, state, storage, path)
+                step = self._resume_from(run, io, state, storage, path)
             except RollCkptError as exc:  # raised alike on every rank (verification is broadcast)
                 if i + 1 < len(candidates):
                     from ..tiers.replication import replica_url
@@ -247,12 +247,13 @@ class Resumer:
         with storage.open_read(storage.join(part, TRAINER_STATE)) as f:
             return part, manifest, f.read()
 
-    def _resume_from(self, run: Run, strategy: Strategy, state: MutableMapping[str, Any], storage: Storage,
+    def _resume_from(self, run: Run, io: StrategyIO, state: MutableMapping[str, Any], storage: Storage,
                      path: str) -> int:
         """Verify the checkpoint at ``path`` (of ``storage``), load it into ``state``; return its step."""
         # The coordinator alone tells what the folder is, reads the manifest and the trainer
         # state, in one decision (the manifest grows with the job: read by every rank, its
         # bytes would grow with the square of it).
+        strategy = io.strategy
         part, manifest, trainer_bytes = decide(strategy, functools.partial(self._check, run, strategy, storage, path),
                                                where=f"cannot resume from {path}", phase="resume: verifying",
                                                step=layout.parse_step(layout.basename(path)))
@@ -264,7 +265,7 @@ class Resumer:
         trainer_state = json.loads(trainer_bytes.decode())
         into = only_model(state, manifest, part)
         with self.setup.progress(f"load step {trainer_state.get('step')}", strategy) as progress:
-            strategy.load(into, storage, storage.join(part, data_dir), progress, files=files, checkpoint=part,
+            io.load(into, storage, storage.join(part, data_dir), progress, files=files, checkpoint=part,
                           stream=not self.setup.config.checkpoint_config.verify_before_load)
         self.trainer_state = trainer_state
         self.path = storage.url if storage is not run.storage else path

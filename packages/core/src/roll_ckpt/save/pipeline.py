@@ -13,7 +13,7 @@ failed save raises (one module: a save read in one sitting).
     SavePipeline.write_and_commit  caller's thread, or the background thread when async
         _begin                       coordinator: owner marker, data folder; every rank agrees
         StagedSave.local_unit        the fast tier's unit of the same staged state, if due
-        strategy.write               DCP's format, every file hashed while written
+        io.write                     the strategy's I/O (DCPIO: DCP's format), every file hashed while written
         Committer.commit             coordinator: HF files, manifest last (rename / create-only),
                                      the step of components, retention, replication
         strategy.agree               every rank: the commit's outcome
@@ -48,7 +48,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, NoReturn, Sequence
 
-from ..contracts import CountsNetwork, NetworkCounts, SaveContext, Storage, Strategy
+from ..contracts import CountsNetwork, NetworkCounts, SaveContext, Storage, StrategyIO
 from ..errors import RollCkptError, SaveError, StorageError, StorageFullError, carried_roll_error, disk_full
 from ..format import layout
 from ..format.commit import Leftovers, PendingCheckpoint, pending_checkpoint, utc_now
@@ -375,7 +375,7 @@ class SavePipeline:
         self.committer = Committer(setup, announce, parts=[self.hf.manifest_part] if self.hf is not None else [],
                                    after_commit=after_commit)
 
-    def save(self, run_of: Callable[[], Run], strategy: Strategy, step: int, state: Mapping[str, Any], *,
+    def save(self, run_of: Callable[[], Run], io: StrategyIO, step: int, state: Mapping[str, Any], *,
              final: bool, metadata: Mapping[str, Any] | None, local: bool = False) -> str | None:
         """The path ``checkpoint-<step>`` is committed at; ``None`` when a periodic save failed
         and ``on_save_error`` is ``warn``. ``run_of()``: the run to save into (its folder
@@ -385,19 +385,19 @@ class SavePipeline:
         check_step(step)
         self.wait()
         try:
-            return self._save(run_of(), strategy, step, state, final=final, metadata=metadata, local=local)
+            return self._save(run_of(), io, step, state, final=final, metadata=metadata, local=local)
         except RollCkptError as exc:
             if not self.errors.absorbs(exc, final):
                 raise
             self.errors.tolerate(step, exc)
             return None
 
-    def save_local(self, strategy: Strategy, step: int, state: Mapping[str, Any]) -> None:
+    def save_local(self, io: StrategyIO, step: int, state: Mapping[str, Any]) -> None:
         """A checkpoint of the fast recovery tier alone (no persistent save at ``step``): the
         same staging, the unit written (and replicated) by the writer; never raises a storage error."""
-        config, local = self.setup.config, self.local
+        config, local, strategy = self.setup.config, self.local, io.strategy
         self.wait()
-        local.bind(strategy, forget_after=step - 1)
+        local.bind(io, forget_after=step - 1)
         t0 = time.perf_counter()
         ctx = SaveContext(step=step, path=local.unit_path(step, strategy.rank), is_async=self.is_async,
                           rank=strategy.rank, world_size=strategy.world_size, strategy=strategy, reuse=self._reuse,
@@ -468,10 +468,10 @@ class SavePipeline:
             ctx.blocked_s = time.perf_counter() - t0
             ctx.gate.caller_done.set()
 
-    def _save(self, run: Run, strategy: Strategy, step: int, state: Mapping[str, Any], *, final: bool,
+    def _save(self, run: Run, io: StrategyIO, step: int, state: Mapping[str, Any], *, final: bool,
               metadata: Mapping[str, Any] | None, local: bool = False) -> str:
         t0 = time.perf_counter()
-        config, component = self.setup.config, self.setup.component
+        config, component, strategy = self.setup.config, self.setup.component, io.strategy
         final_path = run.storage.join(run.folder, layout.checkpoint_name(step, config.checkpoint_config.name_format))
         if component:
             final_path = run.storage.join(final_path, component)
@@ -487,7 +487,7 @@ class SavePipeline:
                           world_size=strategy.world_size, strategy=strategy, reuse=self._reuse,
                           budget=sc.max_staging_bytes, keep_buffers=sc.keep_staging_buffers)
         if local:  # (every rank makes the tier's group at the same point)
-            self.local.bind(strategy, forget_after=step - 1)
+            self.local.bind(io, forget_after=step - 1)
         try:
             self.setup.plugins.hook.roll_ckpt_save(save=ctx)
             with CollectorPause(config.checkpoint_config.pause_gc):  # (the loop waits for this part)
@@ -495,7 +495,7 @@ class SavePipeline:
                 if strategy.is_coordinator:  # does it fit? (refused before anything is staged or written)
                     if self.space is None:
                         self.space = SpaceGuard(run.storage, run.root, config.checkpoint_config.output_dir)
-                    refusal = self.space.check(functools.partial(strategy.estimate, sd, user),
+                    refusal = self.space.check(functools.partial(io.estimate, sd, user),
                                                path=run.folder or run.root, step=step, keep=self.retention.keep,
                                                own_run=run.folder,
                                                retention=functools.partial(self.retention.apply, run, ctx.path))
@@ -503,8 +503,8 @@ class SavePipeline:
                         raise refusal
                 staged = stage_state_dict(sd, ctx, self._policies)
         except Exception as exc:  # the other ranks go on to the write's first agreement: meet them there
-            self.refuse(run, ctx, exc)
-        save = StagedSave(run, staged, ctx, user, t0, state=dict(state))
+            self.refuse(run, io, ctx, exc)
+        save = StagedSave(run, io, staged, ctx, user, t0, state=dict(state))
         if local and ctx.gate is None:  # (staged in waves, the state is written once: persistently)
             trainer_state = self.committer.trainer_state(ctx, user)
             save.local_unit = functools.partial(self.local.save, staged, step, trainer_state, save=ctx)
@@ -545,7 +545,7 @@ class SavePipeline:
         not commit). A failure anywhere is :meth:`_failed`'s; the callbacks and
         ``roll_ckpt_save_finished`` are told in every case. ``refusal``: this rank's failure
         before the write, as every rank raises it (:meth:`refuse`)."""
-        ctx, run = save.ctx, save.run
+        ctx, run, io = save.ctx, save.run, save.io
         strategy, storage = ctx.strategy, run.storage
         pending = pending_checkpoint(storage, ctx.path, run.token)
         attempt = _Attempt(run, pending, storage.join(pending.write_path, strategy.data_dir), read_counts(storage))
@@ -555,7 +555,7 @@ class SavePipeline:
             if save.local_unit is not None:  # the local tier's unit of the same staged state, first (never raises)
                 save.local_unit()
             with self.setup.progress(f"save step {ctx.step}", strategy) as progress:
-                digests = strategy.write(save.sd, storage, attempt.data_path, progress, save=ctx)
+                digests = io.write(save.sd, storage, attempt.data_path, progress, save=ctx)
             failed = None
             if strategy.is_coordinator:
                 try:
@@ -566,11 +566,11 @@ class SavePipeline:
                     failed = agreed_failure(exc, ctx.step, storage.url, ctx.world_size)
             strategy.agree(failed, "save: committing", ctx.step)
             self.committed_steps.add(ctx.step)
-            if (increments := strategy.increments) is not None:
+            if (increments := io.increments) is not None:
                 increments.committed(storage, ctx.path, strategy.data_dir)
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             error = exc
-            self._failed(ctx, attempt, exc)
+            self._failed(save, attempt, exc)
         finally:
             ctx.run_finished_callbacks()
             self.setup.plugins.hook.roll_ckpt_save_finished(save=ctx, error=error)
@@ -586,11 +586,11 @@ class SavePipeline:
         self.last_save = stats
         return stats
 
-    def refuse(self, run: Run, ctx: SaveContext, exc: BaseException) -> NoReturn:
+    def refuse(self, run: Run, io: StrategyIO, ctx: SaveContext, exc: BaseException) -> NoReturn:
         """This rank's save failed before its write (a refusal, a state dict that cannot be
         built): the other ranks are on their way to the write's first agreement, so meet them
         there with ``exc``, which every rank then raises (nothing staged: nothing written)."""
-        self.write_and_commit(StagedSave(run, {}, ctx, {}, 0.0),
+        self.write_and_commit(StagedSave(run, io, {}, ctx, {}, 0.0),
                               refusal=agreed_failure(exc, ctx.step, run.storage.url, ctx.world_size))
         raise AssertionError("unreachable: the agreement raises the refusal") from exc
 
@@ -614,11 +614,12 @@ class SavePipeline:
                 failed = agreed_failure(exc, ctx.step, storage.url, ctx.world_size)
         ctx.strategy.agree(failed, "save: starting", ctx.step)
 
-    def _failed(self, ctx: SaveContext, attempt: "_Attempt", exc: BaseException) -> NoReturn:
+    def _failed(self, save: StagedSave, attempt: "_Attempt", exc: BaseException) -> NoReturn:
         """A save's failure, wherever it happened: nothing of it left (the coordinator removes
         what it wrote), the caller's next wave not waited for, the error raised as a roll-ckpt one."""
-        strategy, storage = ctx.strategy, attempt.run.storage
-        if (increments := strategy.increments) is not None:
+        ctx, storage = save.ctx, attempt.run.storage
+        strategy = ctx.strategy
+        if (increments := save.io.increments) is not None:
             increments.failed()
         if ctx.gate is not None:
             ctx.gate.abort(exc)  # the caller may be waiting to stage the next wave
@@ -648,6 +649,8 @@ class StagedSave:
     """One save, staged: what its write and its commit need."""
 
     run: Run
+    io: StrategyIO
+    """What writes the strategy's files (the manager's)."""
     sd: dict[str, Any]
     """The staged state dict."""
     ctx: SaveContext

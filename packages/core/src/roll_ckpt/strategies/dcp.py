@@ -1,8 +1,12 @@
-"""Strategies turn a training state into a DCP checkpoint and back.
+"""The ``dcp`` strategy and its I/O: a training state as a DCP checkpoint and back.
 
 :class:`DCPStrategy` (name ``dcp``) is core's own: one process, or several processes
-whose modules are plain or replicated. Plugins subclass it (``fsdp2``) to add their own
-process group, offload store and staging policies.
+whose modules are plain or replicated. It says what a save holds (:meth:`~DCPStrategy.state_dict`)
+and where loaded values go (:meth:`~DCPStrategy.load_targets`, :meth:`~DCPStrategy.hand_over`).
+:class:`DCPIO`, which the manager owns, writes and reads the DCP folders with the pieces of
+:mod:`roll_ckpt.dcp` (checked reader, digesting writer, fixed layouts, increments). Plugins
+subclass the strategy (``fsdp2``) to add their own process group, offload store and staging
+policies; the I/O is the same.
 
 A state is a mapping of names to:
 
@@ -52,7 +56,7 @@ import torch
 
 from ..runtime.distributed import bounded, checkpoint_group, decide, from_rank
 from ..runtime.collector import CollectorPause
-from ..contracts import SpaceEstimate, Storage, Strategy
+from ..contracts import SpaceEstimate, Storage, Strategy, StrategyIO
 from ..errors import RollCkptError, portable
 from ..format.global_state import GlobalState
 from ..format.layout import basename, parent, parse_step
@@ -63,7 +67,7 @@ from ..dcp.writer import FixedLayouts, Increments, cold_names
 from ..runtime.torch_compat import (all_reduce_ints, collective, dcp_save, loaded_in_place, local_tensor,
                                    module_tensor_ids)
 
-__all__ = ["DCPStrategy", "PER_RANK", "RNG_KEY"]
+__all__ = ["DCPStrategy", "DCPIO", "PER_RANK", "RNG_KEY"]
 
 PER_RANK = "per_rank"
 RNG_KEY = "__rng__"
@@ -74,7 +78,8 @@ def _is_stateful(obj: Any) -> bool:
 
 
 class DCPStrategy(Strategy):
-    """The :class:`~roll_ckpt.contracts.Strategy` ``dcp``: DCP on the default process group."""
+    """The :class:`~roll_ckpt.contracts.Strategy` ``dcp``: DCP state dicts on the default
+    process group; its files are written and read by :class:`DCPIO`."""
 
     name = "dcp"
     data_dir = "dcp"
@@ -83,45 +88,37 @@ class DCPStrategy(Strategy):
         self.config = config
         import torch.distributed as dist
 
-        self._dist = dist if dist.is_available() and dist.is_initialized() else None
+        self.dist = dist if dist.is_available() and dist.is_initialized() else None
+        """``torch.distributed`` when the job runs on a process group, else ``None``."""
         self._control: Any = None
-        self._state_dicts = StateDictCache()
-        self._estimate: tuple[int, Any] = (-1, None)
-        self._write_items: dict[bool, dict] = {}  # DCP's write items kept across saves (ReusingSavePlanner)
-        self.increments: Increments | None = None
-        """The newest committed checkpoint, which a save takes unchanged files over from
-        (:mod:`roll_ckpt.dcp.writer`); made by the first save, as :attr:`layouts` is."""
+        self.state_dicts = StateDictCache()
+        self.incremental = bool(getattr(config.checkpoint_config, "incremental", False))
+        self.cold: frozenset[str] = frozenset()
+        """With incremental saves, the state's tensors no optimizer updates (a hint of what
+        to hash first, :func:`roll_ckpt.dcp.writer.cold_names`), found per build of the state dicts."""
         self._names_before: dict[str, list[list[str]]] = {}  # (load_targets, for hand_over)
-        self.rank = self._dist.get_rank() if self._dist else 0
-        self.world_size = self._dist.get_world_size() if self._dist else 1
+        self.rank = self.dist.get_rank() if self.dist else 0
+        self.world_size = self.dist.get_world_size() if self.dist else 1
         self.is_coordinator = self.rank == 0
         self.collective_timeout_s = float(config.checkpoint_config.collective_timeout_s)
         """How long a collective of a save, commit or resume waits for the other ranks (:mod:`roll_ckpt.runtime.distributed`)."""
         self.process_group: Any = None
         """The group DCP's collectives use: a gloo group of roll-ckpt's own, whose collectives
         give up after ``checkpoint_config.collective_timeout_s`` (``None``: one process)."""
-        if self._dist is not None and self.world_size > 1:  # (every rank creates its strategy at the same point)
+        if self.dist is not None and self.world_size > 1:  # (every rank creates its strategy at the same point)
             # both now: creating a group is itself a wait for every rank, with no bound of ours
-            self.process_group = checkpoint_group(self._dist, self.collective_timeout_s)
-            self._control = checkpoint_group(self._dist, self.collective_timeout_s)
-        self.layouts: FixedLayouts | None = None
-        """The layout of the last full save, repeated by saves of the same structure
-        (:class:`roll_ckpt.dcp.writer.FixedLayouts`); made by the first save."""
-        self.resumed_from: tuple[Storage, str, dict[str, Any], tuple[bytes, str] | None] | None = None
-        """The checkpoint the last resume loaded, which the next save starts from: its storage,
-        DCP folder and manifest entries (the base of incremental saves) and its ``.metadata``
-        bytes and checksum (the layout to repeat, where it fits). A resume records it only; the
-        save makes of it what it uses (:meth:`_start_saving`)."""
+            self.process_group = checkpoint_group(self.dist, self.collective_timeout_s)
+            self._control = checkpoint_group(self.dist, self.collective_timeout_s)
 
     # ------------------------------------------------------------ collectives
     # (each bounded: a peer that never answers raises CollectiveTimeoutError, roll_ckpt.runtime.distributed)
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank (used once per manager, never per save)."""
-        if self._dist is None or self.world_size == 1:
+        if self.dist is None or self.world_size == 1:
             return obj
         box = [obj]
-        self._dist.broadcast_object_list(box, src=0, group=self.process_group)
+        self.dist.broadcast_object_list(box, src=0, group=self.process_group)
         return box[0]
 
     def agree(self, error: BaseException | None, phase: str, step: int | None = None) -> None:
@@ -129,7 +126,7 @@ class DCPStrategy(Strategy):
         error that names that rank; return when none has (:mod:`roll_ckpt.runtime.distributed`).
         Every process calls it at the same point: one all-reduce of an integer (the lowest
         failing rank), then, only when one failed, a broadcast of its error."""
-        dist, group = self._dist, self.process_group
+        dist, group = self.dist, self.process_group
         if dist is None or self.world_size == 1:
             if error is not None:
                 raise error
@@ -156,13 +153,13 @@ class DCPStrategy(Strategy):
         collectives of an asynchronous save still writing in the background, and works
         whatever backend the job's group uses.
         """
-        if self._dist is None or self.world_size == 1:
+        if self.dist is None or self.world_size == 1:
             return flag
         if self._control is None:
-            self._control = checkpoint_group(self._dist, self.collective_timeout_s)
+            self._control = checkpoint_group(self.dist, self.collective_timeout_s)
         t = torch.tensor([1 if flag else 0], dtype=torch.int32)
         with bounded(self.rank, "maybe_save: the preemption check", step, self.collective_timeout_s):
-            collective(self._dist.all_reduce, (t,), t, op=self._dist.ReduceOp.MAX, group=self._control)
+            collective(self.dist.all_reduce, (t,), t, op=self.dist.ReduceOp.MAX, group=self._control)
         return bool(t.item())
 
     # ------------------------------------------------------------ state dicts
@@ -180,14 +177,11 @@ class DCPStrategy(Strategy):
             if not isinstance(key, str) or not key or "." in key or key == PER_RANK:
                 raise RollCkptError(f"state key {key!r} must be a non-empty string without '.' "
                                     f"and not '{PER_RANK}'")
-        if self.layouts is None or self.resumed_from is not None:
-            self._start_saving()
-        builds = self._state_dicts.builds
-        out: dict[str, Any] = self._state_dicts.get(state, build)
-        if self._state_dicts.builds != builds and self.increments.enabled:
-            # what to hash first: found once per build of the state dicts (a hint only, so a
-            # later requires_grad change may wait for the next build)
-            self.increments.cold = cold_names(state)
+        builds = self.state_dicts.builds
+        out: dict[str, Any] = self.state_dicts.get(state, build)
+        if self.state_dicts.builds != builds and self.incremental:
+            # (a hint only, so a later requires_grad change may wait for the next build)
+            self.cold = cold_names(state)
         mine: dict[str, Any] = {RNG_KEY: capture_rng()}
         for key, obj in state.items():
             if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
@@ -201,170 +195,7 @@ class DCPStrategy(Strategy):
         out[PER_RANK] = {str(self.rank): mine}
         return out
 
-    def _start_saving(self) -> None:
-        """What saves keep across saves (:mod:`roll_ckpt.dcp.writer`), made by the first save,
-        then brought to the checkpoint a resume loaded since (:attr:`resumed_from`)."""
-        if self.layouts is None:
-            self.layouts = FixedLayouts(self._dist, self.rank, self.world_size)
-            self.increments = Increments(bool(getattr(self.config.checkpoint_config, "incremental", False)))
-        if self.resumed_from is not None:
-            (storage, dcp_path, files, layout), self.resumed_from = self.resumed_from, None
-            self.increments.seed(storage, dcp_path, files)
-            if layout is not None:
-                self.layouts.adopt_later(*layout)
-
-    # ------------------------------------------------------------ write / read
-
-    def write(self, sd: dict[str, Any], storage: Storage, dcp_path: str,
-              on_bytes: Any = None, *, save: Any = None, alone: bool = False) -> dict[str, tuple]:
-        """Write ``sd`` as a standard DCP folder; returns per-file (size, checksum) on the coordinator.
-
-        A save of the last full save's structure repeats its layout and ``.metadata`` with
-        a fixed-size message per process (:mod:`roll_ckpt.dcp.writer`); any other takes
-        DCP's protocol.
-        ``alone``: this process writes a DCP folder of its own, without any collective
-        (the fast recovery tier's unit): its metadata lists only this process's chunks, and
-        replicated values are written in full, so it loads without any other process's files.
-        """
-        from ..dcp.writer import ReusingSavePlanner
-
-        if self.layouts is None or self.resumed_from is not None:  # (a write without state_dict: tests, tools)
-            self._start_saving()
-        gate = getattr(save, "gate", None)
-        threads = 1 if gate is not None else self.writer_threads(_local_bytes(sd))
-        # the collector is held off while DCP plans, gathers and writes .metadata; the
-        # writer lets go of it while it writes the data (roll_ckpt.runtime.collector)
-        pause = CollectorPause(self.config.checkpoint_config.pause_gc)
-        options = {"thread_count": threads, "on_bytes": on_bytes, "gate": gate, "pause": pause}
-        step = getattr(save, "step", None)
-        after = f"Nothing of checkpoint-{step} was committed; earlier ones are intact."
-        with warnings.catch_warnings(), pause, bounded(self.rank, "save: writing", step, self.collective_timeout_s, after):
-            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            # (each writer from the increments anew: what one takes over is its own)
-            writer = self.increments.writer(storage, dcp_path, alone, **options)
-            if not alone:  # a save of the last full save's structure: a fixed-size message per process
-                digests = self._write_fixed(sd, writer, threads, gate)
-                if digests is not None:
-                    return digests
-                tried = writer
-                writer = self.increments.writer(storage, dcp_path, False, **options)
-                for name in tried.take.taken if tried.take else ():  # a link is never written through
-                    storage.remove(storage.join(dcp_path, name))
-            planner = ReusingSavePlanner(self._write_items.setdefault(alone, {}))
-            dcp_save(sd, storage_writer=writer, planner=planner, **self._dcp_group(alone))
-            if not alone:
-                self.layouts.record(planner, writer, threads)
-                for name in set(tried.written) - set(writer.written):  # a layout written, then redone
-                    storage.remove(storage.join(dcp_path, name))
-        return writer.file_digests
-
-    def _write_fixed(self, sd: dict[str, Any], writer: Any, threads: int, gate: Any) -> dict[str, tuple] | None:
-        """The save at the last full save's offsets (:mod:`roll_ckpt.dcp.writer`): the
-        coordinator's file digests, or ``None`` when it takes DCP's full path."""
-        from ..dcp.writer import ReusingSavePlanner
-
-        layouts = self.layouts
-        if layouts.layout is None and layouts.resumed is None:  # then on no process: DCP's protocol
-            return None
-        if layouts.layout is None:  # the first save after a resume: the checkpoint's layout, if it fits
-            planner = ReusingSavePlanner(self._write_items.setdefault(False, {}))
-            planner.set_up_planner(sd, None, self.is_coordinator)
-            layouts.adopt(planner, threads, self.process_group)
-            if layouts.layout is None:
-                return None
-        try:
-            fast = layouts.prepare(sd, threads, gate, self.is_coordinator)
-        except Exception:  # a state this rank cannot lay out as before: DCP's full path, on every rank
-            fast = None
-        return layouts.save(fast, writer, self.process_group)
-
-    def estimate(self, sd: dict[str, Any], user: Mapping[str, Any] | None = None) -> SpaceEstimate:
-        """The size of a save of ``sd`` (every process's files). The modules' and optimizers'
-        part is estimated once per structure of the state (:class:`StateDictCache`)."""
-        from ..tiers.space import estimate_checkpoint_bytes, estimate_items
-
-        if self._estimate[0] != self._state_dicts.builds:
-            tensors = {k: v for k, v in sd.items() if k != PER_RANK}
-            self._estimate = (self._state_dicts.builds, estimate_items(tensors, world_size=self.world_size))
-        return estimate_checkpoint_bytes({PER_RANK: sd[PER_RANK]}, world_size=self.world_size, user=user,
-                                         base=self._estimate[1])
-
-    def writer_threads(self, nbytes: int = 0) -> int:
-        """Files this process writes at once (DCP's ``thread_count``) for ``nbytes`` of tensors.
-
-        Two from 64 MiB on: one thread's CPU work (serializing, hashing, copying into the
-        page cache) overlaps the other's wait on the disk, and the disk gets two streams.
-        Below that the second file only adds a file to sync.
-        """
-        return 2 if nbytes >= 64 << 20 else 1
-
-    def load(self, state: MutableMapping[str, Any], storage: Storage, dcp_path: str,
-             on_bytes: Any = None, *, files: Mapping[str, Any] | None = None,
-             checkpoint: str | None = None, stream: bool = False, alone: bool = False) -> None:
-        """Load the DCP folder at ``dcp_path`` into ``state`` in place.
-
-        ``files`` (the manifest's entries for this folder, by name) makes every file be
-        checked as it is read, before anything of it is deserialized; a mismatch raises
-        :class:`~roll_ckpt.errors.CheckpointCorruptError` on every rank with ``state``
-        untouched. Without it the folder must have been verified already. ``alone``: a folder
-        this process wrote alone (``write(alone=True)``), loaded without collectives. ``stream``:
-        one pass, each piece checked just before its bytes are used (:mod:`roll_ckpt.dcp.checked`);
-        damage then raises :class:`~roll_ckpt.errors.PartlyLoadedError`."""
-        from ..dcp.reader import SafeReader
-
-        reader = SafeReader(storage, dcp_path, on_bytes, files=files, checkpoint=checkpoint, stream=stream)
-        step = parse_step(basename(parent(dcp_path)))
-        # The collector is held off as during a save (planning and state dicts allocate per tensor);
-        # the reader and its metadata go before it is back on (or its first collection walks them).
-        with CollectorPause(self.config.checkpoint_config.pause_gc), \
-                bounded(self.rank, "resume: loading", step, self.collective_timeout_s):
-            try:
-                if alone:  # a folder this process wrote alone: its own files, checked as DCP plans the load
-                    if files:
-                        reader.start_checks(sorted(n for n in files if n.startswith(f"__{self.rank}_")
-                                                   and n.endswith(".distcp")))
-                    md = reader.read_metadata()
-                    target, src = self.load_targets(state, md, dcp_path)
-                    read_dcp(target, reader, md)
-                    self.hand_over(state, target, src)
-                    return
-                self._load_job(state, reader, storage, dcp_path, files, step)
-            finally:
-                reader.release()  # the checked files, kept open across the loads below
-                del reader
-
-    def _load_job(self, state: MutableMapping[str, Any], reader: Any, storage: Storage, dcp_path: str,
-                  files: Mapping[str, Any] | None, step: int | None) -> None:
-        """A folder of the job (the pieces: dcp/reader.py, "the job's load"): ``.metadata`` read once, each file checked by
-        one process before any process reads it; an error anywhere is raised everywhere."""
-        # .metadata read and checked by the coordinator alone, unpickled by every process
-        path = storage.join(dcp_path, METADATA_NAME)
-        md_bytes = decide(self, reader.metadata_bytes, where=f"cannot read {path}", phase="resume: reading .metadata")
-        md = safe_load_metadata(md_bytes, path)
-        error: BaseException | None = None
-        try:
-            mine = assigned_files(files, self.rank, self.world_size) if files else []
-            if mine:
-                reader.start_checks(mine)  # the disk works while the target is built
-            target, src = self.load_targets(state, md, dcp_path)
-            if files:
-                reader.check_files(mine)
-                reader.checked = True
-        except Exception as exc:
-            error = exc
-        self.agree(error, "resume: checking the files", step)  # every check passed before any read
-        try:
-            read_dcp(target, reader, md)
-        except Exception as exc:
-            error = exc
-        self.agree(error, "resume: loading", step)
-        try:
-            self.hand_over(state, target, src)
-        except Exception as exc:  # e.g. a stateful object refusing its value: before the agreement
-            error = exc
-        self.agree(error, "resume: handing the values over", step)
-        layout = (md_bytes, files[METADATA_NAME].checksum) if files is not None and METADATA_NAME in files else None
-        self.resumed_from = (storage, dcp_path, dict(files or {}), layout)  # the next save starts from it
+    # ------------------------------------------------------------ a load's two ends (DCPIO.load reads between them)
 
     def load_targets(self, state: Mapping[str, Any], md: Any, dcp_path: str) -> tuple[dict[str, Any], str]:
         """A load's first step (then the read, :meth:`hand_over`): the state dict to load
@@ -442,18 +273,225 @@ class DCPStrategy(Strategy):
         if RNG_KEY in loaded:
             restore_rng(loaded[RNG_KEY])
 
+    def close(self) -> None:
+        self.state_dicts.clear()
+
+
+class DCPIO(StrategyIO):
+    """The :class:`~roll_ckpt.contracts.StrategyIO` of :class:`DCPStrategy` (and of the
+    strategies built on it): writes and reads standard DCP folders, each file checked.
+
+    What it keeps across saves: the layout of the last full save (repeated by saves of the
+    same structure, :class:`roll_ckpt.dcp.writer.FixedLayouts`), the base of incremental saves
+    (:class:`roll_ckpt.dcp.writer.Increments`), DCP's write items, and the checkpoint the last
+    resume loaded, which the next save starts from.
+    """
+
+    def __init__(self, strategy: DCPStrategy) -> None:
+        self.strategy = strategy
+        self._estimate: tuple[int, Any] = (-1, None)
+        self._write_items: dict[bool, dict] = {}  # DCP's write items kept across saves (ReusingSavePlanner)
+        self.layouts: FixedLayouts | None = None
+        """The layout of the last full save, repeated by saves of the same structure; made by the first save."""
+        self.increments: Increments | None = None
+        """The newest committed checkpoint, which a save takes unchanged files over from
+        (:mod:`roll_ckpt.dcp.writer`); made by the first save, as :attr:`layouts` is."""
+        self.resumed_from: tuple[Storage, str, dict[str, Any], tuple[bytes, str] | None] | None = None
+        """The checkpoint the last resume loaded, which the next save starts from: its storage,
+        DCP folder and manifest entries (the base of incremental saves) and its ``.metadata``
+        bytes and checksum (the layout to repeat, where it fits). A resume records it only; the
+        save makes of it what it uses (:meth:`_start_saving`)."""
+
+    def _start_saving(self) -> None:
+        """What saves keep across saves (:mod:`roll_ckpt.dcp.writer`), made by the first save,
+        then brought to the checkpoint a resume loaded since (:attr:`resumed_from`)."""
+        if self.layouts is None:
+            strategy = self.strategy
+            self.layouts = FixedLayouts(strategy.dist, strategy.rank, strategy.world_size)
+            self.increments = Increments(strategy.incremental)
+        if self.resumed_from is not None:
+            (storage, dcp_path, files, layout), self.resumed_from = self.resumed_from, None
+            self.increments.seed(storage, dcp_path, files)
+            if layout is not None:
+                self.layouts.adopt_later(*layout)
+
+    # ------------------------------------------------------------ write
+
+    def write(self, sd: dict[str, Any], storage: Storage, dcp_path: str,
+              on_bytes: Any = None, *, save: Any = None, alone: bool = False) -> dict[str, tuple]:
+        """Write ``sd`` as a standard DCP folder; returns per-file (size, checksum) on the coordinator.
+
+        A save of the last full save's structure repeats its layout and ``.metadata`` with
+        a fixed-size message per process (:mod:`roll_ckpt.dcp.writer`); any other takes
+        DCP's protocol.
+        ``alone``: this process writes a DCP folder of its own, without any collective
+        (the fast recovery tier's unit): its metadata lists only this process's chunks, and
+        replicated values are written in full, so it loads without any other process's files.
+        """
+        from ..dcp.writer import ReusingSavePlanner
+
+        strategy = self.strategy
+        if self.layouts is None or self.resumed_from is not None:  # the first save, or the first after a resume
+            self._start_saving()
+        self.increments.cold = strategy.cold
+        gate = getattr(save, "gate", None)
+        threads = 1 if gate is not None else self.writer_threads(_local_bytes(sd))
+        # the collector is held off while DCP plans, gathers and writes .metadata; the
+        # writer lets go of it while it writes the data (roll_ckpt.runtime.collector)
+        pause = CollectorPause(strategy.config.checkpoint_config.pause_gc)
+        options = {"thread_count": threads, "on_bytes": on_bytes, "gate": gate, "pause": pause}
+        step = getattr(save, "step", None)
+        after = f"Nothing of checkpoint-{step} was committed; earlier ones are intact."
+        with warnings.catch_warnings(), pause, bounded(strategy.rank, "save: writing", step, strategy.collective_timeout_s, after):
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            # (each writer from the increments anew: what one takes over is its own)
+            writer = self.increments.writer(storage, dcp_path, alone, **options)
+            if not alone:  # a save of the last full save's structure: a fixed-size message per process
+                digests = self._write_fixed(sd, writer, threads, gate)
+                if digests is not None:
+                    return digests
+                tried = writer
+                writer = self.increments.writer(storage, dcp_path, False, **options)
+                for name in tried.take.taken if tried.take else ():  # a link is never written through
+                    storage.remove(storage.join(dcp_path, name))
+            planner = ReusingSavePlanner(self._write_items.setdefault(alone, {}))
+            dcp_save(sd, storage_writer=writer, planner=planner, **self._dcp_group(alone))
+            if not alone:
+                self.layouts.record(planner, writer, threads)
+                for name in set(tried.written) - set(writer.written):  # a layout written, then redone
+                    storage.remove(storage.join(dcp_path, name))
+        return writer.file_digests
+
+    def _write_fixed(self, sd: dict[str, Any], writer: Any, threads: int, gate: Any) -> dict[str, tuple] | None:
+        """The save at the last full save's offsets (:mod:`roll_ckpt.dcp.writer`): the
+        coordinator's file digests, or ``None`` when it takes DCP's full path."""
+        from ..dcp.writer import ReusingSavePlanner
+
+        strategy, layouts = self.strategy, self.layouts
+        if layouts.layout is None and layouts.resumed is None:  # then on no process: DCP's protocol
+            return None
+        if layouts.layout is None:  # the first save after a resume: the checkpoint's layout, if it fits
+            planner = ReusingSavePlanner(self._write_items.setdefault(False, {}))
+            planner.set_up_planner(sd, None, strategy.is_coordinator)
+            layouts.adopt(planner, threads, strategy.process_group)
+            if layouts.layout is None:
+                return None
+        try:
+            fast = layouts.prepare(sd, threads, gate, strategy.is_coordinator)
+        except Exception:  # a state this rank cannot lay out as before: DCP's full path, on every rank
+            fast = None
+        return layouts.save(fast, writer, strategy.process_group)
+
+    def estimate(self, sd: dict[str, Any], user: Mapping[str, Any] | None = None) -> SpaceEstimate:
+        """The size of a save of ``sd`` (every process's files). The modules' and optimizers'
+        part is estimated once per structure of the state (:class:`StateDictCache`)."""
+        from ..tiers.space import estimate_checkpoint_bytes, estimate_items
+
+        strategy = self.strategy
+        if self._estimate[0] != strategy.state_dicts.builds:
+            tensors = {k: v for k, v in sd.items() if k != PER_RANK}
+            self._estimate = (strategy.state_dicts.builds, estimate_items(tensors, world_size=strategy.world_size))
+        return estimate_checkpoint_bytes({PER_RANK: sd[PER_RANK]}, world_size=strategy.world_size, user=user,
+                                         base=self._estimate[1])
+
+    def writer_threads(self, nbytes: int = 0) -> int:
+        """Files this process writes at once (DCP's ``thread_count``) for ``nbytes`` of tensors.
+
+        Two from 64 MiB on: one thread's CPU work (serializing, hashing, copying into the
+        page cache) overlaps the other's wait on the disk, and the disk gets two streams.
+        Below that the second file only adds a file to sync.
+        """
+        return 2 if nbytes >= 64 << 20 else 1
+
     def _dcp_group(self, alone: bool) -> dict[str, Any]:
         """DCP's ``process_group``/``no_dist`` for a folder of the job (``alone``: of this process only).
 
         A job of one process saves without DCP's collectives too: over a group of one they
         only pickle and unpickle the plans, the write results and the metadata (about 60 ms
         per save at 2,300 tensors), with the same folder as the result."""
-        if alone or self._dist is None or self.world_size == 1:
+        strategy = self.strategy
+        if alone or strategy.dist is None or strategy.world_size == 1:
             return {"process_group": None, "no_dist": True}
-        return {"process_group": self.process_group, "no_dist": False}
+        return {"process_group": strategy.process_group, "no_dist": False}
+
+    # ------------------------------------------------------------ read
+
+    def load(self, state: MutableMapping[str, Any], storage: Storage, dcp_path: str,
+             on_bytes: Any = None, *, files: Mapping[str, Any] | None = None,
+             checkpoint: str | None = None, stream: bool = False, alone: bool = False) -> None:
+        """Load the DCP folder at ``dcp_path`` into ``state`` in place.
+
+        ``files`` (the manifest's entries for this folder, by name) makes every file be
+        checked as it is read, before anything of it is deserialized; a mismatch raises
+        :class:`~roll_ckpt.errors.CheckpointCorruptError` on every rank with ``state``
+        untouched. Without it the folder must have been verified already. ``alone``: a folder
+        this process wrote alone (``write(alone=True)``), loaded without collectives. ``stream``:
+        one pass, each piece checked just before its bytes are used (:mod:`roll_ckpt.dcp.checked`);
+        damage then raises :class:`~roll_ckpt.errors.PartlyLoadedError`."""
+        from ..dcp.reader import SafeReader
+
+        strategy = self.strategy
+        reader = SafeReader(storage, dcp_path, on_bytes, files=files, checkpoint=checkpoint, stream=stream)
+        step = parse_step(basename(parent(dcp_path)))
+        # The collector is held off as during a save (planning and state dicts allocate per tensor);
+        # the reader and its metadata go before it is back on (or its first collection walks them).
+        with CollectorPause(strategy.config.checkpoint_config.pause_gc), \
+                bounded(strategy.rank, "resume: loading", step, strategy.collective_timeout_s):
+            try:
+                if alone:  # a folder this process wrote alone: its own files, checked as DCP plans the load
+                    if files:
+                        reader.start_checks(sorted(n for n in files if n.startswith(f"__{strategy.rank}_")
+                                                   and n.endswith(".distcp")))
+                    md = reader.read_metadata()
+                    target, src = strategy.load_targets(state, md, dcp_path)
+                    read_dcp(target, reader, md)
+                    strategy.hand_over(state, target, src)
+                    return
+                self._load_job(state, reader, storage, dcp_path, files, step)
+            finally:
+                reader.release()  # the checked files, kept open across the loads below
+                del reader
+
+    def _load_job(self, state: MutableMapping[str, Any], reader: Any, storage: Storage, dcp_path: str,
+                  files: Mapping[str, Any] | None, step: int | None) -> None:
+        """A folder of the job (the pieces: dcp/reader.py, "the job's load"): ``.metadata`` read once, each file checked by
+        one process before any process reads it; an error anywhere is raised everywhere."""
+        # .metadata read and checked by the coordinator alone, unpickled by every process
+        strategy = self.strategy
+        path = storage.join(dcp_path, METADATA_NAME)
+        md_bytes = decide(strategy, reader.metadata_bytes, where=f"cannot read {path}", phase="resume: reading .metadata")
+        md = safe_load_metadata(md_bytes, path)
+        error: BaseException | None = None
+        try:
+            mine = assigned_files(files, strategy.rank, strategy.world_size) if files else []
+            if mine:
+                reader.start_checks(mine)  # the disk works while the target is built
+            target, src = strategy.load_targets(state, md, dcp_path)
+            if files:
+                reader.check_files(mine)
+                reader.checked = True
+        except Exception as exc:
+            error = exc
+        strategy.agree(error, "resume: checking the files", step)  # every check passed before any read
+        try:
+            read_dcp(target, reader, md)
+        except Exception as exc:
+            error = exc
+        strategy.agree(error, "resume: loading", step)
+        try:
+            strategy.hand_over(state, target, src)
+        except Exception as exc:  # e.g. a stateful object refusing its value: before the agreement
+            error = exc
+        strategy.agree(error, "resume: handing the values over", step)
+        layout = (md_bytes, files[METADATA_NAME].checksum) if files is not None and METADATA_NAME in files else None
+        self.resumed_from = (storage, dcp_path, dict(files or {}), layout)  # the next save starts from it
 
     def close(self) -> None:
-        self._state_dicts.clear()
+        self.layouts = self.increments = self.resumed_from = None
+        self._write_items.clear()
+
+
+DCPStrategy.io_class = DCPIO  # (set here: the strategy's class comes first in this module, its I/O second)
 
 
 def _local_bytes(node: Any) -> int:

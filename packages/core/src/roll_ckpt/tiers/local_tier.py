@@ -69,6 +69,8 @@ class LocalTier:
         self.node_dir = storage.join(storage.root, self.node)
         self.peers: Any = None
         self.strategy: Any = None
+        self.io: Any = None
+        """The strategy's I/O, which writes and loads the units (the manager's, given to :meth:`bind`)."""
         self.failed_saves = 0
         self.last_save: dict[str, Any] | None = None
         """What the latest local save did: step, ok, seconds, bytes, replicas sent and kept."""
@@ -78,13 +80,14 @@ class LocalTier:
 
     # ------------------------------------------------------------------ binding
 
-    def bind(self, strategy: Any, *, forget_after: int | None = None) -> None:
+    def bind(self, io: Any, *, forget_after: int | None = None) -> None:
         """Make the tier's group (caller's thread, every rank at the same point). From a save
         (``forget_after``: the step before it), units left newer than that by an earlier
         launch are removed first."""
         if self._bound:
             return
-        self.strategy = strategy
+        self.io, self.strategy = io, io.strategy
+        strategy = io.strategy
         if forget_after is not None:
             self._forget_after(forget_after)
         if strategy.world_size > 1:  # (several processes: torch.distributed is initialized)
@@ -148,7 +151,7 @@ class LocalTier:
         pending = pending_checkpoint(storage, path, uuid.uuid4().hex[:12])
         pending.begin()
         try:
-            digests = strategy.write(staged, storage, storage.join(pending.write_path, DCP_DIR), save=save, alone=True)
+            digests = self.io.write(staged, storage, storage.join(pending.write_path, DCP_DIR), save=save, alone=True)
             files = {f"{DCP_DIR}/{name}": FileEntry(*d) for name, d in digests.items()}
             with storage.open_write(storage.join(pending.write_path, TRAINER_STATE)) as f:
                 f.write(trainer_state)
@@ -251,12 +254,12 @@ class LocalTier:
 
     # ------------------------------------------------------------------ resuming
 
-    def resume(self, state: MutableMapping[str, Any], strategy: Any, not_before: int, *,
+    def resume(self, state: MutableMapping[str, Any], io: Any, not_before: int, *,
                stream: bool = False) -> tuple[int, dict[str, Any], str] | None:
         """Load the newest whole local step not older than ``not_before`` (the persistent
         tier's newest step, -1 without one); ``(step, trainer_state, unit)`` or ``None``."""
-        self.bind(strategy)
-        world = strategy.world_size
+        self.bind(io)
+        world = io.strategy.world_size
         found = self._verified(world, not_before)
         seen = self.peers.all_gather(found) if self.peers is not None else [found]
         holders: dict[int, dict[int, list[int]]] = {}
@@ -267,7 +270,7 @@ class LocalTier:
             have = holders[step]
             if any(r not in have for r in range(world)):
                 continue
-            loaded = self._try_step(state, strategy, step, have, stream)
+            loaded = self._try_step(state, step, have, stream)
             if loaded is not None:
                 return loaded
         return None
@@ -288,10 +291,11 @@ class LocalTier:
                     out.append((step, r))
         return out
 
-    def _try_step(self, state: MutableMapping[str, Any], strategy: Any, step: int, have: dict[int, list[int]],
+    def _try_step(self, state: MutableMapping[str, Any], step: int, have: dict[int, list[int]],
                   stream: bool) -> tuple[int, dict[str, Any], str] | None:
         import json
 
+        strategy = self.strategy
         rank = strategy.rank
         need = [r for r in range(strategy.world_size) if r not in have[r]]
         ok = True
@@ -323,7 +327,7 @@ class LocalTier:
             files = {n[len(DCP_DIR) + 1:]: e for n, e in manifest.files.items() if n.startswith(f"{DCP_DIR}/")}
             with self.storage.open_read(self.storage.join(unit, TRAINER_STATE)) as f:
                 trainer_state = json.loads(f.read().decode())
-            strategy.load(state, self.storage, self.storage.join(unit, DCP_DIR), files=files, checkpoint=unit,
+            self.io.load(state, self.storage, self.storage.join(unit, DCP_DIR), files=files, checkpoint=unit,
                           stream=stream, alone=True)
         except Exception as exc:
             log.warning("roll-ckpt: loading local unit %s failed: %s", unit, _cause(exc))

@@ -1,5 +1,5 @@
 """Where one launch writes (:class:`Run`, an immutable value the manager owns) and the steps
-that fix it: the strategy chosen and the token agreed (:func:`choose_strategy`), the run
+that fix it: the strategy chosen (with its I/O) and the token agreed (:func:`choose_strategy`), the run
 folder claimed (:func:`claim_run`); and :class:`LaunchHold`, the hold on the checkpoint the
 launch resumed from until its first own commit.
 
@@ -18,7 +18,7 @@ from operator import attrgetter
 from typing import Any, Callable, ContextManager, Mapping
 
 from ..config.schema import Config
-from ..contracts import Storage, Strategy
+from ..contracts import Storage, Strategy, StrategyIO
 from ..errors import RollCkptDeprecationWarning, RollCkptError
 from ..format.commit import claim_run_folder, hold, release
 from ..plugins import Plugins
@@ -26,7 +26,7 @@ from ..runtime.distributed import bounded, decide, storage_error
 from ..runtime.progress import Progress, progress
 from .retention import note_open_run
 
-__all__ = ["Setup", "Run", "LaunchHold", "open_storage", "choose_strategy", "claim_run", "as_strategy"]
+__all__ = ["Setup", "Run", "LaunchHold", "open_storage", "choose_strategy", "claim_run", "as_strategy", "OwnIO"]
 
 log = logging.getLogger("roll_ckpt")
 
@@ -69,9 +69,9 @@ class Run:
         return self.storage.root
 
 
-def choose_strategy(config: Config, plugins: Plugins, state: Mapping[str, Any]) -> tuple[Strategy, str]:
+def choose_strategy(config: Config, plugins: Plugins, state: Mapping[str, Any]) -> tuple[Strategy, StrategyIO, str]:
     """The strategy for ``state`` (forced by ``strategy_config.strategy_name``, else the
-    highest-priority one that applies) and the token every process of the job agrees on."""
+    highest-priority one that applies), its I/O, and the token every process of the job agrees on."""
     forced = config.strategy_config.strategy_name
     if forced:
         record = plugins.strategy(forced)
@@ -82,11 +82,11 @@ def choose_strategy(config: Config, plugins: Plugins, state: Mapping[str, Any]) 
         record = next((r for r in ranked if r.applies(state)), None)
         if record is None:
             raise RollCkptError("no installed strategy can save this state; `roll-ckpt plugins` lists them")
-    strategy = as_strategy(record.factory(config, plugins), record.name)
+    strategy, io = as_strategy(record.factory(config, plugins), record.name)
     with bounded(strategy.rank, "the first save or resume: agreeing on a token", None,
                  float(strategy.collective_timeout_s)):
         token = strategy.broadcast(uuid.uuid4().hex[:12])
-    return strategy, token
+    return strategy, io, token
 
 
 def claim_run(run: Run, strategy: Strategy, config: Config, component: str | None,
@@ -128,16 +128,57 @@ class LaunchHold:
             log.warning("roll-ckpt: could not remove the hold %s (%s: %s)", held[1], type(exc).__name__, exc)
 
 
-def as_strategy(strategy: Any, name: str) -> Strategy:
-    """``strategy`` (what strategy ``name``'s factory built) as a :class:`Strategy`. One that does
-    not subclass it (written against the protocol that class replaced) keeps working until 1.0:
-    the defaults it leaves out are set on it, with a ``RollCkptDeprecationWarning``."""
+def as_strategy(strategy: Any, name: str) -> tuple[Strategy, StrategyIO]:
+    """``strategy`` (what strategy ``name``'s factory built) as a :class:`Strategy`, and the
+    I/O that writes and reads its files (its ``io_class``'s).
+
+    A strategy of the contract before :class:`StrategyIO` -- its own ``write``/``load``/``estimate``,
+    no ``io_class`` -- keeps working until 1.0 through :class:`OwnIO`, with a
+    ``RollCkptDeprecationWarning``; so does one that does not subclass :class:`Strategy` at all
+    (the defaults it leaves out are set on it). A strategy with an ``io_class`` that also
+    defines ``write`` or ``load`` is refused: core would not call them."""
+    if isinstance(strategy, Strategy) and strategy.io_class is not None:
+        own = [m for m in ("write", "load") if callable(getattr(strategy, m, None))]
+        if own:
+            raise RollCkptError(
+                f"strategy '{name}' ({type(strategy).__qualname__}) defines {' and '.join(own)}(), which roll-ckpt "
+                f"no longer calls: its io_class ({strategy.io_class.__qualname__}) writes and loads the files. Move "
+                "what it does before a load into load_targets() and after one into hand_over() (docs/guide/plugins.md)")
+        return strategy, strategy.io_class(strategy)
+    if not callable(getattr(strategy, "write", None)):
+        raise RollCkptError(f"strategy '{name}' ({type(strategy).__qualname__}) has no io_class: set it to the "
+                            "roll_ckpt.plugin.StrategyIO that writes and reads its files (roll_ckpt.plugin.DCPIO for DCP)")
     if isinstance(strategy, Strategy):
-        return strategy
-    warnings.warn(f"strategy '{name}' ({type(strategy).__qualname__}) does not subclass roll_ckpt.plugin.Strategy: "
-                  "subclass it (objects of the old protocol work until 1.0)", RollCkptDeprecationWarning, stacklevel=5)
-    for member in ("collective_timeout_s", "increments", "agree"):  # the protocol's optional members
-        if not hasattr(strategy, member):
-            default = getattr(Strategy, member)
-            setattr(strategy, member, default.__get__(strategy) if callable(default) else default)
-    return strategy
+        warnings.warn(f"strategy '{name}' ({type(strategy).__qualname__}) writes and loads its files itself: give it "
+                      "an io_class (a roll_ckpt.plugin.StrategyIO) instead; strategies of that contract work until 1.0",
+                      RollCkptDeprecationWarning, stacklevel=5)
+    else:
+        warnings.warn(f"strategy '{name}' ({type(strategy).__qualname__}) does not subclass roll_ckpt.plugin.Strategy: "
+                      "subclass it (objects of the old protocol work until 1.0)", RollCkptDeprecationWarning, stacklevel=5)
+        for member in ("collective_timeout_s", "agree"):  # the protocol's optional members
+            if not hasattr(strategy, member):
+                default = getattr(Strategy, member)
+                setattr(strategy, member, default.__get__(strategy) if callable(default) else default)
+    return strategy, OwnIO(strategy)
+
+
+class OwnIO(StrategyIO):
+    """The I/O of a strategy of the contract before :class:`StrategyIO` (deprecated, until 1.0):
+    the strategy writes, loads and estimates its files itself, and this forwards to it."""
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+        self.increments = getattr(strategy, "increments", None)
+
+    def estimate(self, sd: dict[str, Any], user: Mapping[str, Any] | None = None) -> Any:
+        return self.strategy.estimate(sd, user)
+
+    def write(self, sd: dict[str, Any], storage: Storage, path: str, on_bytes: Any = None, *,
+              save: Any = None, alone: bool = False) -> dict[str, tuple]:
+        more = {"alone": True} if alone else {}  # (a strategy without the local tier took no ``alone``)
+        return self.strategy.write(sd, storage, path, on_bytes, save=save, **more)
+
+    def load(self, state: Any, storage: Storage, path: str, on_bytes: Any = None, **kwargs: Any) -> None:
+        if not kwargs.get("alone"):
+            kwargs.pop("alone", None)
+        self.strategy.load(state, storage, path, on_bytes, **kwargs)

@@ -142,7 +142,7 @@ def estimate_checkpoint_bytes(sd: Mapping[str, Any], *, world_size: int = 1,
     ``sd`` is the strategy's state dict (live tensors); nothing is copied. Non-tensor
     values are serialised into a counter, as DCP will serialise them. ``base``, the
     estimate of the rest of the state dict made with :func:`estimate_items`, is added (a
-    strategy estimates the parts that keep their structure once).
+    strategy's I/O estimates the parts that keep their structure once).
     """
     import torch
 
