@@ -20,7 +20,7 @@ from concurrent.futures import Future
 from typing import Any, Iterable, Mapping, MutableMapping
 
 from .tiers.backup import BackupLink
-from .format.components import check_component
+from .format.components import ComponentSteps, check_component
 from .format.commit import release_folder
 from .config.schema import Config, load_config
 from .contracts import CommitInfo, Storage, Strategy, StrategyIO
@@ -101,11 +101,13 @@ class CheckpointManager:
 
             self._local = LocalTier(cc.local, open_storage(plugins, "file_system", cc.local.dir, {}))
         retention = Retention(cc.max_ckpt_to_keep, lock, self._backup)
-        # the saver's commit hooks, in order: retention (when max_ckpt_to_keep is set), replication
-        hooks = ([retention.after_commit] if retention.keep else []) + \
+        # core's commit hooks: a component's part commits its step once every part is in; then, for
+        # each checkpoint (or step) committed, in order: retention (with max_ckpt_to_keep), replication
+        self._steps = None if component is None else ComponentSteps(component, cc, self._announce)
+        self._after_commit = ([retention.after_commit] if retention.keep else []) + \
             ([self._backup.submit] if self._backup is not None else [])
         self._saves = SavePipeline(self._setup, local=self._local, retention=retention, announce=self._announce,
-                                   after_commit=hooks)
+                                   after_commit=self._after_commit, steps=self._steps)
         self._resumer = Resumer(self._setup, local=self._local, backup=self._backup, announce=self._announce,
                                 holds=self._holds)
         self.stats = SaveReport(self._saves, lambda: self._storage)
@@ -300,12 +302,14 @@ class CheckpointManager:
         False when a part is missing or another process committed it first. Coordinator."""
         from .format.layout import checkpoint_name
 
+        if self._steps is None:
+            raise RollCkptError("commit_step commits a step of components: this manager saves none "
+                                "(CheckpointManager(config, component=...))")
         run = self._claimed_run()
         step_path = run.storage.join(run.folder, checkpoint_name(step, self.config.checkpoint_config.name_format))
-        committer = self._saves.committer
-        if not committer.commit_step(run, step_path, step, parts=list(parts), files=list(files)):
+        if not self._steps.commit(run.storage, step_path, step, list(parts), list(files)):
             return False
-        for hook in committer.hooks:
+        for hook in self._after_commit:
             hook(run, step_path, step)
         return True
 

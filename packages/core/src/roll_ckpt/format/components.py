@@ -45,11 +45,11 @@ from ..contracts import Storage
 from .commit import take_over_file
 from .manifest import COMPONENTS_KEY, hash_bytes, hash_stream, MANIFEST_NAME, FileEntry, Manifest
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError, RollCkptError
-from .layout import basename, committed_parts, parent, scan
+from .layout import committed_parts, parent, scan
 
 log = logging.getLogger("roll_ckpt")
 
-__all__ = ["COMPONENTS_KEY", "EXPECTS_KEY", "STEP_FILES_KEY", "STEP_ROOT_KEY", "step_manifest", "try_complete", "complete_pending",
+__all__ = ["ComponentSteps", "COMPONENTS_KEY", "EXPECTS_KEY", "STEP_FILES_KEY", "STEP_ROOT_KEY", "step_manifest", "try_complete", "complete_pending",
            "expected_parts", "open_part", "check_component", "check_part_free", "read_resume_record"]
 
 
@@ -177,6 +177,53 @@ def try_complete(storage: Storage, step_path: str, step: int, expected: Iterable
     except FileExistsError:
         return None
     return manifest
+
+
+class ComponentSteps:
+    """A component's commits made steps: the commit hook that turns "this part is committed"
+    into "the step is committed" once every part is (the saver runs the checkpoint's commit
+    hooks, retention and replication, only then).
+
+    ``component``: the part this manager saves; ``cc``: its ``checkpoint_config``
+    (``components``, ``commit_steps``); ``announce(path, manifest)``: ``roll_ckpt_on_commit``
+    for a step committed here.
+    """
+
+    def __init__(self, component: str, cc: Any, announce: Any) -> None:
+        self.component = component
+        self.expected = tuple(cc.components or ())
+        self.commit_steps = bool(cc.commit_steps)
+        self.announce = announce
+
+    def manifest_part(self, storage: Storage, write_path: str, save: Any, state: Any) -> tuple[dict, dict]:
+        """The part's manifest names every part this manager knows of: the step waits for them all."""
+        return {}, {EXPECTS_KEY: list(self.expected)}
+
+    def after_part(self, storage: Storage, part_path: str, step: int) -> str | None:
+        """The part at ``part_path`` is committed: the step's folder when that committed the step
+        here, else ``None`` (a part still missing, another process's create won, or something
+        else commits the steps: ``commit_steps: false``)."""
+        if not self.commit_steps:
+            return None  # another commits the step: it knows which parts it has
+        step_path = parent(part_path)
+        return step_path if self.commit(storage, step_path, step, self.expected) else None
+
+    def commit(self, storage: Storage, step_path: str, step: int, parts: Iterable[str], files: Iterable[str] = ()) -> bool:
+        """Commit the step at ``step_path`` when ``parts`` are all committed (``files``: its own
+        files at its root); True when this call did. A failure is logged, not raised: the parts
+        are committed, and the next resume commits the step once every part is there."""
+        try:
+            manifest = try_complete(storage, step_path, step, parts, files=files)
+        except Exception as exc:
+            log.warning("roll-ckpt: the part of %s is committed, but committing step %d failed (%s: %s); the "
+                        "next resume commits the step once every part is there", self.component, step,
+                        type(exc).__name__, exc)
+            return False
+        if manifest is None:
+            return False
+        self.announce(step_path, manifest)
+        log.info("roll-ckpt: step %d committed (every component's part is in %s)", step, step_path)
+        return True
 
 
 def complete_pending(storage: Storage, root: str, expected: Iterable[str]) -> list[tuple[str, Manifest]]:

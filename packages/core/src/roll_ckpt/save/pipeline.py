@@ -14,8 +14,8 @@ failed save raises (one module: a save read in one sitting).
         _begin                       coordinator: owner marker, data folder; every rank agrees
         StagedSave.local_unit        the fast tier's unit of the same staged state, if due
         io.write                     the strategy's I/O (DCPIO: DCP's format), every file hashed while written
-        Committer.commit             coordinator: HF files, manifest last (rename / create-only),
-                                     the step of components, retention, replication
+        Committer.commit             coordinator: the manifest's parts (HF files), manifest last (rename / create-only),
+                                     then the commit hooks: the step of components, retention, replication
         strategy.agree               every rank: the commit's outcome
       _failed                      a failure of either: what was written removed, the
                                      error one roll-ckpt error (save_error, below)
@@ -52,7 +52,7 @@ from ..contracts import CountsNetwork, NetworkCounts, SaveContext, Storage, Stra
 from ..errors import RollCkptError, SaveError, StorageError, StorageFullError, carried_roll_error, disk_full
 from ..format import layout
 from ..format.commit import Leftovers, PendingCheckpoint, pending_checkpoint, utc_now
-from ..format.components import EXPECTS_KEY, check_part_free, try_complete
+from ..format.components import check_part_free
 from ..format.manifest import hash_bytes, BESIDE_KEY, FileEntry, Manifest
 from ..format.layout import TRAINER_STATE
 from ..hf.export import HFPart
@@ -245,15 +245,22 @@ folder being committed (their manifest entries) and the manifest's ``extra`` key
 
 
 class Committer:
-    """The coordinator's commit, with core's own hooks around it: the manifest's parts (the
-    Hugging Face files), then, for each checkpoint (or step of components) committed here,
-    the commit hooks (retention, replication), in the order the manager gave them."""
+    """The coordinator's commit, with core's own hooks around it, each given by the manager:
+    the manifest's parts (the Hugging Face files; a component's expected parts), then the two
+    commit events -- the folder committed (``after_part``: a component's part makes its step
+    committed once every part is, :class:`~roll_ckpt.format.components.ComponentSteps`) and the
+    checkpoint committed (the commit hooks: retention, replication, in the manager's order)."""
 
     def __init__(self, setup: Setup, announce: Callable[..., None], *, parts: Sequence[ManifestPart] = (),
+                 after_part: Callable[[Storage, str, int], str | None] | None = None,
                  after_commit: Sequence[Callable[[Run, str, int], None]] = ()) -> None:
         self.setup = setup
         self.parts = list(parts)
         """Run in order before the manifest is written (:data:`ManifestPart`)."""
+        self.after_part = after_part
+        """``after_part(storage, path, step)``: the checkpoint committed by this folder's commit
+        (the step's folder, for a component's part), or ``None`` when none is yet; ``None``: the
+        folder is the checkpoint."""
         self.announce = announce
         """``announce(path, manifest, component=None, data=None)``: ``roll_ckpt_on_commit`` for what
         was committed (``data``: the manifest's bytes as committed, when known)."""
@@ -278,8 +285,6 @@ class Committer:
             files.update(part_files)
             extra.update(part_extra)
         cc = setup.config.checkpoint_config
-        if setup.component:  # every part this manager knows of: the step waits for them all
-            extra[EXPECTS_KEY] = list(cc.components or ())
         if cc.beside:  # files another program adds to the folder once it is committed
             extra[BESIDE_KEY] = list(cc.beside)
         ts = self.trainer_state(ctx, user)
@@ -295,40 +300,16 @@ class Committer:
         data = manifest.to_bytes()
         pending.commit(data)
         self.announce(ctx.path, manifest, setup.component, data=data)  # (the bytes committed: not serialised again)
-        step_path = layout.parent(ctx.path) if setup.component else ctx.path
-        if not setup.component or self.commit_step(run, step_path, ctx.step):  # the checkpoint, or the step's last part
+        committed = ctx.path if self.after_part is None else self.after_part(storage, ctx.path, ctx.step)
+        if committed is not None:  # the checkpoint (a step of components once its last part is in)
             for hook in self.hooks:
-                hook(run, step_path, ctx.step)
+                hook(run, committed, ctx.step)
         total, taken = sum(e.size for e in files.values()), sum(e.size for e in files.values() if e.taken_over)
         if taken:
             log.info("roll-ckpt: %s: %s written, %s taken over unchanged from %s", layout.basename(ctx.path),
                      human_bytes(total - taken), human_bytes(taken),
                      ", ".join(sorted({e.taken_over for e in files.values() if e.taken_over})))
         return total, taken
-
-    def commit_step(self, run: Run, step_path: str, step: int, parts: Any = None, files: Any = ()) -> bool:
-        """True when the step is committed by this process: always without components;
-        with them, when this part was the last one and this process's create won.
-        ``parts``/``files``: a step something else commits (``CheckpointManager.commit_step``)."""
-        setup = self.setup
-        cc = setup.config.checkpoint_config
-        if not setup.component:
-            return True
-        if parts is None and not cc.commit_steps:
-            return False  # another commits the step: it knows which parts it has
-        try:
-            manifest = try_complete(run.storage, step_path, step, cc.components or () if parts is None else parts,
-                                    files=files)
-        except Exception as exc:  # this part is committed; the step can be committed later
-            log.warning("roll-ckpt: the part of %s is committed, but committing step %d failed (%s: %s); the "
-                        "next resume commits the step once every part is there", setup.component, step,
-                        type(exc).__name__, exc)
-            return False
-        if manifest is None:
-            return False
-        self.announce(step_path, manifest)
-        log.info("roll-ckpt: step %d committed (every component's part is in %s)", step, step_path)
-        return True
 
     def trainer_state(self, ctx: SaveContext, user: dict[str, Any]) -> bytes:
         body = {
@@ -350,10 +331,11 @@ class Committer:
 
 class SavePipeline:
     """One manager's saves. ``local``: the fast recovery tier (or ``None``); ``retention``: what a
-    save that needs room applies first; ``announce`` and ``after_commit``: the :class:`Committer`'s."""
+    save that needs room applies first; ``announce`` and ``after_commit``: the :class:`Committer`'s;
+    ``steps``: a component's steps (:class:`~roll_ckpt.format.components.ComponentSteps`), or ``None``."""
 
     def __init__(self, setup: Setup, *, local: Any, retention: Retention, announce: Callable[..., None],
-                 after_commit: Sequence[Callable[[Run, str, int], None]] = ()) -> None:
+                 after_commit: Sequence[Callable[[Run, str, int], None]] = (), steps: Any = None) -> None:
         self.setup = setup
         self.local = local
         self.retention = retention
@@ -372,7 +354,9 @@ class SavePipeline:
         self.leftovers = Leftovers()
         self.hf = HFPart.of(config.checkpoint_config, config.strategy_config, setup.component)
         """The Hugging Face files each checkpoint carries (``hf_weights``, ``save_only_model``), or ``None``."""
-        self.committer = Committer(setup, announce, parts=[self.hf.manifest_part] if self.hf is not None else [],
+        parts = ([steps.manifest_part] if steps is not None else []) + \
+            ([self.hf.manifest_part] if self.hf is not None else [])
+        self.committer = Committer(setup, announce, parts=parts, after_part=steps and steps.after_part,
                                    after_commit=after_commit)
 
     def save(self, run_of: Callable[[], Run], io: StrategyIO, step: int, state: Mapping[str, Any], *,
