@@ -108,3 +108,15 @@ def test_a_sub_folder_that_is_not_a_plain_name_is_refused(tmp_path: Path, subdir
 
     with pytest.raises(ConfigError, match="subdir"):
         config(tmp_path, hf_weights={"subdir": subdir})
+
+
+def test_commit_step_is_refused_by_a_manager_that_saves_no_component(tmp_path: Path) -> None:
+    """A step of components is committed by a manager of one of them; a plain manager's
+    checkpoints are committed by their own save, so its commit_step says so instead of
+    pretending it committed something."""
+    from roll_ckpt import RollCkptError
+
+    with CheckpointManager(config(tmp_path, **VERL), quiet=True) as m:
+        m.save(1, tiny_state())
+        with pytest.raises(RollCkptError, match="commits a step of components"):
+            m.commit_step(1, ["actor"])
