@@ -256,6 +256,7 @@ def test_a_silent_server_costs_an_attempt_and_never_more_than_the_worst_case(
         assert m2.resume(fresh) == 1
         net = m2.stats.network  # the body stalled once: read again from where it broke
         assert net.faults == net.retries == 1 and all(k.startswith("download broke") for k in net.kinds), net
+        assert "download broke (FSTimeoutError)" in net.kinds, net  # the timeout, not s3fs's IndexError handling it
         _assert_cut_at(policy, m2.storage)
     assert_same_state(state_snapshot(fresh), saved)
     proxy.inject(kind, method=method, path=path, count=policy.max_attempts)

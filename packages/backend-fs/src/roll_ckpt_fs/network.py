@@ -236,6 +236,17 @@ class FaultCounter:
         return wait if retry else None
 
 
+def _read_fault(exc: BaseException) -> BaseException:
+    """What broke a download: ``exc``, or the network error it was raised while handling.
+
+    s3fs's ``S3File._fetch_range`` handles an ``OSError`` by reading ``ex.args[0]``; the read
+    timeout it gets (fsspec's ``FSTimeoutError``, an ``OSError`` with no args) makes that an
+    ``IndexError``, which would name a stalled body as a bug of ours (s3fs 2024-2026)."""
+    if isinstance(exc, IndexError) and isinstance(exc.__context__, OSError):
+        return exc.__context__
+    return exc
+
+
 class RetryingReader:
     """A reader that reads again from where it broke when a download fails part-way."""
 
@@ -254,13 +265,14 @@ class RetryingReader:
             except (FileNotFoundError, PermissionError, ValueError):
                 raise  # not the network's doing (ValueError: a closed file)
             except Exception as exc:  # aiohttp's payload errors are not OSErrors
+                cause = _read_fault(exc)
                 if attempt == self._counter.policy.max_attempts:
                     raise StorageError(f"reading {self._path} failed after {attempt} attempt(s) "
-                                       f"({type(exc).__name__}: {exc}); the object may well be whole: try "
+                                       f"({type(cause).__name__}: {cause}); the object may well be whole: try "
                                        "again once the store answers (storage_options.max_attempts, "
                                        "read_timeout set how long roll-ckpt insists)") from exc
                 wait = self._counter.policy.delay(attempt)
-                self._counter.record(f"download broke ({type(exc).__name__})", time.monotonic() - t0 + wait, True)
+                self._counter.record(f"download broke ({type(cause).__name__})", time.monotonic() - t0 + wait, True)
                 time.sleep(wait)
                 try:
                     self._f.close()
