@@ -356,7 +356,7 @@ class SavePipeline:
         """The Hugging Face files each checkpoint carries (``hf_weights``, ``save_only_model``), or ``None``."""
         parts = ([steps.manifest_part] if steps is not None else []) + \
             ([self.hf.manifest_part] if self.hf is not None else [])
-        self.committer = Committer(setup, announce, parts=parts, after_part=steps and steps.after_part,
+        self.committer = Committer(setup, announce, parts=parts, after_part=None if steps is None else steps.after_part,
                                    after_commit=after_commit)
 
     def save(self, run_of: Callable[[], Run], io: StrategyIO, step: int, state: Mapping[str, Any], *,
