@@ -24,7 +24,7 @@ job continues exactly as an uninterrupted one (same rewards, losses and final we
 Preemption: a scheduler's SIGTERM reaches every process. Each component's manager notes
 it; the driver decides the step the job stops at: once a component saved a step for a
 preemption (or the driver got the signal itself), it asks every other component to save
-that same step (``request_preemption``, then ``maybe_save``), saves its own part last and
+that same step (``manager.preemption.request()``, then ``maybe_save``), saves its own part last and
 exits with ``checkpoint_config.preemption.exit_code``: the step commits whole, and the
 next launch resumes from it exactly. No component goes past that step, so none can have
 saved a different one.
@@ -152,7 +152,7 @@ class TrainGroupRank:
         decides when the job ends (and asks the other components for the same step)."""
         from roll_ckpt import Preempted
 
-        if self.manager.preempted:
+        if self.manager.preemption.committed:
             return {"path": None, "preempted": True}
         try:
             return {"path": self.manager.maybe_save(step, self.state), "preempted": False}
@@ -161,13 +161,13 @@ class TrainGroupRank:
 
     def preempt(self, step: int) -> dict[str, Any]:
         """Save ``step`` for a preemption another component saw (a no-op if this one did)."""
-        if not self.manager.preempted:
-            self.manager.request_preemption()
+        if not self.manager.preemption.committed:
+            self.manager.preemption.request()
         return self.save(step)
 
     def finish(self, final_step: int | None) -> str:
         """Final save (a no-op when the periodic one took it), close, leave the group."""
-        if final_step is not None and not self.manager.preempted:
+        if final_step is not None and not self.manager.preemption.committed:
             self.manager.save(final_step, self.state, final=True)
         self.manager.close()
         digest = self.digest()
@@ -487,7 +487,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       "without --stop-at to resume", flush=True)
                 return 0
             if any(r["preempted"] for rs in replies for r in rs):
-                manager.request_preemption()             # a worker saw the signal: the driver follows
+                manager.preemption.request()             # a worker saw the signal: the driver follows
             try:
                 path = manager.maybe_save(step, {"driver": driver})
             except Preempted as exc:

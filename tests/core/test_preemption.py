@@ -145,11 +145,11 @@ def _config(tmp_path: Path, **preemption) -> object:
 def test_exit_false_returns_and_sets_preempted(tmp_path: Path) -> None:
     state = tiny_state()
     m = CheckpointManager(_config(tmp_path, exit=False), quiet=True)
-    assert m.maybe_save(1, state) is None and not m.preempted
+    assert m.maybe_save(1, state) is None and not m.preemption.committed
     os.kill(os.getpid(), signal.SIGTERM)
-    assert m.preemption_requested
+    assert m.preemption.requested
     path = m.maybe_save(2, state)
-    assert m.preempted and path is not None and path.endswith("checkpoint-2")
+    assert m.preemption.committed and path is not None and path.endswith("checkpoint-2")
     with pytest.raises(Exception, match="closed"):
         m.save(3, state)
     assert layout.latest(_storage(tmp_path / "ckpt"), str(tmp_path / "ckpt")).step == 2
@@ -185,8 +185,8 @@ def test_signals_off_and_a_request_from_code(tmp_path: Path) -> None:
     assert signal.getsignal(signal.SIGTERM) is before, "signals: [] installs nothing"
     m.close()
     m = CheckpointManager(_config(tmp_path / "on", exit=False), quiet=True)
-    m.request_preemption()  # what a Ray actor off the main thread does
-    assert m.maybe_save(5, tiny_state()).endswith("checkpoint-5") and m.preempted
+    m.preemption.request()  # what a Ray actor off the main thread does
+    assert m.maybe_save(5, tiny_state()).endswith("checkpoint-5") and m.preemption.committed
 
 
 def test_off_the_main_thread_it_is_logged_once_and_the_rest_works(tmp_path: Path, caplog) -> None:
@@ -200,7 +200,7 @@ def test_off_the_main_thread_it_is_logged_once_and_the_rest_works(tmp_path: Path
     def worker() -> None:
         for i in range(2):
             m = CheckpointManager(_config(tmp_path / str(i), exit=False), quiet=True)
-            m.request_preemption()
+            m.preemption.request()
             out[i] = m.maybe_save(1, tiny_state())
 
     with caplog.at_level("INFO", logger="roll_ckpt"):
@@ -226,7 +226,7 @@ def test_components_save_the_same_step_and_it_commits_whole(tmp_path: Path) -> N
         states["pipeline"]["driver"]["step"] = step
         for c, m in managers.items():
             m.maybe_save(step, states[c])
-    assert all(m.preempted for m in managers.values())
+    assert all(m.preemption.committed for m in managers.values())
     newest = layout.latest(_storage(tmp_path / "ckpt"), str(tmp_path / "ckpt"))
     assert newest.step == 3 and (Path(newest.path) / "manifest.json").exists()
     assert sorted(p.name for p in Path(newest.path).iterdir() if p.is_dir()) == ["actor", "critic", "pipeline"]
@@ -316,7 +316,7 @@ def test_exit_false_passes_the_signal_on_and_keeps_control(tmp_path: Path, usr1)
     m = CheckpointManager(_config(tmp_path, signals=["SIGUSR1"], exit=False), quiet=True)
     os.kill(os.getpid(), signal.SIGUSR1)
     path = m.maybe_save(2, tiny_state())
-    assert path.endswith("checkpoint-2") and m.preempted
+    assert path.endswith("checkpoint-2") and m.preemption.committed
     assert exits.calls == [(signal.SIGUSR1, 2)], "called once the save committed; what it raised is dropped"
     m.close()
     assert exits.calls == [(signal.SIGUSR1, 2)], "passed on once"
@@ -368,7 +368,7 @@ def test_a_handler_installed_after_the_manager_stays_and_a_forked_child_passes_s
             os._exit(0)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 42, "the handler from before ran at once in the child"
-    assert not m.preemption_requested, "the child's signal is not the parent's"
+    assert not m.preemption.requested, "the child's signal is not the parent's"
 
     def later(signum, frame):
         pass

@@ -20,9 +20,10 @@ PACKAGE_API = {"__version__", "CheckpointManager", "SaveStats", "Preempted", "lo
                "GlobalState", "new_run_name", "export_hf", "RollCkptError", "ConfigError", "StorageError", "SaveError",
                "CheckpointNotFoundError", "CheckpointCorruptError"}
 MANAGER_CALLS = {"from_config", "bind", "resume", "maybe_save", "save", "prepare_save", "wait", "commit_step",
-                 "hf_files", "request_preemption", "close"}
-MANAGER_VALUES = {"config", "storage", "strategy", "io", "run_dir", "preempted", "preemption_requested"}
-MANAGER_VIEWS = {"stats", "resumed", "backup", "local"}
+                 "hf_files", "close"}
+MANAGER_VALUES = {"config", "storage", "strategy", "io", "run_dir"}
+MANAGER_VIEWS = {"stats", "resumed", "backup", "local", "preemption"}
+DEPRECATED_CALLS = {"wait_for_backup", "request_preemption"}  # each forwards to a view, with a warning
 
 
 def test_the_package_exports_what_a_training_script_uses() -> None:
@@ -46,14 +47,15 @@ def _manager(tmp_path: Path, resume: str | bool = False, **sections) -> Checkpoi
         "output_dir": str(tmp_path / "ckpt"), **sections}}), quiet=True)
 
 
-def test_the_manager_has_its_calls_its_values_and_four_views(tmp_path: Path) -> None:
+def test_the_manager_has_its_calls_its_values_and_five_views(tmp_path: Path) -> None:
     public = {n for n in dir(CheckpointManager) if not n.startswith("_")
-              and not isinstance(inspect.getattr_static(CheckpointManager, n), moved) and n != "wait_for_backup"}
+              and not isinstance(inspect.getattr_static(CheckpointManager, n), moved) and n not in DEPRECATED_CALLS}
     with _manager(tmp_path) as m:
         public |= {n for n in vars(m) if not n.startswith("_")}
         assert public == MANAGER_CALLS | MANAGER_VALUES | MANAGER_VIEWS
         assert m.backup is None and m.local is None  # neither configured
         assert m.stats.last is None and m.resumed.path is None and m.resumed.trainer_state == {}
+        assert not m.preemption.requested and not m.preemption.committed
 
 
 def test_every_moved_manager_name_warns_and_reads_its_new_home(tmp_path: Path) -> None:
@@ -84,6 +86,9 @@ def test_every_moved_manager_name_warns_and_reads_its_new_home(tmp_path: Path) -
             status = m.wait_for_backup(timeout=30)
         assert status is m.backup.status or status == m.backup.status
         assert 2 in [c.step for c in status.committed]
+        with pytest.warns(RollCkptDeprecationWarning, match=r"request_preemption is deprecated: use manager\.preemption\.request"):
+            m.request_preemption()
+        assert m.preemption.requested
 
 
 def test_a_moved_setter_says_when_its_home_is_not_configured(tmp_path: Path) -> None:

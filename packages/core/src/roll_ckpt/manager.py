@@ -32,7 +32,7 @@ from .runtime.preemption import PreemptionWatch, pass_on, preemption_done, run_w
 from .load.resume import Resumer
 from .format.layout import TRAINER_STATE
 from .save.pipeline import SavePipeline, SaveStats, check_step
-from .views import BackupView, LocalView, ResumeReport, SaveReport, moved, warn_moved
+from .views import BackupView, LocalView, PreemptionView, ResumeReport, SaveReport, moved, warn_moved
 
 __all__ = ["CheckpointManager", "SaveStats", "open_storage", "TRAINER_STATE"]
 
@@ -63,11 +63,12 @@ class CheckpointManager:
     committed (or at :meth:`close` without one); see :meth:`maybe_save` and
     :mod:`roll_ckpt.runtime.preemption`.
 
-    Beside its calls, the manager shows four subjects (:mod:`roll_ckpt.views`): ``stats`` (what
+    Beside its calls, the manager shows five subjects (:mod:`roll_ckpt.views`): ``stats`` (what
     its saves cost: ``stats.last``, ``stats.failed``, ``stats.in_flight``, ``stats.network``),
     ``resumed`` (the checkpoint ``resume`` loaded: ``path``, ``from_backup``, ``trainer_state``),
     ``backup`` (``storage``, ``status``, ``wait()``; ``None`` without ``checkpoint_config.backup``)
-    and ``local`` (the fast recovery tier; ``None`` without ``checkpoint_config.local``).
+    ``local`` (the fast recovery tier; ``None`` without ``checkpoint_config.local``) and
+    ``preemption`` (``request()``, ``requested``, ``committed``).
     """
 
     def __init__(self, config: Config, *, component: str | None = None, plugins: Plugins | None = None,
@@ -115,9 +116,9 @@ class CheckpointManager:
         self.backup = None if self._backup is None else BackupView(self._backup, self._saves)
         self.local = None if self._local is None else LocalView(self._local)
         self._closed = False
-        self.preempted = False
-        """True once a preemption checkpoint is committed (with ``preemption.exit: false``)."""
+        self._preempted = False  # a preemption checkpoint committed (manager.preemption.committed)
         self._watch = PreemptionWatch(cc.preemption.signals)
+        self.preemption = PreemptionView(self._watch, lambda: self._preempted)
         self._watch.install()
 
     @classmethod
@@ -200,7 +201,7 @@ class CheckpointManager:
         """Save when ``step`` is a multiple of ``save_steps``; returns the checkpoint's path.
 
         Call it once per step on every process: it is also where a preemption request (a
-        signal, or :meth:`request_preemption`) is acted on. The processes agree on it (one
+        signal, or ``manager.preemption.request()``) is acted on. The processes agree on it (one
         tiny all-reduce per call, even when only one process got the signal), then the
         manager waits for a save in flight, saves ``step`` synchronously and durably, closes,
         passes the signal on to the handler that was there before and, with
@@ -242,16 +243,6 @@ class CheckpointManager:
         self._check_open()
         return self._saves.prepare()
 
-    def request_preemption(self) -> None:
-        """Ask for a preemption save at the next :meth:`maybe_save`, as a signal would: for code
-        that learns of a preemption otherwise (a Ray actor off the main thread, a scheduler's API)."""
-        self._watch.request()
-
-    @property
-    def preemption_requested(self) -> bool:
-        """True once this process got a preemption signal or request (no collective)."""
-        return self._watch.requested
-
     def _preempt(self, step: int, state: Mapping[str, Any]) -> str | None:
         pc = self.config.checkpoint_config.preemption
         log.warning("roll-ckpt: preemption (%s): saving step %d durably%s", self._watch.describe(), step,
@@ -271,7 +262,7 @@ class CheckpointManager:
             raise
         finally:
             self.close()
-        self.preempted = True
+        self._preempted = True
         log.warning("roll-ckpt: preemption checkpoint of step %d committed at %s", step, path)
         # the handlers that were there before get the signal now; Preempted (exit) ends the loop
         return preemption_done(self._watch, pc.exit, pc.exit_code, step, path or "")
@@ -369,6 +360,13 @@ class CheckpointManager:
     plugins = moved("_setup.plugins")
     quiet = moved("_setup.quiet")
     is_coordinator = moved("_coordinator", hint="manager.strategy.is_coordinator (after bind)")
+    preemption_requested = moved("preemption.requested")
+    preempted = moved("preemption.committed")
+
+    def request_preemption(self) -> None:
+        """Deprecated (until 1.0): ``manager.preemption.request()``."""
+        warn_moved("request_preemption", "preemption.request()")
+        self.preemption.request()
 
     def wait_for_backup(self, timeout: float | None = None) -> Any:
         """Deprecated (until 1.0): ``manager.backup.wait(timeout)``."""

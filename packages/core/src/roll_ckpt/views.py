@@ -1,6 +1,7 @@
 """What a :class:`~roll_ckpt.CheckpointManager` shows beside its calls, grouped by subject:
 its saves (``manager.stats``), the checkpoint it resumed from (``manager.resumed``), its backup
-location (``manager.backup``) and its fast recovery tier (``manager.local``).
+location (``manager.backup``), its fast recovery tier (``manager.local``) and a preemption
+(``manager.preemption``).
 
 Each is a view: it holds nothing of its own and reads the manager's parts when asked, so
 it is never stale. ``manager.backup`` and ``manager.local`` are ``None`` when the config has
@@ -17,11 +18,12 @@ from .errors import RollCkptDeprecationWarning
 
 if TYPE_CHECKING:
     from .load.resume import Resumer
+    from .runtime.preemption import PreemptionWatch
     from .save.pipeline import SavePipeline, SaveStats
     from .tiers.backup import BackupLink
     from .tiers.local_tier import LocalTier
 
-__all__ = ["SaveReport", "ResumeReport", "BackupView", "LocalView"]  # (moved, warn_moved: the manager's)
+__all__ = ["SaveReport", "ResumeReport", "BackupView", "LocalView", "PreemptionView"]  # (moved, warn_moved: the manager's)
 
 
 class SaveReport:
@@ -142,6 +144,30 @@ class LocalView:
     def failed_saves(self) -> int:
         """Local saves that failed (a full tmpfs...): logged, never raised."""
         return self._tier.failed_saves
+
+
+class PreemptionView:
+    """``manager.preemption``: a preemption save asked for (by a signal of
+    ``checkpoint_config.preemption.signals``, or :meth:`request`) and committed."""
+
+    def __init__(self, watch: "PreemptionWatch", committed: Callable[[], bool]) -> None:
+        self._watch, self._committed = watch, committed
+
+    def request(self) -> None:
+        """Ask for a preemption save at the next ``maybe_save``, as a signal would: for code
+        that learns of a preemption otherwise (a Ray actor off the main thread, a scheduler's API)."""
+        self._watch.request()
+
+    @property
+    def requested(self) -> bool:
+        """True once this process got a preemption signal or :meth:`request` (no collective)."""
+        return self._watch.requested
+
+    @property
+    def committed(self) -> bool:
+        """True once a preemption checkpoint is committed (``maybe_save`` returned its path; with
+        ``preemption.exit: true``, the default, it raised :class:`~roll_ckpt.Preempted` instead)."""
+        return self._committed()
 
 
 class moved:  # noqa: N801 (used as a decorator-like descriptor: `last_save = moved("stats.last")`)

@@ -250,7 +250,7 @@ def load_states(self: Any, include: Any = None, non_blocking: bool = False) -> A
 def preemption_flag(worker: Any) -> bool:
     """Run in a worker actor (``__ray_call__``): whether its manager got a preemption signal."""
     part = getattr(getattr(worker, "strategy", None), "__dict__", {}).get("_roll_ckpt")
-    return bool(part is not None and part.manager.preemption_requested)
+    return bool(part is not None and part.manager.preemption.requested)
 
 
 def close_part(worker: Any) -> None:
@@ -297,7 +297,7 @@ class PipelinePart:
 
     def requested(self, clusters: list[Any]) -> bool:
         """A preemption signal reached the driver or a worker of a checkpoint cluster."""
-        if self.watch is not None and self.watch.preemption_requested:
+        if self.watch is not None and self.watch.preemption.requested:
             return True
         import ray
 
@@ -347,7 +347,7 @@ class PipelinePart:
         if self.watch is not None:
             self.watch.close()  # the held signal stays for the saver's preemption save to pass on
             self.watch = None
-        saver.request_preemption()
+        saver.preemption.request()
         return saver.maybe_save(step, self._state(state))
 
     @staticmethod

@@ -286,7 +286,7 @@ class RollCkptCheckpointManager(BaseCheckpointManager):
         if self._preemption_agreed(curr_step):  # a rank got a signal: every rank saves this step durably
             self._clear(curr_step)
             self.manager.maybe_save(curr_step, state)  # raises Preempted (preemption.exit) once committed
-            self._closed = self.manager.preempted
+            self._closed = self.manager.preemption.committed
             return True
         local = self._cc.local
         if not (due or first or (local is not None and curr_step % local.save_steps == 0)):
@@ -324,13 +324,13 @@ class RollCkptCheckpointManager(BaseCheckpointManager):
         if not self._preemption:
             return False
         if self._agree_group is None:  # one process
-            return self.manager.preemption_requested
+            return self.manager.preemption.requested
         seen = False
         if self._agreeing is not None:
             work, flag = self._agreeing
             work.wait()
             seen = bool(flag.item())
-        flag = torch.tensor([1 if self.manager.preemption_requested else 0], dtype=torch.int32)
+        flag = torch.tensor([1 if self.manager.preemption.requested else 0], dtype=torch.int32)
         dist = torch.distributed
         self._agreeing = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._agree_group, async_op=True), flag)
         return seen

@@ -108,7 +108,7 @@ class PreemptionConfig:
     """Signals that ask for a preemption save (names or numbers); ``[]`` turns it off."""
     exit: bool = True
     """Raise :class:`Preempted` once the checkpoint is committed; ``false`` returns and sets
-    ``manager.preempted``."""
+    ``manager.preemption.committed``."""
     exit_code: int = 0
     """The process's exit status when it stops for a preemption."""
 
@@ -214,7 +214,7 @@ class PreemptionWatch:
             if not _told_not_main:
                 _told_not_main = True
                 log.info("roll-ckpt: not on the main thread, so no preemption signal handler is installed; "
-                         "call manager.request_preemption() where this process learns of a preemption")
+                         "call manager.preemption.request() where this process learns of a preemption")
             return False
         with _lock:
             if _owner_pid != os.getpid():  # a forked child: what it inherited is its parent's
@@ -261,7 +261,7 @@ class PreemptionWatch:
 
     def describe(self) -> str:
         if self.signal is None:
-            return "requested by request_preemption()"
+            return "requested by manager.preemption.request()"
         return f"{signal.Signals(self.signal).name} received"
 
 
