@@ -207,7 +207,6 @@ class CollectiveBytes(_Phased):
         counter = self
 
         def inner(*args: Any, **kwargs: Any) -> Any:
-            group = kwargs.get("group")
             sent = received = 0
             if name == "all_gather_object":
                 obj = kwargs.get("obj", args[1] if len(args) > 1 else None)

@@ -92,7 +92,7 @@ def markdown(res: dict[str, Any]) -> str:
                      f"{_f(st.get('value'))}× the disk (reported, not the target)")
         if k == "T6":
             cps = t.get("cpu_s_per_gb") or {}
-            extra = (f"; CPU s per GB: " + ", ".join(f"{m} {_f(v, '{:.2f}')}" for m, v in cps.items())
+            extra = ("; CPU s per GB: " + ", ".join(f"{m} {_f(v, '{:.2f}')}" for m, v in cps.items())
                      + f" (medians of {t.get('runs')}); regular staging {_f(t.get('regular'))}, DCP process mode "
                      f"{_f(t.get('process_mode'))}; former T6 (loop time lost) {_f((t.get('loop_lost') or {}).get('value'))}")
         if k == "T26":

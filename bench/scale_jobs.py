@@ -459,10 +459,9 @@ def _s3_job(server: Any, saves: int) -> dict[str, Any]:
     store = CountingStorage(m.storage)
     m.storage = store
     http = S3Requests(store.inner.fs).hook()
-    last = None
     for i in range(saves):
         with store.phase(f"save-{i}"), http.phase(f"save-{i}"):
-            last = m.save(i + 1, state)
+            m.save(i + 1, state)
         out["saves"].append({"ops": categorise(store.of(f"save-{i}")), "http": http.of(f"save-{i}")})
     m.close()
     r = manager(resume="latest")  # the newest committed checkpoint under the URL: the last save

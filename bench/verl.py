@@ -191,7 +191,7 @@ def markdown(res: dict[str, Any]) -> str:
         return f"# T19: verl's manager against roll-ckpt-verl\n\nnot run: {res['unavailable']}\n"
     v, r = res["verl"], res["roll_ckpt"]
     mib = v["state_bytes_per_rank"] / (1 << 20)
-    rows = [f"# T19: verl's FSDP2 engine saving, verl's manager against roll-ckpt-verl (async)", "",
+    rows = ["# T19: verl's FSDP2 engine saving, verl's manager against roll-ckpt-verl (async)", "",
             f"{res['model']}, 2 gloo ranks, {mib:.0f} MiB of state per rank (model + AdamW), "
             f"medians of {res['reps']} saves after a warm-up one; verl {res.get('verl_version')}, torch "
             f"{res.get('torch')}.", "",

@@ -24,7 +24,7 @@ from typing import Any, Callable
 from ..errors import CheckpointCorruptError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..contracts import Storage
-from ..format.layout import DCP_DIR, TRAINER_STATE, basename
+from ..format.layout import DCP_DIR, TRAINER_STATE
 from ..runtime.units import human_bytes
 
 __all__ = ["KeyInfo", "PartInfo", "Inspection", "inspect_checkpoint", "format_inspection",
