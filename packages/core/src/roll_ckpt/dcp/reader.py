@@ -147,11 +147,6 @@ class SafeReader(FileSystemReader):
         self._verified[name] = data
         return data
 
-    def _check(self, name: str, size: int, digest: str) -> None:
-        assert self._files is not None
-        if (fault := content_fault(self._files.get(name), size, digest)) is not None:
-            raise self._fault(name, fault)
-
     def _read_verified(self, name: str, keep: bool) -> Verified | None:
         """Read ``name`` once, hashing it; returns the checked file (``None``: read it again)."""
         entry = self._expected(name)
@@ -160,6 +155,7 @@ class SafeReader(FileSystemReader):
                 fd = f.fileno()
             except (AttributeError, OSError, ValueError):
                 fd = -1
+            view = None
             if fd >= 0 or not keep:
                 if fd >= 0:
                     try:  # one sequential pass: let the kernel read further ahead
@@ -167,15 +163,15 @@ class SafeReader(FileSystemReader):
                     except (AttributeError, OSError):
                         pass
                 size, digest = hash_stream(f, self._on_bytes)
-                self._check(name, size, digest)
-                if fd < 0:
-                    return None
-                # The loader reads this same open file (a file renamed over it meanwhile is
-                # not the one loaded), from the page cache the check just filled.
-                return Verified(file=os.fdopen(os.dup(fd), "rb", buffering=0))
-            view, pos, digest = read_hashed(f, entry.size, self._on_bytes)
-        self._check(name, pos, digest)
-        return Verified(view=view)
+            else:  # no file descriptor to read again: the bytes kept in memory
+                view, size, digest = read_hashed(f, entry.size, self._on_bytes)
+            if (fault := content_fault(entry, size, digest)) is not None:
+                raise self._fault(name, fault)
+            if view is not None:
+                return Verified(view=view)
+            # The loader reads this same open file (a file renamed over it meanwhile is not the
+            # one loaded), from the page cache the check just filled.
+            return Verified(file=os.fdopen(os.dup(fd), "rb", buffering=0)) if fd >= 0 else None
 
     def release(self) -> None:
         """Close the checked files (open across one ``DCPIO.load``'s loads); drop the metadata."""
@@ -308,8 +304,9 @@ class SafeReader(FileSystemReader):
         hands them to every process (``DCPIO.load``)."""
         with self._storage.open_read(self._storage.join(self.path, METADATA_NAME)) as f:
             data = f.read()
-        if self._files is not None:
-            self._check(METADATA_NAME, *hash_bytes(data))
+        if self._files is not None and \
+                (fault := content_fault(self._files.get(METADATA_NAME), *hash_bytes(data))) is not None:
+            raise self._fault(METADATA_NAME, fault)
         return data
 
     def _checked_file(self, name: str) -> Verified | None:
