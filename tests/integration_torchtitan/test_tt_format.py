@@ -78,7 +78,7 @@ def write_torchtitan_step(folder: Path, step: int, *, model_only: bool = False, 
     path = folder / f"step-{step}"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.save(flat, checkpoint_id=str(path), no_dist=True)
+        dcp.save(flat, checkpoint_id=str(path))  # (no process group here: one process alone; torch 2.6 has no no_dist)
     return path
 
 

@@ -70,7 +70,9 @@ def export_torchtitan(storage: Storage, path: str, out: str, *, component: str |
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            dcp.save(sd, checkpoint_id=tmp, no_dist=True)
+            # one process outside any job (the CLI): with no process group, DCP saves without
+            # collectives on every torch (its no_dist argument came with torch 2.8)
+            dcp.save(sd, checkpoint_id=tmp)
         if os.path.exists(out):
             shutil.rmtree(out)
         os.rename(tmp, out)
