@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import launch
+from helpers import launch, training
 
 WORKERS = Path(__file__).with_name("layout_workers.py")
 SAVERS = 8  # gloo ranks of the job that saves (the coordination under test grows with them)
@@ -57,6 +57,10 @@ def test_saves_of_one_structure_are_short_and_each_change_is_full(saved: Path) -
                          ids=["same-world", "8-to-3", "8-to-2-dim1"])
 def test_a_resume_reads_metadata_once_is_exact_and_keeps_the_layout_where_it_holds(
         saved: Path, nproc: int, step: int, kind: str) -> None:
+    if kind == "hsdp" and not training.gloo_averages():
+        # (the fixture's HSDP model gets no gradient there, so the checkpoint's optimizer never
+        # stepped and was saved with no state; the resumed job's first save has one: another layout)
+        pytest.skip(training.GLOO_AVG_MISSING)
     _run(nproc, "layout_resume", str(saved), str(step), kind)
     ranks = _results(saved, f"resume-{step}-{nproc}", nproc)
     assert all(r["step"] == step for r in ranks)
