@@ -93,8 +93,16 @@ def main() -> int:
 
     make_model_folder(Path(args.model))
 
+    # ROLL's own async save (dcp.async_save) stages with tensor.to("cpu"), which on torch 2.6 copies
+    # nothing of a CPU tensor: its writer thread then writes the live state while the next step
+    # changes it (on a GPU the staging copies). So on a CPU before torch 2.8, ROLL's own runs save
+    # synchronously, and the checkpoint holds the step it names; roll-ckpt's runs stay async.
+    import torch
+
+    roll_async = args.roll_ckpt or tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 8)
+
     def worker_config(actor: bool) -> WorkerConfig:
-        strategy_config = {"async_save_ckpt": True}
+        strategy_config = {"async_save_ckpt": roll_async}
         if actor and args.offload_backend:
             strategy_config["offload_backend"] = args.offload_backend
         return WorkerConfig(model_args=ModelArguments(model_name_or_path=args.model),
