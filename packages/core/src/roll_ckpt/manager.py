@@ -66,7 +66,7 @@ class CheckpointManager:
     Beside its calls, the manager shows five subjects (:mod:`roll_ckpt.views`): ``stats`` (what
     its saves cost: ``stats.last``, ``stats.failed``, ``stats.in_flight``, ``stats.network``),
     ``resumed`` (the checkpoint ``resume`` loaded: ``path``, ``from_backup``, ``trainer_state``),
-    ``backup`` (``storage``, ``status``, ``wait()``; ``None`` without ``checkpoint_config.backup``)
+    ``backup`` (``storage``, ``status``, ``wait()``; ``None`` without ``checkpoint_config.backup``),
     ``local`` (the fast recovery tier; ``None`` without ``checkpoint_config.local``) and
     ``preemption`` (``request()``, ``requested``, ``committed``).
     """
