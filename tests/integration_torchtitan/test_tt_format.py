@@ -9,18 +9,16 @@ from __future__ import annotations
 
 import logging
 import pickle
-import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
 from helpers.training import config
 from roll_ckpt import CheckpointManager, GlobalState
 from roll_ckpt.cli import main as cli_main
-from roll_ckpt.plugin import ConfigError, RollCkptError, UnsafeCheckpointError
+from roll_ckpt.plugin import ConfigError, RollCkptError, UnsafeCheckpointError, write_dcp
 from roll_ckpt_fs.storage import LocalStorage
 from roll_ckpt_torchtitan.settings import roll_config
 from roll_ckpt_torchtitan.state_map import DataloaderState, roll_state, vet_pickle
@@ -76,9 +74,7 @@ def write_torchtitan_step(folder: Path, step: int, *, model_only: bool = False, 
     if not model_only:
         flat.update({k: v.state_dict() for k, v in states.items() if k != "model"})
     path = folder / f"step-{step}"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.save(flat, checkpoint_id=str(path))  # (no process group here: one process alone; torch 2.6 has no no_dist)
+    write_dcp(flat, str(path))  # dcp.save by this process alone, on every torch of the range
     return path
 
 

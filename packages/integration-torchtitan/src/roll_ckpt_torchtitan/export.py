@@ -53,11 +53,7 @@ def torchtitan_state_dict(storage: Storage, dcp: str, where: str) -> dict[str, A
 def export_torchtitan(storage: Storage, path: str, out: str, *, component: str | None = None,
                       overwrite: bool = False, notes: Callable[[str], None] = print) -> str:
     """Write the committed checkpoint at ``path`` in torchtitan's layout at ``out``; one line saying what."""
-    import warnings
-
-    import torch.distributed.checkpoint as dcp
-
-    from roll_ckpt.plugin import verify_checkpoint
+    from roll_ckpt.plugin import verify_checkpoint, write_dcp
 
     if component is not None:
         raise RollCkptError("a torchtitan checkpoint has no components; export it without --component")
@@ -68,11 +64,7 @@ def export_torchtitan(storage: Storage, path: str, out: str, *, component: str |
     sd = torchtitan_state_dict(storage, storage.join(path, "dcp"), path)
     tmp = f"{out.rstrip('/')}.tmp-{uuid.uuid4().hex[:8]}"
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            # one process outside any job (the CLI): with no process group, DCP saves without
-            # collectives on every torch (its no_dist argument came with torch 2.8)
-            dcp.save(sd, checkpoint_id=tmp)
+        write_dcp(sd, tmp)  # this process alone, on every torch of the range
         if os.path.exists(out):
             shutil.rmtree(out)
         os.rename(tmp, out)
