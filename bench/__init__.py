@@ -1,7 +1,7 @@
 """roll-ckpt's benchmarks, one package.
 
     python -m bench [--quick|--full|--smoke] [--check] [--groups ...] [--out DIR]   (bench.run)
-    python -m bench.<name> [...]    scale, scale_jobs, recovery, hf_weights, incremental, soak
+    python -m bench.<name> [...]    scale, scale_jobs, recovery, hf_weights, incremental, soak, resume_ab
 
 Run from the repository root, or with it on ``PYTHONPATH``. What a benchmark starts
 (torchrun workers, the scale cells, the recovery and scale jobs) is started the same way,
